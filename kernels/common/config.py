@@ -1,0 +1,135 @@
+"""GEMM kernel configurations and their shared-memory budget (pure Python, no DSL import).
+
+A config names everything about a kernel instance that is not a tensor property: the CTA tile,
+the schedule, the cluster and the pipeline depth. Dtypes and operand majors come from the call.
+
+Schedules (Hopper):
+  * ``cooperative`` - two consumer warpgroups split one ``tile_m x tile_n`` output tile along M.
+  * ``pingpong``    - each consumer warpgroup owns a whole ``tile_m x tile_n`` tile; the two
+    alternate, so one warpgroup's epilogue runs under the other's mainloop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+SCHEDULES = ("cooperative", "pingpong")
+
+#: bytes of dynamic shared memory one Hopper CTA may use (227 KiB).
+SM90_SMEM_CAPACITY = 232448
+#: reserved for mbarriers and alignment padding.
+SMEM_RESERVED = 1024
+#: accumulator registers a consumer thread can hold next to the epilogue's working set
+#: (consumer warpgroups run with 232-240 registers per thread).
+MAX_ACC_REGISTERS = 192
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One point of the kernel config space.
+
+    ``tile_k`` is in elements (64 for 16-bit inputs and 128 for 8-bit inputs are both 128 B rows,
+    the widest TMA swizzle). ``stages = 0`` means "as many A/B stages as shared memory allows".
+    ``raster_group`` is how many cluster rows (along M) one L2 band holds before the scheduler
+    moves along N. ``fp8_fast_accum`` keeps FP8 products in the tensor core's accumulator for
+    the whole K loop; otherwise each k-tile's partial sum is promoted into a separate fp32
+    accumulator (two-level accumulation, the accurate default).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    schedule: str = "cooperative"
+    cluster_m: int = 1
+    cluster_n: int = 1
+    stages: int = 0
+    raster_group: int = 8
+    fp8_fast_accum: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if (self.cluster_m, self.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+            raise ValueError(
+                f"cluster shape must be 1x1, 2x1 or 1x2, got {self.cluster_m}x{self.cluster_n}"
+            )
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        valid_m = (128, 256) if self.schedule == "cooperative" else (64, 128)
+        if self.tile_m not in valid_m:
+            raise ValueError(f"tile_m for {self.schedule} must be one of {valid_m}, got {self.tile_m}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.raster_group < 1:
+            raise ValueError("raster_group must be >= 1")
+
+    # -- derived quantities ------------------------------------------------------------------
+    @property
+    def mma_warpgroups(self) -> int:
+        return 2
+
+    @property
+    def wg_tile_m(self) -> int:
+        """Rows of the output tile one consumer warpgroup accumulates."""
+        return self.tile_m // 2 if self.schedule == "cooperative" else self.tile_m
+
+    @property
+    def acc_registers(self) -> int:
+        """fp32 accumulator registers per consumer thread."""
+        return self.wg_tile_m * self.tile_n // 128
+
+    def check_registers(self, two_level_accumulation: bool) -> None:
+        """Reject tiles whose accumulators cannot live in a consumer thread's registers."""
+        need = self.acc_registers * (2 if two_level_accumulation else 1)
+        if need > MAX_ACC_REGISTERS:
+            what = "two fp32 accumulators (FP8 two-level accumulation)" if two_level_accumulation else "the fp32 accumulator"
+            raise ValueError(
+                f"config {self.name}: {what} need {need} registers per thread, "
+                f"more than the {MAX_ACC_REGISTERS} a consumer warpgroup can spare"
+            )
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        """Epilogue sub-tile (M, N): one row band of WGMMA atoms (64 rows per warpgroup in M)."""
+        rows = 128 if self.schedule == "cooperative" else 64
+        return (rows, min(32, self.tile_n))
+
+    @property
+    def name(self) -> str:
+        s = "coop" if self.schedule == "cooperative" else "pp"
+        acc = "_fastacc" if self.fp8_fast_accum else ""
+        st = f"_s{self.stages}" if self.stages else ""
+        return (
+            f"{s}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}"
+            f"_g{self.raster_group}{st}{acc}"
+        )
+
+    def with_(self, **kw) -> "GemmConfig":
+        return replace(self, **kw)
+
+
+def dtype_bytes(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[name]
+
+
+def ab_stage_bytes(cfg: GemmConfig, ab_bytes: int) -> int:
+    return (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes
+
+
+def epi_stage_count(cfg: GemmConfig) -> int:
+    return 2 if cfg.tile_n >= 128 else 4
+
+
+def pipeline_stages(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:
+    """A/B stages that fit next to ``epi_bytes`` of epilogue shared memory."""
+    free = SM90_SMEM_CAPACITY - SMEM_RESERVED - epi_bytes
+    fit = free // ab_stage_bytes(cfg, ab_bytes)
+    if cfg.stages:
+        if cfg.stages > fit:
+            raise ValueError(
+                f"config {cfg.name}: {cfg.stages} stages need "
+                f"{cfg.stages * ab_stage_bytes(cfg, ab_bytes) + epi_bytes} B of shared memory, "
+                f"only {SM90_SMEM_CAPACITY - SMEM_RESERVED} B exist"
+            )
+        return cfg.stages
+    return min(fit, 8)

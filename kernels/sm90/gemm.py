@@ -1,0 +1,355 @@
+"""Warp-specialized persistent GEMM for Hopper (sm_90a): TMA loads, WGMMA, TMA-store epilogue.
+
+    D[m, n, l] = epilogue( sum_k A[m, k, l] * B[n, k, l] )     (fp32 accumulation)
+
+Roles (384 threads = 3 warpgroups; one CTA per SM, persistent over output tiles):
+  * warpgroups 0 and 1 - consumers. They issue WGMMA from shared memory into fp32 register
+    accumulators and then run the epilogue (``Sm90TmaEpilogue``) on their own accumulators.
+    ``cooperative``: both warpgroups work on the same tile, split along M, and share the epilogue.
+    ``pingpong``: each warpgroup owns alternate tiles; named barriers order their mainloops and
+    their epilogues so one warpgroup's epilogue runs while the other's WGMMAs keep the tensor
+    cores busy. Consumers raise their register budget to 240 with ``setmaxnreg``.
+  * warpgroup 2 - producer. Its first warp issues the TMA loads of A and B tiles into a
+    ``stages``-deep shared-memory ring guarded by mbarriers (``PipelineTmaAsync``); with a 2-CTA
+    cluster, A (cluster along N) or B (cluster along M) is multicast to both CTAs. The producer
+    drops to 24 registers.
+
+Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler``); producer and
+consumers walk the same sequence. FP8 inputs either accumulate in the tensor core for the whole
+K loop (``fp8_fast_accum``) or promote each k-tile's partial sum into a separate fp32
+accumulator (two-level accumulation).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.config import GemmConfig, epi_stage_count, pipeline_stages
+from ..common.tile_scheduler import TileScheduler
+from .epilogue import Sm90TmaEpilogue
+
+FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
+WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
+OUT_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float32)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPI = 1  # + warpgroup index for ping-pong
+_BAR_MMA_ORDER = 3  # + warpgroup index
+_BAR_EPI_ORDER = 5  # + warpgroup index
+
+_THREADS_PER_WG = 128
+_PRODUCER_REGS = 24
+_CONSUMER_REGS = 240
+
+
+class Sm90Gemm:
+    """One compiled kernel instance: config x dtypes x operand majors x epilogue visitor.
+
+    ``a_major`` is ``"k"`` (A is M x K row-major) or ``"m"``; ``b_major`` is ``"k"`` (B stored
+    N x K row-major, i.e. the torch ``K x N`` operand is column-major) or ``"n"``.
+    """
+
+    def __init__(self, cfg: GemmConfig, a_dtype, b_dtype, d_dtype, a_major: str, b_major: str,
+                 visitor, num_sms: int):
+        is_fp8 = a_dtype in FP8_TYPES
+        if is_fp8 != (b_dtype in FP8_TYPES):
+            raise TypeError(f"A and B must both be 16-bit or both be FP8, got {a_dtype} and {b_dtype}")
+        if not is_fp8 and (a_dtype not in WIDE_TYPES or a_dtype != b_dtype):
+            raise TypeError(f"16-bit A and B must be the same bf16/fp16 type, got {a_dtype} and {b_dtype}")
+        if is_fp8 and (a_major != "k" or b_major != "k"):
+            raise ValueError("FP8 WGMMA needs K-major A and B")
+        if d_dtype not in OUT_TYPES:
+            raise TypeError(f"output dtype must be bf16, fp16 or fp32, got {d_dtype}")
+        if cfg.tile_n % 32:
+            raise ValueError(f"tile_n must be a multiple of 32, got {cfg.tile_n}")
+        self.cfg = cfg
+        self.a_dtype, self.b_dtype, self.d_dtype = a_dtype, b_dtype, d_dtype
+        self.acc_dtype = Float32
+        self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
+        self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
+        self.two_level = is_fp8 and not cfg.fp8_fast_accum
+        cfg.check_registers(self.two_level)
+        self.pingpong = cfg.schedule == "pingpong"
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
+        self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.threads = 3 * _THREADS_PER_WG
+        self.producer_warp = 8
+        # ping-pong: one warpgroup consumes each stage and stores each tile.
+        self.consumer_warps = 4 if self.pingpong else 8
+        self.epi_threads = _THREADS_PER_WG if self.pingpong else 2 * _THREADS_PER_WG
+        self.max_clusters = num_sms // (cfg.cluster_m * cfg.cluster_n)
+        ab_bytes = a_dtype.width // 8
+        self.epi_stages = epi_stage_count(cfg)
+        epi_bytes = cfg.epi_tile[0] * cfg.epi_tile[1] * (d_dtype.width // 8) * self.epi_stages
+        self.stages = pipeline_stages(cfg, ab_bytes, epi_bytes)
+        self.epilogue = Sm90TmaEpilogue(d_dtype, self.acc_dtype, cfg.epi_tile, self.epi_stages, visitor)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor,
+                 scale_a, scale_b, stream):
+        """``mA``: (M, K, L), ``mB``: (N, K, L), ``mD``: (M, N, L) row-major; scales per visitor."""
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_mnk[1]),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
+        d_smem = self.epilogue.smem_layout()
+
+        tma_a, tma_mA = self._tma_load(mA, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
+        tma_b, tma_mB = self._tma_load(mB, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
+        tma_d, tma_mD = self.epilogue.make_tma_store(mD)
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        grid = TileScheduler.grid(mD.shape, self.tile_mnk[:2], self.cluster_mn, self.max_clusters)
+        self.kernel(
+            tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD, mD.shape,
+            a_smem, b_smem, d_smem, scale_a, scale_b,
+        ).launch(
+            grid=grid,
+            block=[self.threads, 1, 1],
+            cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _tma_load(self, t, smem_staged, tile, mcast: int):
+        op = cpasync.CopyBulkTensorTileG2SOp() if mcast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        return cpasync.make_tiled_tma_atom(
+            op, t, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
+        )
+
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+               tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
+               problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               d_smem: cute.ComposedLayout, scale_a, scale_b):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
+
+        if warp_idx == self.producer_warp:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+
+        cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+
+        mcast_size = self.cluster_mn[0] + self.cluster_mn[1] - 1
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
+            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.consumer_warps),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        # (bM, bK, RestM, RestK, RestL) and (bN, bK, RestN, RestK, RestL)
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        sched = TileScheduler.create(problem_mnl, self.tile_mnk[:2], self.cluster_mn, self.cfg.raster_group)
+
+        if wg_idx == 2:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == self.producer_warp:
+                self.produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles,
+                             cta_layout_mnk, cluster_coord)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self.consume(tiled_mma, sA, sB, sD, tma_d, mD, ab_pipe, sched, k_tiles,
+                         problem_mnl, tidx, warp_idx, wg_idx, scale_a, scale_b)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched: TileScheduler, k_tiles,
+                cta_layout_mnk, cluster_coord):
+        """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring."""
+        a_mask = None
+        b_mask = None
+        if const_expr(self.cluster_mn[1] > 1):
+            a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        if const_expr(self.cluster_mn[0] > 1):
+            b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        work = sched.first
+        while sched.is_valid(work):
+            tm, tn, tl = sched.coord(work)
+            tAgA_t = tAgA[(None, tm, None, tl)]
+            tBgB_t = tBgB[(None, tn, None, tl)]
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+                ab_pipe.producer_commit(state)
+                state.advance()
+            work += sched.stride
+        ab_pipe.producer_tail(state)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, tiled_mma, sA, sB, sD, tma_d, mD, ab_pipe, sched: TileScheduler, k_tiles,
+                problem_mnl, tidx, warp_idx, wg_idx, scale_a, scale_b):
+        """MMA warpgroups: mainloop into registers, then the epilogue, tile after tile."""
+        mma_tidx = tidx
+        if const_expr(self.pingpong):
+            mma_tidx = tidx % _THREADS_PER_WG
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        acc_tmp = None
+        if const_expr(self.two_level):
+            acc_tmp = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+
+        # Global (m, n) of every output element, and the TMA view of D, both tiled like D.
+        cD = cute.local_tile(cute.make_identity_tensor((problem_mnl[0], problem_mnl[1])),
+                             self.tile_mnk[:2], (None, None))
+        gD = cute.local_tile(mD, self.tile_mnk[:2], (None, None, None))
+
+        epi_bar_id = _BAR_EPI
+        is_store_warp = warp_idx == 0
+        if const_expr(self.pingpong):
+            epi_bar_id = _BAR_EPI + wg_idx
+            is_store_warp = warp_idx % 4 == 0
+        epi_barrier = pipeline.NamedBarrier(barrier_id=epi_bar_id, num_threads=self.epi_threads)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+        )
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        work = sched.first
+        work_step = sched.stride
+        if const_expr(self.pingpong):
+            # Warpgroup w takes every other tile; its ring position starts after the other's tile.
+            work = work + wg_idx * sched.stride
+            work_step = 2 * sched.stride
+            if wg_idx == 1:
+                read_state.advance(k_tiles)
+            else:
+                self._order_arrive(_BAR_MMA_ORDER, 0)
+                self._order_arrive(_BAR_EPI_ORDER, 0)
+
+        epi_count = Int32(0)
+        while sched.is_valid(work):
+            tm, tn, tl = sched.coord(work)
+            if const_expr(self.pingpong):
+                self._order_wait(_BAR_MMA_ORDER, wg_idx)
+            read_state = self.mainloop(tiled_mma, tCrA, tCrB, acc, acc_tmp, ab_pipe, read_state,
+                                       k_tiles, wg_idx)
+            if const_expr(self.pingpong):
+                self._order_wait(_BAR_EPI_ORDER, wg_idx)
+
+            tCcD = thr_mma.partition_C(cD[(None, None, tm, tn)])
+            epi_count = self.epilogue.store_tile(
+                acc, tCcD, tiled_mma, mma_tidx, sD, tma_d, gD[(None, None, tm, tn, tl)],
+                store_pipe, epi_barrier, is_store_warp, epi_count, problem_mnl, tl,
+                (scale_a, scale_b),
+            )
+            if const_expr(self.pingpong):
+                # The other warpgroup reuses the same smem ring: let our stores drain first.
+                if is_store_warp:
+                    store_pipe.producer_tail()
+                self._order_arrive(_BAR_EPI_ORDER, 1 - wg_idx)
+                read_state.advance(k_tiles)
+            work += work_step
+
+        if const_expr(not self.pingpong):
+            if is_store_warp:
+                store_pipe.producer_tail()
+
+    @cute.jit
+    def mainloop(self, tiled_mma, tCrA, tCrB, acc, acc_tmp, ab_pipe, read_state, k_tiles, wg_idx):
+        """WGMMA over all k-tiles of one output tile, then retire them and free their stages.
+
+        Returns the advanced read state. In ping-pong the other warpgroup's mainloop is cued as
+        soon as the last WGMMA is issued, before this one waits for it to retire.
+        """
+        num_kb = cute.size(tCrA, mode=[2])
+        release_state = read_state.clone()
+        target = acc
+        if const_expr(self.two_level):
+            target = acc_tmp
+        for k in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(read_state)
+            # A fresh atom per k-tile: its ACCUMULATE flag is per-iteration state.
+            atom = cute.make_mma_atom(tiled_mma.op)
+            if const_expr(self.two_level):
+                atom.set(warpgroup.Field.ACCUMULATE, False)
+            else:
+                atom.set(warpgroup.Field.ACCUMULATE, k > 0)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(atom, target, tCrA[(None, None, kb, read_state.index)],
+                          tCrB[(None, None, kb, read_state.index)], target)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            if const_expr(self.two_level):
+                # Promote this k-tile's partial sum into the fp32 accumulator.
+                warpgroup.wait_group(0)
+                if k == 0:
+                    acc.store(acc_tmp.load())
+                else:
+                    acc.store(acc.load() + acc_tmp.load())
+                ab_pipe.consumer_release(read_state)
+            else:
+                # Keep this k-tile's WGMMAs in flight; the previous k-tile's stage is now free.
+                warpgroup.wait_group(1)
+                if k > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+            read_state.advance()
+        if const_expr(self.pingpong):
+            self._order_arrive(_BAR_MMA_ORDER, 1 - wg_idx)
+        if const_expr(not self.two_level):
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+        return read_state
+
+    def _order_wait(self, base: int, wg):
+        cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * _THREADS_PER_WG)
+
+    def _order_arrive(self, base: int, wg):
+        cute.arch.barrier_arrive(barrier_id=base + wg, number_of_threads=2 * _THREADS_PER_WG)

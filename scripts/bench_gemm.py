@@ -1,0 +1,159 @@
+"""Benchmark coda.gemm against cuBLAS (torch.mm) and torch._scaled_mm (FP8 row-wise scales).
+
+One run, random data, CUDA-event medians after warm-up (triton.testing.do_bench, which also
+flushes L2 between repetitions). Prints TFLOP/s per shape, the ratio to the torch baseline and the
+geomean; ``--sweep`` also times every config of the config space (ping-pong vs cooperative, tiles,
+clusters); ``--json`` writes all numbers.
+
+    python scripts/bench_gemm.py [--dtype bf16 fp8] [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coda_cute import dispatch
+from coda_cute.compiler import compiled_kernels
+from coda_cute.ops.gemm import gemm_impl
+
+LLAMA_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (32768, 4096)]
+SHAPES = [(16384, n, k) for n, k in LLAMA_NK] + [(8192, 8192, 8192)] + [
+    (m, n, k) for m in (128, 1024) for n, k in LLAMA_NK
+]
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def fp8_inputs(m, n, k):
+    a32 = torch.randn(m, k, device="cuda")
+    w32 = torch.randn(n, k, device="cuda")
+    sa = a32.abs().amax(-1, keepdim=True) / 448.0
+    sw = w32.abs().amax(-1, keepdim=True) / 448.0
+    a = (a32 / sa).to(torch.float8_e4m3fn)
+    b = (w32 / sw).to(torch.float8_e4m3fn).t()
+    return a, b, sa.contiguous(), sw.t().contiguous()
+
+
+def run_shape(m, n, k, dtype, sweep, rows, sms):
+    if dtype == "bf16":
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        base = {"cuBLAS": bench_ms(lambda: torch.mm(a, b))}
+        variants = {"coda": lambda cfg=None: gemm_impl(a, b, config=cfg)}
+        fp8 = False
+    else:
+        a, b, sa, sb = fp8_inputs(m, n, k)
+        base = {
+            "_scaled_mm": bench_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)),
+            "_scaled_mm fast": bench_ms(lambda: torch._scaled_mm(
+                a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)),
+        }
+        variants = {
+            "coda": lambda cfg=None: gemm_impl(a, b, sa, sb, config=cfg),
+            "coda fast": lambda cfg=None: gemm_impl(a, b, sa, sb, use_fast_accum=True, config=cfg),
+        }
+        fp8 = True
+    for label, ms in base.items():
+        rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=label, config="", ms=ms, tflops=tflops(m, n, k, ms)))
+    ref_ms = next(iter(base.values()))
+    for label, fn in variants.items():
+        fast = label.endswith("fast")
+        cfgs = [None]
+        if sweep:
+            cfgs += [c for c in dispatch.config_space(fp8) if c.fp8_fast_accum == fast or not fp8]
+        for cfg in cfgs:
+            chosen = cfg or dispatch.select_config(m, n, k, 1, fp8, fast, sms)
+            fn(cfg)  # compile + warm
+            torch.cuda.synchronize()
+            ms = bench_ms(lambda: fn(cfg))
+            base_ms = base["_scaled_mm fast"] if (fp8 and fast) else ref_ms
+            rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=label if cfg is None else "sweep",
+                             config=chosen.name, ms=ms, tflops=tflops(m, n, k, ms),
+                             ratio=base_ms / ms))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--sweep", action="store_true", help="also time every config of the config space")
+    ap.add_argument("--shapes", default="all", choices=["all", "large"], help="large: M=16384 and 8192^3 only")
+    ap.add_argument("--json", help="write every measurement here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_gemm needs a CUDA GPU")
+    torch.manual_seed(0)
+    sms = dispatch.num_sms(torch.device("cuda", torch.cuda.current_device()))
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:6]
+    console = Console(width=160)
+    rows = []
+    t0 = time.perf_counter()
+    for dtype in args.dtype:
+        for m, n, k in shapes:
+            run_shape(m, n, k, dtype, args.sweep, rows, sms)
+            console.log(f"{dtype} {m}x{n}x{k} done ({time.perf_counter() - t0:.0f} s)")
+    compiled = compiled_kernels()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
+                       "compile_seconds": {c.spec.name: c.compile_seconds for c in compiled}}, fh, indent=1)
+    if args.sweep:
+        t = Table(title="config sweep (TFLOP/s)")
+        for col in ("dtype", "shape", "best config", "best", "heuristic", "heur. config"):
+            t.add_column(col)
+        for dtype in args.dtype:
+            for m, n, k in shapes:
+                sw = [r for r in rows if r["dtype"] == dtype and (r["m"], r["n"], r["k"]) == (m, n, k) and r["impl"] == "sweep"]
+                for label in (["coda"] if dtype == "bf16" else ["coda", "coda fast"]):
+                    heur = next(r for r in rows if r["dtype"] == dtype and (r["m"], r["n"], r["k"]) == (m, n, k) and r["impl"] == label)
+                    fast = label.endswith("fast")
+                    cands = [r for r in sw if ("fastacc" in r["config"]) == fast] or sw
+                    best = max(cands, key=lambda r: r["tflops"])
+                    t.add_row(f"{dtype}{' fast' if fast else ''}", f"{m}x{n}x{k}", best["config"],
+                              f"{best['tflops']:.0f}", f"{heur['tflops']:.0f}", heur["config"])
+        console.print(t)
+    for dtype in args.dtype:
+        t = Table(title=f"{dtype}: TFLOP/s, coda vs torch (median of CUDA-event timings)")
+        base_names = ["cuBLAS"] if dtype == "bf16" else ["_scaled_mm", "_scaled_mm fast"]
+        ours = ["coda"] if dtype == "bf16" else ["coda", "coda fast"]
+        for col in ["shape (MxNxK)", *base_names, *ours, *(f"{o} ratio" for o in ours), "config"]:
+            t.add_column(col, justify="right")
+        ratios = {o: [] for o in ours}
+        large_min = {o: math.inf for o in ours}
+        for m, n, k in shapes:
+            sel = {r["impl"]: r for r in rows if r["dtype"] == dtype and (r["m"], r["n"], r["k"]) == (m, n, k)}
+            cells = [f"{m}x{n}x{k}"] + [f"{sel[b]['tflops']:.0f}" for b in base_names] + [f"{sel[o]['tflops']:.0f}" for o in ours]
+            for o in ours:
+                ratios[o].append(sel[o]["ratio"])
+                if m >= 8192:
+                    large_min[o] = min(large_min[o], sel[o]["ratio"])
+            cells += [f"{sel[o]['ratio']:.3f}" for o in ours] + [sel[ours[0]]["config"]]
+            t.add_row(*cells)
+        console.print(t)
+        for o in ours:
+            g = math.exp(sum(math.log(r) for r in ratios[o]) / len(ratios[o]))
+            console.print(f"{dtype} {o}: geomean ratio {g:.3f} over {len(ratios[o])} shapes; "
+                          f"min over large shapes {large_min[o]:.3f}")
+    if compiled:
+        cs = [c.compile_seconds for c in compiled]
+        console.print(f"compile time per kernel: first {cs[0]:.2f} s, median {sorted(cs)[len(cs)//2]:.2f} s, "
+                      f"max {max(cs):.2f} s over {len(cs)} kernels")
+
+
+if __name__ == "__main__":
+    main()

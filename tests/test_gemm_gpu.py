@@ -1,0 +1,155 @@
+"""GPU correctness of coda.gemm against the fp32 torch reference (run on the H200).
+
+Every dtype x operand layout x schedule, on ragged sizes, with the output poisoned with NaN so an
+unwritten tile fails. Bounds: bf16/fp16 operands 1e-2 relative (the error is output rounding,
+~2e-3); FP8 with two-level accumulation 1e-2, with fast accumulation 2e-2 (the reference uses the
+same FP8 inputs, so the error is accumulation + output rounding only).
+"""
+
+import pytest
+import torch
+
+import coda_cute
+from coda_cute.kernels.common.config import GemmConfig
+from coda_cute.ops.gemm import gemm_impl
+from coda_cute.reference import gemm_ref
+from helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+COOP = GemmConfig(128, 256, 64, "cooperative", 1, 1)
+COOP_C21 = GemmConfig(128, 256, 64, "cooperative", 2, 1)
+COOP_C12 = GemmConfig(256, 128, 64, "cooperative", 1, 2)
+PP = GemmConfig(128, 128, 64, "pingpong", 1, 1)
+PP_C21 = GemmConfig(128, 128, 64, "pingpong", 2, 1)
+PP64 = GemmConfig(64, 256, 64, "pingpong", 1, 1)
+CONFIGS16 = [COOP, COOP_C21, COOP_C12, PP, PP_C21, PP64]
+
+FP8_CONFIGS = [
+    GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True),
+    GemmConfig(128, 192, 128, "cooperative", 2, 1),
+    GemmConfig(128, 128, 128, "pingpong", 1, 1, fp8_fast_accum=True),
+    GemmConfig(64, 192, 128, "pingpong", 1, 1),
+]
+
+
+def make_a(m, k, dtype, major, batch=None):
+    """A (M, K) with the given major: "k" row-major, "m" a transposed view (wgrad's dY.T)."""
+    lead = () if batch is None else (batch,)
+    if major == "k":
+        return torch.randn(*lead, m, k, device="cuda").to(dtype)
+    return torch.randn(*lead, k, m, device="cuda").to(dtype).transpose(-1, -2)
+
+
+def make_b(k, n, dtype, major, batch=None):
+    """B (K, N): "k" is W.T of a row-major (N, K) weight (forward), "n" row-major (dgrad's W)."""
+    lead = () if batch is None else (batch,)
+    if major == "k":
+        return torch.randn(*lead, n, k, device="cuda").to(dtype).transpose(-1, -2)
+    return torch.randn(*lead, k, n, device="cuda").to(dtype)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def aligned(extent, dtype):
+    return extent * torch.tensor([], dtype=dtype).element_size() % 16 == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["kk", "kn", "mk", "mn"])
+@pytest.mark.parametrize("cfg", CONFIGS16, ids=lambda c: c.name)
+def test_gemm16_ragged(dtype, layout, cfg):
+    for m, n, k in [(1, 8, 16), (17, 1000, 4104), (4095, 1000, 16), (4095, 8, 4104), (17, 8, 16),
+                    (1, 1000, 4104)]:
+        a = make_a(m, k, dtype, layout[0])
+        b = make_b(k, n, dtype, layout[1])
+        if (layout[0] == "m" and m > 1 and not aligned(m, dtype)) or \
+                (layout[1] == "n" and not aligned(n, dtype)):
+            with pytest.raises(ValueError, match="16 bytes"):
+                gemm_impl(a, b, config=cfg)
+            continue
+        out = poisoned((m, n), dtype)
+        gemm_impl(a, b, config=cfg, out=out)
+        err = rel_err(out, gemm_ref(a, b, round_output=False))
+        assert err < 1e-2, (m, n, k, err)
+
+
+@pytest.mark.parametrize("cfg", [COOP, PP], ids=lambda c: c.name)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_gemm16_out_dtypes_batched(cfg, out_dtype):
+    a = make_a(300, 520, torch.bfloat16, "k", batch=3)
+    b = make_b(520, 264, torch.bfloat16, "n", batch=3)
+    out = poisoned((3, 300, 264), out_dtype)
+    gemm_impl(a, b, out_dtype=out_dtype, config=cfg, out=out)
+    assert rel_err(out, gemm_ref(a, b, round_output=False)) < 1e-2
+
+
+def fp8_operands(m, n, k, a_dt, b_dt, scale_kind, batch=None):
+    lead = () if batch is None else (batch,)
+    a32 = torch.randn(*lead, m, k, device="cuda")
+    w32 = torch.randn(*lead, n, k, device="cuda")
+    if scale_kind == "row":
+        sa = a32.abs().amax(-1, keepdim=True) / 448.0
+        sb = (w32.abs().amax(-1, keepdim=True) / 448.0).transpose(-1, -2)
+    else:
+        sa = a32.abs().amax().reshape(1) / 448.0
+        sb = w32.abs().amax().reshape(1) / 448.0
+    a = (a32 / sa).to(a_dt)
+    b = (w32 / sb.transpose(-1, -2) if scale_kind == "row" else w32 / sb).to(b_dt).transpose(-1, -2)
+    return a, b, sa.contiguous(), sb.contiguous()
+
+
+@pytest.mark.parametrize("dts", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                 (torch.float8_e5m2, torch.float8_e4m3fn),
+                                 (torch.float8_e5m2, torch.float8_e5m2)], ids=str)
+@pytest.mark.parametrize("scale_kind", ["row", "tensor"])
+@pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=lambda c: c.name)
+def test_gemm_fp8_ragged(dts, scale_kind, cfg):
+    for m, n, k in [(1, 16, 16), (17, 1000, 4112), (4095, 1008, 4096), (4095, 16, 16)]:
+        a, b, sa, sb = fp8_operands(m, n, k, *dts, scale_kind)
+        out = poisoned((m, n), torch.bfloat16)
+        gemm_impl(a, b, sa, sb, use_fast_accum=cfg.fp8_fast_accum, config=cfg, out=out)
+        err = rel_err(out, gemm_ref(a, b, sa, sb, round_output=False))
+        assert err < (2e-2 if cfg.fp8_fast_accum else 1e-2), (m, n, k, err)
+
+
+def test_gemm_fp8_batched_rowwise():
+    a, b, sa, sb = fp8_operands(200, 272, 384, torch.float8_e4m3fn, torch.float8_e4m3fn, "row", batch=2)
+    out = coda_cute.gemm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    assert rel_err(out, gemm_ref(a, b, sa, sb, round_output=False)) < 1e-2
+
+
+def test_gemm_fp8_matches_scaled_mm():
+    a, b, sa, sb = fp8_operands(1024, 2048, 4096, torch.float8_e4m3fn, torch.float8_e4m3fn, "row")
+    ours = coda_cute.gemm(a, b, scale_a=sa, scale_b=sb)
+    theirs = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    ref = gemm_ref(a, b, sa, sb, round_output=False)
+    assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + 1e-4
+
+
+def test_default_heuristic_and_autograd():
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = coda_cute.gemm(x, w.t())
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr, wr = x.detach().float(), w.detach().float()
+    assert rel_err(y, xr @ wr.t()) < 1e-2
+    assert rel_err(x.grad, g.float() @ wr) < 1e-2
+    assert rel_err(w.grad, g.float().t() @ xr) < 1e-2
+
+
+def test_torch_compile_fullgraph():
+    f = torch.compile(lambda a, b: torch.ops.coda.gemm(a, b) * 2, fullgraph=True)
+    a = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(f(a, b), 2 * gemm_ref(a, b, round_output=False)) < 1e-2
+
+
+def test_misaligned_pointer_rejected():
+    a = torch.randn(64, 65, device="cuda", dtype=torch.bfloat16)[:, 1:]
+    b = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="aligned"):
+        coda_cute.gemm(a, b)
