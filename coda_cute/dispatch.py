@@ -60,10 +60,13 @@ _BASE_CONFIGS = (
     (128, 256, "cooperative", 1, 2),
     (256, 128, "cooperative", 2, 1),
     (128, 192, "cooperative", 2, 1),
+    (128, 160, "cooperative", 2, 1),
     (128, 128, "cooperative", 1, 1),
+    (128, 128, "cooperative", 2, 1),
     (128, 128, "pingpong", 1, 1),
     (128, 128, "pingpong", 2, 1),
     (128, 192, "pingpong", 1, 2),  # 16-bit only: FP8 scale math spills next to 192 acc regs
+    (64, 64, "pingpong", 1, 1),
     (64, 128, "pingpong", 1, 1),
     (64, 192, "pingpong", 1, 1),
     (64, 256, "pingpong", 1, 1),
@@ -90,24 +93,62 @@ def config_space(fp8: bool) -> list[GemmConfig]:
     return out
 
 
-def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
-    """Pick a config from the problem shape alone (no timing on the call path).
+# Full-GPU throughput of each config on an H200 (TFLOP/s; median over M=16384 x Llama-8B (N, K)
+# and 8192^3, random data; measured 2026-11-30 with scripts/bench_gemm.py --sweep). Only the
+# ratios matter to the heuristic. Key: (schedule, tile_m, tile_n, cluster_m, cluster_n).
+_RATES_16 = {
+    ("cooperative", 128, 256, 2, 1): 680, ("cooperative", 256, 128, 2, 1): 670,
+    ("cooperative", 128, 256, 1, 2): 665, ("cooperative", 128, 256, 1, 1): 650,
+    ("cooperative", 128, 192, 2, 1): 660, ("cooperative", 128, 160, 2, 1): 630,
+    ("cooperative", 128, 128, 2, 1): 640, ("cooperative", 128, 128, 1, 1): 530,
+    ("pingpong", 128, 128, 2, 1): 665, ("pingpong", 128, 128, 1, 1): 520,
+    ("pingpong", 128, 192, 1, 2): 655, ("pingpong", 64, 256, 1, 1): 360,
+    ("pingpong", 64, 192, 1, 1): 340, ("pingpong", 64, 128, 1, 1): 330,
+    ("pingpong", 64, 64, 1, 1): 250,
+}
+_RATES_FP8 = {
+    ("cooperative", 128, 192, 2, 1): 1110, ("cooperative", 128, 160, 2, 1): 1095,
+    ("cooperative", 128, 128, 2, 1): 1095, ("cooperative", 128, 128, 1, 1): 1040,
+    ("pingpong", 64, 192, 1, 1): 760, ("pingpong", 64, 128, 1, 1): 730,
+    ("pingpong", 64, 64, 1, 1): 500,
+}
+_RATES_FP8_FAST = {
+    ("pingpong", 128, 128, 2, 1): 1250, ("cooperative", 256, 128, 2, 1): 1240,
+    ("cooperative", 128, 256, 2, 1): 1227, ("cooperative", 128, 192, 2, 1): 1225,
+    ("cooperative", 128, 256, 1, 2): 1200, ("cooperative", 128, 160, 2, 1): 1195,
+    ("cooperative", 128, 128, 2, 1): 1160, ("cooperative", 128, 256, 1, 1): 1160,
+    ("pingpong", 128, 128, 1, 1): 1148, ("cooperative", 128, 128, 1, 1): 1115,
+    ("pingpong", 64, 256, 1, 1): 860, ("pingpong", 64, 192, 1, 1): 780,
+    ("pingpong", 64, 128, 1, 1): 730, ("pingpong", 64, 64, 1, 1): 500,
+}
 
-    Large problems take the biggest tile that keeps every SM busy, clustered for TMA multicast;
-    small-M problems (decode-like, M <= 256) take 64-row ping-pong tiles so more CTAs share the
-    weight read; when the tile count cannot fill the GPU, smaller tiles trade reuse for SMs.
+
+def _rate(cfg: GemmConfig, fp8: bool) -> float:
+    table = (_RATES_FP8_FAST if cfg.fp8_fast_accum else _RATES_FP8) if fp8 else _RATES_16
+    key = (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n)
+    return table.get(key, 0.0)
+
+
+def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int, fp8: bool) -> float:
+    """Wave-quantization model of a config's run time (arbitrary units).
+
+    Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
+    the busiest CTA's tile count x the tile's work / the per-SM rate. Partial tiles at the edges
+    cost as much as full ones; a cluster slot processes a whole cluster tile.
     """
-    kt = 128 if fp8 else 64
-    two_level = fp8 and not fast_accum
-    tiles = lambda tm, tn: -(-m // tm) * -(-n // tn) * batch  # noqa: E731
-    if m <= 64:
-        return GemmConfig(64, 128, kt, "pingpong", 1, 1, fp8_fast_accum=fast_accum)
-    if two_level:
-        if tiles(128, 192) >= sms:
-            return GemmConfig(128, 192, kt, "cooperative", 2, 1)
-        return GemmConfig(64, 192, kt, "pingpong", 1, 1)
-    if tiles(128, 256) >= 2 * sms:
-        return GemmConfig(128, 256, kt, "cooperative", 2, 1, fp8_fast_accum=fast_accum)
-    if tiles(128, 128) >= sms:
-        return GemmConfig(128, 128, kt, "pingpong", 1, 1, fp8_fast_accum=fast_accum)
-    return GemmConfig(64, 128, kt, "pingpong", 1, 1, fp8_fast_accum=fast_accum)
+    rate = _rate(cfg, fp8)
+    if rate <= 0:
+        return float("inf")
+    tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
+    cluster_tiles = -(-tiles_m // cfg.cluster_m) * -(-tiles_n // cfg.cluster_n) * batch
+    slots = sms // (cfg.cluster_m * cfg.cluster_n)
+    per_cta = -(-cluster_tiles // slots)
+    return per_cta * cfg.tile_m * cfg.tile_n * k * sms / rate
+
+
+def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
+    """The config with the least predicted time (:func:`predicted_time`); no timing on the call
+    path. Large problems land on the fastest big tiles; small or oddly sized ones trade tile
+    efficiency for fewer idle SMs in the last wave."""
+    candidates = [c for c in config_space(fp8) if not fp8 or c.fp8_fast_accum == fast_accum]
+    return min(candidates, key=lambda c: predicted_time(c, m, n, k, batch, sms, fp8))

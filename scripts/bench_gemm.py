@@ -92,14 +92,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--sweep", action="store_true", help="also time every config of the config space")
-    ap.add_argument("--shapes", default="all", choices=["all", "large"], help="large: M=16384 and 8192^3 only")
+    ap.add_argument("--shapes", default="all", choices=["all", "large", "small"],
+                    help="large: M=16384 and 8192^3; small: M=128 and 1024")
     ap.add_argument("--json", help="write every measurement here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_gemm needs a CUDA GPU")
     torch.manual_seed(0)
     sms = dispatch.num_sms(torch.device("cuda", torch.cuda.current_device()))
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:6]
+    shapes = {"all": SHAPES, "large": SHAPES[:6], "small": SHAPES[6:]}[args.shapes]
     console = Console(width=160)
     rows = []
     t0 = time.perf_counter()

@@ -23,13 +23,16 @@ COOP_C12 = GemmConfig(256, 128, 64, "cooperative", 1, 2)
 PP = GemmConfig(128, 128, 64, "pingpong", 1, 1)
 PP_C21 = GemmConfig(128, 128, 64, "pingpong", 2, 1)
 PP64 = GemmConfig(64, 256, 64, "pingpong", 1, 1)
-CONFIGS16 = [COOP, COOP_C21, COOP_C12, PP, PP_C21, PP64]
+PP64x64 = GemmConfig(64, 64, 64, "pingpong", 1, 1)
+CONFIGS16 = [COOP, COOP_C21, COOP_C12, PP, PP_C21, PP64, PP64x64]
 
 FP8_CONFIGS = [
     GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True),
     GemmConfig(128, 192, 128, "cooperative", 2, 1),
+    GemmConfig(128, 160, 128, "cooperative", 2, 1),
     GemmConfig(128, 128, 128, "pingpong", 1, 1, fp8_fast_accum=True),
     GemmConfig(64, 192, 128, "pingpong", 1, 1),
+    GemmConfig(64, 64, 128, "pingpong", 1, 1),
 ]
 
 

@@ -104,9 +104,10 @@ def _check_scale(name, s, batch, extent, row: bool):
 
 
 def _scale_shapes(batch, extent, row):
+    batched = [(batch, extent), (batch, extent, 1) if row else (batch, 1, extent)]
     if batch > 1:
-        return [(batch, extent), (batch, extent, 1) if row else (batch, 1, extent)]
-    return [(extent,), (extent, 1) if row else (1, extent), (1, extent, 1) if row else (1, 1, extent)]
+        return batched
+    return [(extent,), (extent, 1) if row else (1, extent), *batched]
 
 
 def _scale_extent_dim(s, row):
@@ -122,7 +123,7 @@ def _unit(dim_extent: int, stride: int) -> bool:
     return stride == 1 or dim_extent == 1
 
 
-def _operand_view(t: torch.Tensor, name: str, transpose: bool, k_major_name: str, other_name: str):
+def _operand_view(t: torch.Tensor, name: str, transpose: bool, other_name: str):
     """View ``t`` as the kernel's (rows, K, L) operand; returns (view, major) with major "k" when
     K is the contiguous dimension. Strides of extent-1 dims are replaced by TMA-legal ones."""
     x = t.transpose(-1, -2) if transpose else t
@@ -130,7 +131,9 @@ def _operand_view(t: torch.Tensor, name: str, transpose: bool, k_major_name: str
     x = x.permute(1, 2, 0)  # (rows, K, L)
     rows, kk, batch = x.shape
     s_rows, s_k, s_l = x.stride()
-    if _unit(kk, s_k):
+    # With K == 1 both dims look unit-stride; a contiguous (rows, 1) operand must then be
+    # rows-major, since its row stride (1 element) is no legal K-major TMA stride.
+    if _unit(kk, s_k) and not (kk == 1 and rows > 1 and s_rows == 1):
         major = "k"
     elif _unit(rows, s_rows):
         major = other_name
@@ -142,7 +145,7 @@ def _operand_view(t: torch.Tensor, name: str, transpose: bool, k_major_name: str
     return _tma_view(x, name, major == "k"), major
 
 
-def _tma_view(x: torch.Tensor, name: str, k_major: bool) -> torch.Tensor:
+def _tma_view(x: torch.Tensor, name: str, k_major: bool, dims=("rows", "K", "batch")) -> torch.Tensor:
     """Check TMA's rules on a (rows, cols, L) view whose contiguous dim is 1 (``k_major``) or 0."""
     esize = x.element_size()
     align = 16 // esize
@@ -160,11 +163,18 @@ def _tma_view(x: torch.Tensor, name: str, k_major: bool) -> torch.Tensor:
             continue
         if shape[d] == 1:
             stride[d] = safe  # never stepped over; any aligned positive stride describes it
+        elif stride[d] == 0:
+            raise ValueError(
+                f"coda.gemm: {name} is broadcast (stride 0) along {dims[d]}; TMA needs real "
+                f"strides: materialize it with .contiguous()"
+            )
         elif stride[d] % align:
+            lead = dims[1 - unit] if d != 2 else dims[2]
             raise ValueError(
                 f"coda.gemm: {name}'s strides must be multiples of 16 bytes ({align} elements of "
                 f"{x.dtype}) except the contiguous one; got {tuple(x.stride())} in kernel order "
-                f"(rows, K, batch). Pad the leading dimension to a multiple of {align}."
+                f"({', '.join(dims)}): {dims[unit]} must be a multiple of {align} (or pad the "
+                f"{lead} stride)"
             )
     return x.as_strided(shape, stride)
 
@@ -191,8 +201,8 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
         return a.new_empty(out_shape, dtype=out_dtype)
     if k == 0:
         return a.new_zeros(out_shape, dtype=out_dtype)
-    a_view, a_major = _operand_view(a, "a", False, "k", "m")
-    b_view, b_major = _operand_view(b, "b", True, "k", "n")
+    a_view, a_major = _operand_view(a, "a", False, "m")
+    b_view, b_major = _operand_view(b, "b", True, "n")
     if fp8 and (a_major != "k" or b_major != "k"):
         raise ValueError(
             "coda.gemm: FP8 operands must be K-major (FP8 WGMMA reads K-contiguous tiles): a "
@@ -204,7 +214,7 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
     elif out.shape != out_shape or out.dtype != out_dtype or not out.is_contiguous():
         raise ValueError(f"coda.gemm: out must be a contiguous {out_dtype} tensor of shape {out_shape}")
     d_view = _tma_view(out.unsqueeze(0).permute(1, 2, 0) if out.dim() == 2 else out.permute(1, 2, 0),
-                       "out", k_major=True)
+                       "out", k_major=True, dims=("M", "N", "batch"))
     sms = dispatch.num_sms(a.device)
     if config is None:
         config = dispatch.select_config(m, n, k, batch, fp8, use_fast_accum, sms)

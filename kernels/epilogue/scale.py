@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 SCALE_MODES = ("none", "tensor", "row")
 
@@ -35,23 +35,36 @@ class ScaleVisitor:
         return self.a_mode == "none" and self.b_mode == "none"
 
     @cute.jit
-    def _load(self, mode: cutlass.Constexpr, vec: cute.Tensor, idx: Int32, extent: Int32, batch: Int32):
-        val = Float32(1.0)
-        if cutlass.const_expr(mode == "tensor"):
-            val = vec[0]
-        elif cutlass.const_expr(mode == "row"):
-            # Rows/columns past the problem edge are computed but never stored; clamp the index
-            # so their (discarded) scale read stays in bounds.
-            val = vec[(cutlass.min(idx, extent - 1), batch)]
-        return val
+    def begin_tile(self, vectors, scale_a, scale_b):
+        """Per-tile register state: the scales this thread's accumulator registers need."""
+        return (self._begin(self.a_mode, vectors.rows, scale_a),
+                self._begin(self.b_mode, vectors.cols, scale_b))
 
     @cute.jit
-    def visit(self, frag: cute.Tensor, coords: cute.Tensor, problem_mnl, batch: Int32,
-              scale_a, scale_b):
-        """Scale ``frag`` (fp32 registers) in place; ``coords[i]`` is the global (m, n) of ``frag[i]``."""
+    def _begin(self, mode: cutlass.Constexpr, load_vector, vec):
+        out = None
+        if cutlass.const_expr(mode == "tensor"):
+            out = Float32(vec[0])
+        elif cutlass.const_expr(mode == "row"):
+            out = load_vector(vec)
+        return out
+
+    @cute.jit
+    def visit(self, frag: cute.Tensor, state, offset: cutlass.Constexpr):
+        """Scale ``frag`` (fp32 registers) in place; ``frag[v]`` is accumulator register
+        ``offset + v``."""
+        sa, sb = state
         if cutlass.const_expr(not self.is_identity):
-            for i in cutlass.range_constexpr(cute.size(frag)):
-                m, n = coords[i]
-                s = self._load(self.a_mode, scale_a, m, problem_mnl[0], batch)
-                s = s * self._load(self.b_mode, scale_b, n, problem_mnl[1], batch)
-                frag[i] = frag[i] * s
+            for v in cutlass.range_constexpr(cute.size(frag)):
+                s = _scale_at(self.a_mode, sa, offset + v) * _scale_at(self.b_mode, sb, offset + v)
+                frag[v] = frag[v] * s
+
+
+@cute.jit
+def _scale_at(mode: cutlass.Constexpr, state, i: cutlass.Constexpr):
+    out = Float32(1.0)
+    if cutlass.const_expr(mode == "tensor"):
+        out = state
+    elif cutlass.const_expr(mode == "row"):
+        out = state[i]
+    return out

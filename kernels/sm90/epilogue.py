@@ -55,10 +55,15 @@ class Sm90TmaEpilogue:
         return cute.make_tiled_copy_S(atom_r2s, tiled_c)
 
     @cute.jit
+    def begin_tile(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32, visitor_args: tuple):
+        """Per-tile visitor state (row/column vectors in registers), loaded once per tile."""
+        return self.visitor.begin_tile(AccVectors(acc_coords, problem_mnl, batch), *visitor_args)
+
+    @cute.jit
     def store_tile(
         self,
         acc: cute.Tensor,
-        acc_coords: cute.Tensor,
+        visitor_state,
         tiled_mma: cute.TiledMma,
         tidx: Int32,
         sD: cute.Tensor,
@@ -68,14 +73,11 @@ class Sm90TmaEpilogue:
         barrier: pipeline.NamedBarrier,
         is_store_warp,
         buffer_base: Int32,
-        problem_mnl,
-        batch: Int32,
-        visitor_args: tuple,
     ):
         """Run the visitor over ``acc`` sub-tile by sub-tile and store the tile ``gD_tile``.
 
-        ``acc_coords`` has ``acc``'s layout and holds each register's global (m, n).
-        ``buffer_base`` is the running sub-tile count, which picks the smem buffer.
+        ``visitor_state`` comes from :meth:`begin_tile`. ``buffer_base`` is the running sub-tile
+        count, which picks the smem buffer.
         """
         tiled_r2s = self.r2s_copy(tiled_mma)
         thr_r2s = tiled_r2s.get_slice(tidx)
@@ -98,13 +100,7 @@ class Sm90TmaEpilogue:
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc[e * n_frag + v]
-            self.visitor.visit(
-                frag,
-                _Shifted(acc_coords, e * n_frag),
-                problem_mnl,
-                batch,
-                *visitor_args,
-            )
+            self.visitor.visit(frag, visitor_state, e * n_frag)
             frag_out.store(frag.load().to(self.d_dtype))
             buf = (buffer_base + e) % self.stages
             cute.copy(tiled_r2s, frag_out, tRS_sD[(None, None, None, buf)])
@@ -119,12 +115,66 @@ class Sm90TmaEpilogue:
         return buffer_base + epi_count
 
 
-class _Shifted:
-    """``t[i + offset]`` view of a (coordinate) tensor, indexed with compile-time ``i``."""
+#: most distinct column values a thread keeps in registers for a whole tile.
+EAGER_COLS = 48
 
-    def __init__(self, t, offset: int):
-        self.t = t
-        self.offset = offset
+
+class _LazyCols:
+    """Column vector read from global memory at the use (L1-resident after the first sub-tile)."""
+
+    def __init__(self, vectors: "AccVectors", vec: cute.Tensor):
+        self.vectors = vectors
+        self.vec = vec
 
     def __getitem__(self, i):
-        return self.t[self.offset + i]
+        n = self.vectors.coords[i][1]
+        return self.vec[(cutlass.min(n, self.vectors.problem[1] - 1), self.vectors.batch)]
+
+
+class AccVectors:
+    """Loads per-row / per-column vectors into registers laid out like the accumulator.
+
+    A WGMMA accumulator fragment is ``((col pair, row half, 8-col chunk), MMA_M, MMA_N)``; a row
+    vector only varies with (row half, MMA_M) and a column vector with (col pair, chunk, MMA_N).
+    The register tensors returned here have the accumulator's shape with zero strides on the other
+    modes, so ``vec[i]`` is the value for accumulator register ``i`` while only the distinct
+    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread).
+    """
+
+    def __init__(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32):
+        self.coords = acc_coords
+        self.problem = problem_mnl
+        self.batch = batch
+        self.shape = acc_coords.shape
+        (_, _, self.chunks), self.mma_m, self.mma_n = self.shape
+
+    @cute.jit
+    def rows(self, vec: cute.Tensor):
+        """``vec[(m, batch)]`` for each register's row m (rows past M read row M-1: never stored)."""
+        out = cute.make_rmem_tensor(
+            cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), cutlass.Float32)
+        for mm in cutlass.range_constexpr(self.mma_m):
+            for half in cutlass.range_constexpr(2):
+                crd = ((0, half, 0), mm, 0)
+                m = self.coords[crd][0]
+                out[crd] = vec[(cutlass.min(m, self.problem[0] - 1), self.batch)]
+        return out
+
+    @cute.jit
+    def cols(self, vec: cute.Tensor):
+        """``vec[(n, batch)]`` for each register's column n (clamped like :meth:`rows`).
+
+        Wide tiles (more than ``EAGER_COLS`` distinct columns per thread) would spill next to the
+        accumulator; their columns are read lazily, per epilogue sub-tile, instead.
+        """
+        if cutlass.const_expr(2 * self.chunks * self.mma_n > EAGER_COLS):
+            return _LazyCols(self, vec)
+        out = cute.make_rmem_tensor(
+            cute.make_layout(self.shape, stride=((1, 0, 2), 0, 2 * self.chunks)), cutlass.Float32)
+        for mn in cutlass.range_constexpr(self.mma_n):
+            for j in cutlass.range_constexpr(self.chunks):
+                for pair in cutlass.range_constexpr(2):
+                    crd = ((pair, 0, j), 0, mn)
+                    n = self.coords[crd][1]
+                    out[crd] = vec[(cutlass.min(n, self.problem[1] - 1), self.batch)]
+        return out

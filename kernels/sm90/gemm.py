@@ -15,9 +15,8 @@ Roles (384 threads = 3 warpgroups; one CTA per SM, persistent over output tiles)
     drops to 24 registers.
 
 Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler``); producer and
-consumers walk the same sequence. FP8 inputs either accumulate in the tensor core for the whole
-K loop (``fp8_fast_accum``) or promote each k-tile's partial sum into a separate fp32
-accumulator (two-level accumulation).
+consumers walk the same sequence. The k-loop and the FP8 accumulation modes live in
+``mainloop.py``, the register -> smem -> TMA store path in ``epilogue.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.config import GemmConfig, epi_stage_count, pipeline_stages
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TmaEpilogue
+from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
@@ -42,6 +42,7 @@ OUT_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float32)
 _BAR_EPI = 1  # + warpgroup index for ping-pong
 _BAR_MMA_ORDER = 3  # + warpgroup index
 _BAR_EPI_ORDER = 5  # + warpgroup index
+_BAR_STAGGER = 7
 
 _THREADS_PER_WG = 128
 _PRODUCER_REGS = 24
@@ -90,17 +91,17 @@ class Sm90Gemm:
         epi_bytes = cfg.epi_tile[0] * cfg.epi_tile[1] * (d_dtype.width // 8) * self.epi_stages
         self.stages = pipeline_stages(cfg, ab_bytes, epi_bytes)
         self.epilogue = Sm90TmaEpilogue(d_dtype, self.acc_dtype, cfg.epi_tile, self.epi_stages, visitor)
+        self.mainloop = Sm90Mainloop(
+            a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.atom_layout_mnk, self.tile_mnk, self.two_level,
+        )
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor,
                  scale_a, scale_b, stream):
         """``mA``: (M, K, L), ``mB``: (N, K, L), ``mD``: (M, N, L) row-major; scales per visitor."""
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_mnk[1]),
-        )
+        tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
         d_smem = self.epilogue.smem_layout()
@@ -154,7 +155,7 @@ class Sm90Gemm:
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
@@ -184,47 +185,12 @@ class Sm90Gemm:
         if wg_idx == 2:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == self.producer_warp:
-                self.produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles,
-                             cta_layout_mnk, cluster_coord)
+                produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, self.stages,
+                        self.cluster_mn, cta_layout_mnk, cluster_coord)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.consume(tiled_mma, sA, sB, sD, tma_d, mD, ab_pipe, sched, k_tiles,
                          problem_mnl, tidx, warp_idx, wg_idx, scale_a, scale_b)
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def produce(self, tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched: TileScheduler, k_tiles,
-                cta_layout_mnk, cluster_coord):
-        """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring."""
-        a_mask = None
-        b_mask = None
-        if const_expr(self.cluster_mn[1] > 1):
-            a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
-        if const_expr(self.cluster_mn[0] > 1):
-            b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
-        )
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        work = sched.first
-        while sched.is_valid(work):
-            tm, tn, tl = sched.coord(work)
-            tAgA_t = tAgA[(None, tm, None, tl)]
-            tBgB_t = tBgB[(None, tn, None, tl)]
-            for k in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                ab_pipe.producer_commit(state)
-                state.advance()
-            work += sched.stride
-        ab_pipe.producer_tail(state)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -234,14 +200,10 @@ class Sm90Gemm:
         mma_tidx = tidx
         if const_expr(self.pingpong):
             mma_tidx = tidx % _THREADS_PER_WG
-        thr_mma = tiled_mma.get_slice(mma_tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
-        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-        acc_tmp = None
-        if const_expr(self.two_level):
-            acc_tmp = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        thr_mma, frags, acc, acc_tmp = self.mainloop.fragments(tiled_mma, sA, sB, mma_tidx)
+        stagger = None
+        if const_expr(self.two_level and not self.pingpong):
+            stagger = Stagger(_BAR_STAGGER, wg_idx)
 
         # Global (m, n) of every output element, and the TMA view of D, both tiled like D.
         cD = cute.local_tile(cute.make_identity_tensor((problem_mnl[0], problem_mnl[1])),
@@ -275,18 +237,23 @@ class Sm90Gemm:
         epi_count = Int32(0)
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
+            tCcD = thr_mma.partition_C(cD[(None, None, tm, tn)])
             if const_expr(self.pingpong):
                 self._order_wait(_BAR_MMA_ORDER, wg_idx)
-            read_state = self.mainloop(tiled_mma, tCrA, tCrB, acc, acc_tmp, ab_pipe, read_state,
-                                       k_tiles, wg_idx)
+
+            def on_last_issue():
+                if const_expr(self.pingpong):
+                    self._order_arrive(_BAR_MMA_ORDER, 1 - wg_idx)
+                # Per-tile epilogue loads overlap the last k-tile's WGMMAs.
+                return self.epilogue.begin_tile(tCcD, problem_mnl, tl, (scale_a, scale_b))
+
+            read_state, epi_state = self.mainloop.run(
+                tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger)
             if const_expr(self.pingpong):
                 self._order_wait(_BAR_EPI_ORDER, wg_idx)
-
-            tCcD = thr_mma.partition_C(cD[(None, None, tm, tn)])
             epi_count = self.epilogue.store_tile(
-                acc, tCcD, tiled_mma, mma_tidx, sD, tma_d, gD[(None, None, tm, tn, tl)],
-                store_pipe, epi_barrier, is_store_warp, epi_count, problem_mnl, tl,
-                (scale_a, scale_b),
+                acc, epi_state, tiled_mma, mma_tidx, sD, tma_d, gD[(None, None, tm, tn, tl)],
+                store_pipe, epi_barrier, is_store_warp, epi_count,
             )
             if const_expr(self.pingpong):
                 # The other warpgroup reuses the same smem ring: let our stores drain first.
@@ -299,54 +266,6 @@ class Sm90Gemm:
         if const_expr(not self.pingpong):
             if is_store_warp:
                 store_pipe.producer_tail()
-
-    @cute.jit
-    def mainloop(self, tiled_mma, tCrA, tCrB, acc, acc_tmp, ab_pipe, read_state, k_tiles, wg_idx):
-        """WGMMA over all k-tiles of one output tile, then retire them and free their stages.
-
-        Returns the advanced read state. In ping-pong the other warpgroup's mainloop is cued as
-        soon as the last WGMMA is issued, before this one waits for it to retire.
-        """
-        num_kb = cute.size(tCrA, mode=[2])
-        release_state = read_state.clone()
-        target = acc
-        if const_expr(self.two_level):
-            target = acc_tmp
-        for k in cutlass.range(k_tiles, unroll=1):
-            ab_pipe.consumer_wait(read_state)
-            # A fresh atom per k-tile: its ACCUMULATE flag is per-iteration state.
-            atom = cute.make_mma_atom(tiled_mma.op)
-            if const_expr(self.two_level):
-                atom.set(warpgroup.Field.ACCUMULATE, False)
-            else:
-                atom.set(warpgroup.Field.ACCUMULATE, k > 0)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom, target, tCrA[(None, None, kb, read_state.index)],
-                          tCrB[(None, None, kb, read_state.index)], target)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            if const_expr(self.two_level):
-                # Promote this k-tile's partial sum into the fp32 accumulator.
-                warpgroup.wait_group(0)
-                if k == 0:
-                    acc.store(acc_tmp.load())
-                else:
-                    acc.store(acc.load() + acc_tmp.load())
-                ab_pipe.consumer_release(read_state)
-            else:
-                # Keep this k-tile's WGMMAs in flight; the previous k-tile's stage is now free.
-                warpgroup.wait_group(1)
-                if k > 0:
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
-            read_state.advance()
-        if const_expr(self.pingpong):
-            self._order_arrive(_BAR_MMA_ORDER, 1 - wg_idx)
-        if const_expr(not self.two_level):
-            warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release_state)
-        return read_state
 
     def _order_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * _THREADS_PER_WG)

@@ -1,0 +1,55 @@
+"""GPU timing: median CUDA-event time of a launch, after warm-up, with L2 flushed between runs.
+
+Uses ``triton.testing.do_bench`` when Triton is installed (as ``scripts/bench_gemm.py`` does);
+otherwise the same procedure with ``torch.cuda.Event``: estimate one call, warm up for
+``warmup_ms``, then time each of ``rep_ms`` worth of calls between two events, zeroing a buffer
+larger than any L2 before each so that no run finds its inputs cached by the previous one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+WARMUP_MS = 25
+REP_MS = 100
+_FLUSH_BYTES = 256 << 20
+
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS) -> float:
+    """Median milliseconds of one ``fn()`` on the current CUDA device."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return event_median_ms(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def event_median_ms(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
+                    max_reps: int = 1000) -> float:
+    """``bench_ms`` without Triton: CUDA events around each call, median over the calls."""
+    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    per_call = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / per_call))):
+        fn()
+    reps = min(max_reps, max(5, int(rep_ms / per_call)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))

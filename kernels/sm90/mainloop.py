@@ -1,0 +1,169 @@
+"""Hopper mainloop: the TMA producer warp and the consumers' WGMMA k-loop.
+
+Roles:
+  * ``produce`` runs on one producer warp: for every tile the scheduler hands this CTA it streams
+    the A/B k-tiles into the shared-memory ring (``PipelineTmaAsync``), multicasting A along the
+    cluster's N extent and B along its M extent.
+  * ``Sm90Mainloop.run`` runs on a consumer warpgroup: it waits for each stage, issues the k-tile's
+    WGMMAs into fp32 registers and releases stages as the tensor cores finish with them.
+
+Accumulation modes:
+  * single-level (16-bit inputs, FP8 ``fp8_fast_accum``): WGMMAs accumulate in place for the whole
+    K loop; one k-tile of WGMMAs stays in flight while the next is issued.
+  * two-level (FP8 default): every k-tile's products go to a temporary that is then added into
+    the fp32 accumulator (the tensor core's FP8 accumulation keeps too few mantissa bits for long
+    K). ptxas serializes all WGMMAs of a kernel if accumulator registers are read while any WGMMA
+    is in flight, so each promotion waits for the k-tile to retire; the cooperative schedule
+    staggers its two warpgroups by half a k-tile so one's WGMMAs cover the other's promotion.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+
+@cute.jit
+def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, stages: cutlass.Constexpr,
+            cluster_mn: cutlass.Constexpr, cta_layout_mnk, cluster_coord):
+    """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring."""
+    a_mask = None
+    b_mask = None
+    if const_expr(cluster_mn[1] > 1):
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+    if const_expr(cluster_mn[0] > 1):
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+    tAsA, tAgA = cpasync.tma_partition(
+        tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+    )
+    tBsB, tBgB = cpasync.tma_partition(
+        tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+        cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+    )
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    work = sched.first
+    while sched.is_valid(work):
+        tm, tn, tl = sched.coord(work)
+        tAgA_t = tAgA[(None, tm, None, tl)]
+        tBgB_t = tBgB[(None, tn, None, tl)]
+        for k in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.producer_acquire(state)
+            bar = ab_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+            cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+            ab_pipe.producer_commit(state)
+            state.advance()
+        work += sched.stride
+    ab_pipe.producer_tail(state)
+
+
+class Sm90Mainloop:
+    """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
+
+    def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
+                 two_level: bool):
+        self.a_dtype, self.b_dtype = a_dtype, b_dtype
+        self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
+        self.atom_layout_mnk = atom_layout_mnk
+        self.tile_mnk = tile_mnk
+        self.two_level = two_level
+
+    def tiled_mma(self, tile_n: int):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, self.a_major_mode, self.b_major_mode, cutlass.Float32,
+            self.atom_layout_mnk, tiler_mn=(64, tile_n),
+        )
+
+    @cute.jit
+    def fragments(self, tiled_mma, sA, sB, tidx):
+        """(thr_mma, (A, B) operand fragments, accumulator, two-level temporary or None)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        tmp = None
+        if const_expr(self.two_level):
+            tmp = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        frags = (tiled_mma.make_fragment_A(thr_mma.partition_A(sA)),
+                 tiled_mma.make_fragment_B(thr_mma.partition_B(sB)))
+        return thr_mma, frags, acc, tmp
+
+    @cute.jit
+    def _issue(self, op, target, frags, stage, accumulate):
+        """One k-tile of WGMMAs from smem stage ``stage`` into ``target`` as one commit group."""
+        tCrA, tCrB = frags
+        # A fresh atom per issue: its ACCUMULATE flag is per-k-tile state.
+        atom = cute.make_mma_atom(op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(atom, target, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], target)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def run(self, tiled_mma, frags, acc, tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger):
+        """All k-tiles of one output tile. ``on_last_issue()`` runs once the last WGMMAs are
+        issued, before waiting for them (ping-pong cues the other warpgroup there; the epilogue
+        starts its per-tile loads). ``stagger`` (two-level cooperative only) offsets the two
+        warpgroups. Returns (advanced read state, on_last_issue's result)."""
+        extra = None
+        if const_expr(not self.two_level):
+            release_state = read_state.clone()
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                self._issue(tiled_mma.op, acc, frags, read_state.index, k > 0)
+                # Keep this k-tile in flight; the previous k-tile's stage is now free.
+                warpgroup.wait_group(1)
+                if k > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                read_state.advance()
+            extra = on_last_issue()
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+        else:
+            acc.fill(0.0)
+            if const_expr(stagger is not None):
+                stagger.wait_turn()
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
+                if const_expr(stagger is not None):
+                    if k == 0:
+                        stagger.pass_turn()
+                warpgroup.wait_group(0)
+                acc.store(acc.load() + tmp.load())
+                ab_pipe.consumer_release(read_state)
+                read_state.advance()
+            extra = on_last_issue()
+        return read_state, extra
+
+
+class Stagger:
+    """Starts warpgroup 1's tile half a k-tile after warpgroup 0's (named barrier handshake)."""
+
+    def __init__(self, barrier_id: int, wg_idx):
+        self.barrier_id = barrier_id
+        self.wg_idx = cutlass.Int32(wg_idx)
+
+    # Carried through dynamic loops by its MLIR value.
+    def __extract_mlir_values__(self):
+        return [self.wg_idx.ir_value()]
+
+    def __new_from_mlir_values__(self, values):
+        return Stagger(self.barrier_id, values[0])
+
+    @cute.jit
+    def wait_turn(self):
+        if self.wg_idx == 1:
+            cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=256)
+
+    @cute.jit
+    def pass_turn(self):
+        if self.wg_idx == 0:
+            cute.arch.barrier_arrive(barrier_id=self.barrier_id, number_of_threads=256)

@@ -1,0 +1,256 @@
+"""CPU (CI) compile tests: every kernel config builds for sm_90a with the intended instructions.
+
+Every spec of ``coda-cute report`` (bf16 K-major over ``config_space(False)``, fp8 e4m3 with
+row-wise scales over ``config_space(True)``, the bf16 training layouts) is compiled once per
+process through ``report.inspect_kernel`` (cached), then checked: PTX target, WGMMA shape and
+types, TMA loads and stores, multicast exactly when the cluster has 2 CTAs, the matching SASS
+opcodes (when nvdisasm is installed), and no register spills. Plus the config rules and the errors
+for configs or archs the kernels do not support.
+"""
+
+import json
+
+import pytest
+
+from coda_cute import cli, dispatch, report
+from coda_cute.artifacts import find_nvdisasm, scan_ptx, scan_sass
+from coda_cute.compiler import GemmSpec, compile_gemm
+from coda_cute.kernels.common.config import (
+    SM90_SMEM_CAPACITY, GemmConfig, epi_smem_bytes, pipeline_stages, smem_bytes,
+)
+
+SPECS = report.kernel_specs("all")
+IDS = [f"{fam}-{s.a_major}{s.b_major}-{s.config.name}" for fam, s in SPECS]
+needs_nvdisasm = pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+
+_PTX_TYPE = {"bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+
+def mma_shape(spec):
+    """(N, K, fp8) of the WGMMA each spec must issue: one instruction spans the tile's N; K spans
+    32 bytes."""
+    fp8 = spec.a_dtype.startswith("float8")
+    return spec.config.tile_n, 32 if fp8 else 16, fp8
+
+
+def built(spec):
+    return report.inspect_kernel(spec)
+
+
+def test_spec_list_covers_the_config_spaces():
+    fams = [f for f, _ in SPECS]
+    assert fams.count("bf16") == len(dispatch.config_space(False))
+    assert fams.count("fp8") == len(dispatch.config_space(True))
+    assert sorted(s.a_major + s.b_major for f, s in SPECS if f == "training") == ["kn", "mk", "mn"]
+    assert all(s.scale_a == s.scale_b == "row" for f, s in SPECS if f == "fp8")
+    assert all(s.arch == "sm_90a" for _, s in SPECS)
+
+
+@pytest.mark.parametrize("fam,spec", SPECS, ids=IDS)
+def test_ptx_instructions(fam, spec):
+    kernel, _, _ = built(spec)
+    ptx = kernel.ptx
+    assert ".target sm_90a" in ptx
+    n, k, _ = mma_shape(spec)
+    t = _PTX_TYPE[spec.a_dtype]
+    want = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t}"
+    assert want in ptx
+    assert ptx.count("wgmma.mma_async") == ptx.count(want), "WGMMAs of another shape or type"
+    census = scan_ptx(ptx)
+    assert census.tma_loads >= 2, "A and B TMA loads (cp.async.bulk.tensor ... .global)"
+    assert census.tma_stores >= 1, "TMA store of D (cp.async.bulk.tensor.*.global.shared::cta)"
+
+
+@pytest.mark.parametrize("fam,spec", SPECS, ids=IDS)
+def test_multicast_iff_cluster(fam, spec):
+    kernel, _, sass = built(spec)
+    clustered = spec.config.cluster_m * spec.config.cluster_n > 1
+    assert (".multicast::cluster" in kernel.ptx) == clustered
+    if sass is not None:
+        assert (sass.multicast_loads > 0) == clustered
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("fam,spec", SPECS, ids=IDS)
+def test_sass_instructions(fam, spec):
+    _, _, sass = built(spec)
+    n, k, fp8 = mma_shape(spec)
+    want = f"QGMMA.64x{n}x{k}.F32.E4M3.E4M3" if fp8 else f"HGMMA.64x{n}x{k}.F32.BF16"
+    assert sass.gmma == (want,)
+    assert sass.tma_loads >= 2
+    assert sass.tma_stores >= 1
+
+
+@pytest.mark.parametrize("fam,spec", SPECS, ids=IDS)
+def test_no_spills(fam, spec):
+    kernel, _, _ = built(spec)
+    stats = kernel.stats
+    assert stats["registers"] <= 255
+    assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, stats
+
+
+def test_default_configs_have_the_documented_instructions():
+    """The spellings CI relies on, written out for the two default large-problem kernels."""
+    bf16 = report.default_config(False)
+    assert (bf16.tile_m, bf16.tile_n, bf16.schedule) == (128, 256, "cooperative")
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "k", bf16)
+    kernel, _, sass = built(spec)
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in kernel.ptx
+    fast = GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True)
+    spec8 = GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", fast, "row", "row")
+    kernel8, _, sass8 = built(spec8)
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in kernel8.ptx
+    if sass is not None:
+        assert sass.gmma == ("HGMMA.64x256x16.F32.BF16",)
+        assert sass8.gmma == ("QGMMA.64x256x32.F32.E4M3.E4M3",)
+
+
+# -- census regexes on hand-written lines -------------------------------------------------------
+def test_scan_ptx_directions():
+    ptx = """
+    .target sm_90a
+    wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;
+    cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint [%r1], [%rd3, {%r2, %r3, %r4}], [%r5], %rs1, %rd4;
+    cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r1], [%rd3, {%r2, %r3, %r4}], [%r5];
+    cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%rd5, {%r6, %r7, %r8}], [%r9];
+    """
+    c = scan_ptx(ptx)
+    assert c.target == "sm_90a"
+    assert c.wgmma == ("m64n128k16.f32.bf16.bf16",)
+    assert (c.tma_loads, c.tma_stores, c.multicast_loads) == (2, 1, 1)
+
+
+def test_scan_sass_opcodes():
+    sass = """
+    /*1110*/  UTMALDG.3D.MULTICAST [UR8], [UR20], UR18, desc[URZ] ;
+    /*1150*/  UTMALDG.3D [UR8], [UR22], desc[URZ] ;
+    /*2000*/  QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+    /*3230*/  UTMASTG.3D [UR16], [UR20], desc[URZ] ;
+    """
+    c = scan_sass(sass)
+    assert c.gmma == ("QGMMA.64x128x32.F32.E4M3.E4M3",)
+    assert (c.tma_loads, c.tma_stores, c.multicast_loads) == (2, 1, 1)
+
+
+# -- config rules and unsupported requests -------------------------------------------------------
+@pytest.mark.parametrize("fp8", [False, True])
+def test_config_space_fits_shared_memory(fp8):
+    ab = 1 if fp8 else 2
+    for cfg in dispatch.config_space(fp8):
+        for d_bytes in (2, 4):
+            assert pipeline_stages(cfg, ab, epi_smem_bytes(cfg, d_bytes)) >= 2, cfg.name
+            assert smem_bytes(cfg, ab, d_bytes) <= SM90_SMEM_CAPACITY, cfg.name
+
+
+def test_smem_bytes_formula():
+    cfg = GemmConfig(128, 256, 64, "cooperative")
+    # 4 stages of (128 + 256) x 64 bf16 + 2 epilogue buffers of 128 x 32 bf16 + 1 KiB reserved
+    assert smem_bytes(cfg, 2, 2) == 4 * 384 * 64 * 2 + 2 * 128 * 32 * 2 + 1024
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("mnkl", [(1, 4096, 4096, 1), (64, 28672, 4096, 1), (1024, 4096, 4096, 1),
+                                  (16384, 6144, 4096, 1), (8192, 8192, 8192, 1), (300, 264, 520, 3)])
+def test_heuristic_picks_from_the_config_space(fp8, fast, mnkl):
+    if fast and not fp8:
+        pytest.skip("fast accumulation is FP8-only")
+    cfg = dispatch.select_config(*mnkl, fp8, fast, 132)
+    assert cfg in dispatch.config_space(fp8)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tile_m=96), "tile_m"),
+    (dict(tile_m=256, schedule="pingpong"), "tile_m for pingpong"),
+    (dict(schedule="stream-k"), "schedule"),
+    (dict(cluster_m=2, cluster_n=2), "cluster shape"),
+    (dict(tile_n=136 + 1), "tile_n"),
+    (dict(tile_k=32), "tile_k"),
+])
+def test_invalid_config_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GemmConfig(**kw)
+
+
+def test_fp8_two_level_register_budget_rejected():
+    import cutlass
+
+    from coda_cute.kernels.epilogue.scale import ScaleVisitor
+    from coda_cute.kernels.sm90.gemm import Sm90Gemm
+
+    cfg = GemmConfig(128, 256, 128, "cooperative")  # two 128-register accumulators per thread
+    with pytest.raises(ValueError, match="registers per thread"):
+        Sm90Gemm(cfg, cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cutlass.BFloat16, "k", "k",
+                 ScaleVisitor("row", "row"), 132)
+    assert cfg not in dispatch.config_space(True)
+
+
+def test_fp8_needs_k_major_in_the_kernel():
+    import cutlass
+
+    from coda_cute.kernels.epilogue.scale import ScaleVisitor
+    from coda_cute.kernels.sm90.gemm import Sm90Gemm
+
+    with pytest.raises(ValueError, match="K-major"):
+        Sm90Gemm(GemmConfig(128, 128, 128, "cooperative"), cutlass.Float8E4M3FN, cutlass.Float8E4M3FN,
+                 cutlass.BFloat16, "m", "k", ScaleVisitor("row", "row"), 132)
+
+
+def test_unsupported_arch_raises_not_implemented():
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "k", GemmConfig(), arch="sm_100a")
+    with pytest.raises(NotImplementedError, match="sm_100a"):
+        compile_gemm(spec)
+
+
+# -- the report itself (reuses the kernels compiled above) ----------------------------------------
+def test_report_json(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
+    assert rc == 0
+    records = json.loads(path.read_text())
+    assert len(records) == len(report.kernel_specs("default")) == 5
+    for r in records:
+        assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
+        for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
+                    "has_tma_store", "has_multicast", "compile_seconds"):
+            assert key in r
+        assert r["spills"] == {"stores": 0, "loads": 0}
+        assert r["has_wgmma"] and r["has_tma"] and r["has_tma_store"]
+        assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
+        assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
+    out = capsys.readouterr().out
+    assert "coop_128x256x64_c2x1_g8" in out and "5 as intended" in out
+
+
+def test_report_without_nvdisasm_shows_unknown(monkeypatch):
+    from rich.console import Console
+
+    import coda_cute.artifacts as artifacts
+
+    monkeypatch.setattr(artifacts, "find_nvdisasm", lambda: None)
+    assert artifacts.disassemble(b"not a cubin") is None
+    fam, spec = report.kernel_specs("default")[0]
+    kernel, ptx, _ = built(spec)
+    rep = report.KernelReport(fam, spec, kernel, ptx, None)
+    rec = rep.record()
+    assert rec["ok"] and not rec["sass_checked"] and rec["sass"] is None and rec["has_wgmma"]
+    console = Console(record=True, width=200)
+    console.print(report.family_table(fam, [rep]))
+    text = console.export_text()
+    assert "✓/?" in text and "(SASS ?)" in text
+
+
+def test_run_table_renders_results_and_failures():
+    from rich.console import Console
+
+    ok = {"rel_err": 2.1e-3, "ms": 0.25, "tflops": 549.8}
+    rows = [
+        dict(kind="run", op="bf16 x @ W.T", m=4096, n=4096, k=4096, config="coop_128x256x64_c2x1_g8",
+             torch_op="torch.mm", coda=ok, torch=dict(ok, ms=0.5, tflops=274.9), ok=True),
+        dict(kind="run", op="fp8 e4m3 row-wise scales", m=4096, n=4096, k=4096, config="x",
+             torch_op="torch._scaled_mm", coda={"error": "RuntimeError: launch failed"}, torch=ok, ok=False),
+    ]
+    console = Console(record=True, width=220)
+    console.print(report.run_table(rows, "H200"))
+    text = console.export_text()
+    assert "2.00" in text and "2.10e-03" in text and "RuntimeError: launch failed" in text

@@ -1,0 +1,351 @@
+"""CPU (CI) tests of coda.gemm up to the kernel launch: the fp32 reference, argument validation,
+the host path that turns tensors into a kernel spec and TMA views, and the torch.library
+registration (opcheck, fake tensors, torch.compile, autograd).
+
+Layout and alignment rules are device-independent, so they run on CPU tensors through
+``gemm_impl`` with the device check and the launch stubbed out (``hopper_host``); dtype and shape
+rules also run through the public op on fake CUDA tensors.
+"""
+
+import types
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import coda_cute
+from coda_cute import dispatch
+from coda_cute.ops import gemm as gemm_mod
+from coda_cute.reference import gemm_ref
+from helpers import rel_err
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# -- reference math --------------------------------------------------------------------------------
+A2 = [[1.0, 2.0], [3.0, 4.0]]
+B2 = [[5.0, 6.0], [7.0, 8.0]]
+AB2 = [[19.0, 22.0], [43.0, 50.0]]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, E4M3, E5M2])
+def test_ref_hand_computed(dtype):
+    out = gemm_ref(torch.tensor(A2).to(dtype), torch.tensor(B2).to(dtype))
+    assert out.dtype == (BF16 if dtype in (E4M3, E5M2) else dtype)
+    assert out.float().tolist() == AB2
+
+
+def test_ref_fp8_scales():
+    a, b = torch.tensor(A2).to(E4M3), torch.tensor(B2).to(E4M3)
+    sa, sb = torch.tensor([[2.0], [0.5]]), torch.tensor([[1.0, 0.25]])
+    want = [[38.0, 11.0], [21.5, 6.25]]
+    assert gemm_ref(a, b, sa, sb, out_dtype=F32).tolist() == want
+    assert gemm_ref(a, b, sa.flatten(), sb.flatten(), out_dtype=F32).tolist() == want  # (M,), (N,)
+    assert gemm_ref(a, b, torch.tensor(0.5), torch.tensor([4.0]), out_dtype=F32).tolist() == \
+        [[2 * v for v in row] for row in AB2]
+
+
+def test_ref_batched_with_rowwise_scales():
+    a = torch.tensor([A2, [[1.0, 0.0], [0.0, 1.0]]]).to(E4M3)  # batch 1 is the identity
+    b = torch.tensor([B2, B2]).to(E4M3)
+    sa = torch.tensor([[[1.0], [1.0]], [[2.0], [4.0]]])  # (L, M, 1)
+    sb = torch.ones(2, 1, 2)  # (L, 1, N)
+    out = gemm_ref(a, b, sa, sb, out_dtype=F32)
+    assert out.shape == (2, 2, 2)
+    assert out[0].tolist() == AB2
+    assert out[1].tolist() == [[10.0, 12.0], [28.0, 32.0]]
+    assert gemm_ref(a, b, sa.squeeze(-1), sb.squeeze(1), out_dtype=F32).equal(out)  # (L, M), (L, N)
+
+
+def test_ref_rounds_once_at_the_end():
+    torch.manual_seed(0)
+    a, b = torch.randn(33, 70).to(BF16), torch.randn(70, 20).to(BF16)
+    exact = gemm_ref(a, b, round_output=False)
+    assert exact.dtype == F32
+    assert torch.allclose(exact, a.double().matmul(b.double()).float(), rtol=1e-5, atol=1e-5)
+    assert gemm_ref(a, b).equal(exact.to(BF16))
+    assert gemm_ref(a, b, out_dtype=F32).equal(exact)
+
+
+def test_ref_fp8_matches_scaled_mm():
+    torch.manual_seed(0)
+    a, w = torch.randn(32, 64).to(E4M3), torch.randn(48, 64).to(E4M3)
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    ours = gemm_ref(a, w.t(), sa, sb, out_dtype=F32)
+    theirs = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=F32)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-4)
+
+
+# -- dtype and shape rules through the public op on fake CUDA tensors --------------------------------
+def _cuda(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+def _fp8_args(m=64, n=32, k=48, sa=None, sb=None, batch=()):
+    a = _cuda(*batch, m, k, dtype=E4M3)
+    b = _cuda(*batch, n, k, dtype=E4M3).transpose(-1, -2)
+    sa = _cuda(*batch, m, 1, dtype=F32) if sa is None else sa()
+    sb = _cuda(*batch, 1, n, dtype=F32) if sb is None else sb()
+    return (a, b), dict(scale_a=sa, scale_b=sb)
+
+
+BAD_CALLS = {
+    "bf16 x fp16": (lambda: ((_cuda(64, 48), _cuda(48, 32, dtype=F16)), {}),
+                    TypeError, r"a and b must be both bfloat16, both float16, or both FP8.*a=torch.bfloat16, b=torch.float16"),
+    "fp32 inputs": (lambda: ((_cuda(64, 48, dtype=F32), _cuda(48, 32, dtype=F32)), {}),
+                    TypeError, r"both bfloat16, both float16"),
+    "fp8 x bf16": (lambda: ((_cuda(64, 48, dtype=E4M3), _cuda(48, 32)), {}),
+                   TypeError, r"cannot mix FP8 and 16-bit operands: a is torch.float8_e4m3fn, b is torch.bfloat16"),
+    "fp8 without scales": (lambda: ((_cuda(64, 48, dtype=E4M3), _cuda(32, 48, dtype=E4M3).t()), {}),
+                           ValueError, r"FP8 inputs need fp32 scale_a and scale_b"),
+    "fp8 without scale_b": (lambda: ((_cuda(64, 48, dtype=E4M3), _cuda(32, 48, dtype=E4M3).t()),
+                                     dict(scale_a=_cuda(64, 1, dtype=F32))),
+                            ValueError, r"FP8 inputs need fp32 scale_a and scale_b"),
+    "scale_a one short": (lambda: _fp8_args(sa=lambda: _cuda(63, 1, dtype=F32)),
+                          ValueError, r"scale_a must hold one number, or one per row of a: shape \(64,\) or \(64, 1\)"),
+    "scale_b as a column": (lambda: _fp8_args(sb=lambda: _cuda(32, 1, dtype=F32)),
+                            ValueError, r"scale_b must hold one number, or one per column of b: .*\(1, 32\).*got \(32, 1\)"),
+    "scale_a bf16": (lambda: _fp8_args(sa=lambda: _cuda(64, 1, dtype=BF16)),
+                     TypeError, r"scale_a must be a float32 tensor, got torch.bfloat16"),
+    "scale_a strided": (lambda: _fp8_args(sa=lambda: torch.empty_strided((64, 1), (2, 1), device="cuda")),
+                        ValueError, r"scale_a must be contiguous along its 64 entries"),
+    "batched scale_a without batch": (lambda: _fp8_args(sa=lambda: _cuda(64, 1, dtype=F32), batch=(2,)),
+                                      ValueError, r"scale_a .* shape \(2, 64\) or \(2, 64, 1\)"),
+    "scales on bf16": (lambda: ((_cuda(64, 48), _cuda(48, 32)), dict(scale_a=_cuda(1, dtype=F32))),
+                       ValueError, r"scale_a / scale_b apply to FP8 inputs only"),
+    "K mismatch": (lambda: ((_cuda(64, 48), _cuda(40, 32)), {}),
+                   ValueError, r"inner dimensions differ: a is \(64, 48\) \(K=48\), b is \(40, 32\) \(K=40\)"),
+    "batch mismatch": (lambda: ((_cuda(2, 64, 48), _cuda(3, 48, 32)), {}),
+                       ValueError, r"batch sizes differ: a has 2, b has 3"),
+    "2-D x 3-D": (lambda: ((_cuda(64, 48), _cuda(1, 48, 32)), {}),
+                  ValueError, r"a and b must both be 2-D .* or both 3-D .*a.dim\(\)=2, b.dim\(\)=3"),
+    "1-D": (lambda: ((_cuda(48), _cuda(48)), {}), ValueError, r"must both be 2-D"),
+    "out_dtype int32": (lambda: ((_cuda(64, 48), _cuda(48, 32)), dict(out_dtype=torch.int32)),
+                        TypeError, r"out_dtype must be bfloat16, float16 or float32, got torch.int32"),
+    "out_dtype fp8": (lambda: (_fp8_args()[0], dict(_fp8_args()[1], out_dtype=E4M3)),
+                      TypeError, r"out_dtype must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_arguments_on_fake_cuda(case):
+    build, exc, match = BAD_CALLS[case]
+    with FakeTensorMode():
+        args, kwargs = build()
+        with pytest.raises(exc, match=match):
+            coda_cute.gemm(*args, **kwargs)
+
+
+def test_scale_must_be_a_tensor():
+    # The op's schema already refuses non-tensors; gemm_impl callers get the same rule.
+    with pytest.raises(TypeError, match=r"scale_b must be a float32 tensor, got float"):
+        gemm_mod.check_shapes(_fp8(8, 16), _fp8(8, 16).t(), torch.ones(1), 1.0, None)
+
+
+@pytest.mark.parametrize("shapes,out_shape,dtype,kw", [
+    (((64, 48), (32, 48)), (64, 32), BF16, {}),
+    (((3, 64, 48), (3, 32, 48)), (3, 64, 32), BF16, {}),
+    (((64, 48), (32, 48)), (64, 32), F32, dict(out_dtype=F32)),
+])
+def test_fake_cuda_output_meta(shapes, out_shape, dtype, kw):
+    with FakeTensorMode():
+        a, w = _cuda(*shapes[0]), _cuda(*shapes[1])
+        out = coda_cute.gemm(a, w.transpose(-1, -2), **kw)
+        assert (tuple(out.shape), out.dtype, out.device) == (out_shape, dtype, torch.device("cuda", 0))
+        args, kwargs = _fp8_args(batch=(2,))
+        out8 = torch.ops.coda.gemm(*args, **kwargs, out_dtype=F16)
+        assert (tuple(out8.shape), out8.dtype, out8.device.type) == ((2, 64, 32), F16, "cuda")
+
+
+# -- layout and alignment rules on the host path (CPU tensors, launch stubbed out) -------------------
+@pytest.fixture
+def hopper_host(monkeypatch):
+    """Run gemm_impl on CPU tensors as if on an sm_90 device; record the launch instead of doing it.
+
+    Yields the list of launches: (spec, a_view, b_view, d_view, scale_a_view, scale_b_view).
+    """
+    launches = []
+    monkeypatch.setattr(gemm_mod, "check_device", lambda *args: "sm_90a")
+    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemm_mod, "get_gemm",
+                        lambda spec: types.SimpleNamespace(fn=lambda *views: launches.append((spec, *views))))
+    return launches
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(BF16)
+
+
+def _fp8(*shape):
+    return torch.randn(*shape).to(E4M3)
+
+
+BAD_LAYOUTS = {
+    "a row stride not 16 B": (lambda: (_bf16(64, 60), _bf16(60, 32)), r"a's strides must be multiples of 16 bytes \(8 elements of torch.bfloat16\)"),
+    "b row stride not 16 B": (lambda: (_bf16(64, 64), _bf16(64, 36)), r"b's strides must be multiples of 16 bytes"),
+    "N not 16 B (out)": (lambda: (_bf16(64, 64), _bf16(36, 64).t()), r"out's strides must be multiples of 16 bytes"),
+    "batch stride not 16 B": (lambda: (_bf16(3 * (64 * 64 + 3)).as_strided((3, 64, 64), (64 * 64 + 3, 64, 1)),
+                                       _bf16(3, 64, 32)), r"a's strides must be multiples of 16 bytes"),
+    "misaligned pointer": (lambda: (_bf16(64 * 64 + 1)[1:].view(64, 64), _bf16(64, 32)),
+                           r"a's data pointer must be 16-byte aligned \(got offset 2 bytes\)"),
+    "neither dim contiguous": (lambda: (_bf16(64, 64, 2)[..., 0], _bf16(64, 32)),
+                               r"a has strides \(128, 2\): one of its last two dimensions must be contiguous"),
+    "b neither dim contiguous": (lambda: (_bf16(64, 64), _bf16(64, 32, 2)[..., 0]),
+                                 r"b has strides .* must be contiguous"),
+    "fp8 a M-major": (lambda: (_fp8(64, 96).t(), _fp8(32, 64).t()), r"FP8 operands must be K-major"),
+    "fp8 b N-major": (lambda: (_fp8(96, 64), _fp8(64, 32)), r"FP8 operands must be K-major"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYOUTS))
+def test_bad_layouts_rejected_before_launch(case, hopper_host):
+    build, match = BAD_LAYOUTS[case]
+    a, b = build()
+    scales = {}
+    if a.dtype == E4M3:
+        scales = dict(scale_a=torch.ones(a.shape[0], 1), scale_b=torch.ones(1, b.shape[1]))
+    with pytest.raises(ValueError, match=match):
+        gemm_mod.gemm_impl(a, b, **scales)
+    assert not hopper_host
+
+
+def test_bad_out_rejected(hopper_host):
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(64, 32\)"):
+        gemm_mod.gemm_impl(_bf16(64, 48), _bf16(48, 32), out=torch.empty(32, 64, dtype=BF16))
+    assert not hopper_host
+
+
+@pytest.mark.parametrize("layout,majors", [("x@W.T", "kk"), ("dY@W", "kn"), ("dY.T@X", "mn"), ("mk", "mk")])
+def test_training_layouts_launch_without_copies(layout, majors, hopper_host):
+    m, n, k = 96, 40, 72
+    a = _bf16(m, k) if majors[0] == "k" else _bf16(k, m).t()
+    b = _bf16(n, k).t() if majors[1] == "k" else _bf16(k, n)
+    out = gemm_mod.gemm_impl(a, b)
+    (spec, av, bv, dv, sa, sb), = hopper_host
+    assert (spec.a_major, spec.b_major) == tuple(majors)
+    assert (spec.a_dtype, spec.d_dtype, spec.scale_a, spec.arch) == ("bfloat16", "bfloat16", "none", "sm_90a")
+    assert spec.config == dispatch.select_config(m, n, k, 1, False, False, 132)
+    assert av.data_ptr() == a.data_ptr() and bv.data_ptr() == b.data_ptr()  # views, not copies
+    assert (av.shape, bv.shape, dv.shape) == ((m, k, 1), (n, k, 1), (m, n, 1))
+    assert dv.data_ptr() == out.data_ptr() and out.shape == (m, n) and sa is None and sb is None
+    assert (av.stride(1) if majors[0] == "k" else av.stride(0)) == 1
+
+
+def test_fp8_launch_spec_and_scale_views(hopper_host):
+    a, b = _fp8(2, 64, 128), _fp8(2, 48, 128).transpose(-1, -2)
+    sa, sb = torch.rand(2, 64, 1), torch.rand(2, 1, 48)
+    gemm_mod.gemm_impl(a, b, sa, sb, out_dtype=F32, use_fast_accum=True)
+    gemm_mod.gemm_impl(a[0], b[0], torch.tensor(2.0), torch.tensor([3.0]))
+    (spec, av, bv, dv, sav, sbv), (spec1, *_, sav1, sbv1) = hopper_host
+    assert (spec.a_dtype, spec.d_dtype, spec.scale_a, spec.scale_b) == ("float8_e4m3fn", "float32", "row", "row")
+    assert spec.config.fp8_fast_accum and spec.config.tile_k == 128
+    assert (av.shape, dv.shape) == ((64, 128, 2), (64, 48, 2))
+    assert (sav.shape, sav.stride(), sbv.shape, sbv.stride()) == ((64, 2), (1, 64), (48, 2), (1, 48))
+    assert (spec1.scale_a, spec1.scale_b, spec1.d_dtype) == ("tensor", "tensor", "bfloat16")
+    assert not spec1.config.fp8_fast_accum
+    assert sav1.shape == sbv1.shape == (1,)
+
+
+def test_extent_one_dims_get_legal_strides(hopper_host):
+    # M == 1 with an odd row stride, and K == 1 (outer product): both are fine for TMA.
+    gemm_mod.gemm_impl(_bf16(3, 64)[:1].as_strided((1, 64), (7, 1)), _bf16(64, 32))
+    gemm_mod.gemm_impl(_bf16(64, 1), _bf16(1, 32))
+    (s1, a1, *_), (s2, a2, b2, *_) = hopper_host
+    assert s1.a_major == "k" and a1.stride(0) % 8 == 0
+    assert (s2.a_major, s2.b_major) == ("m", "n")
+    assert a2.stride(0) == 1 and b2.stride(0) == 1
+
+
+def test_empty_problems_skip_the_launch(hopper_host):
+    out = gemm_mod.gemm_impl(_bf16(64, 0), _bf16(0, 32))
+    assert out.shape == (64, 32) and out.dtype == BF16 and not out.any()
+    assert gemm_mod.gemm_impl(_bf16(0, 16), _bf16(16, 32), out_dtype=F32).shape == (0, 32)
+    assert not hopper_host
+
+
+# -- devices ------------------------------------------------------------------------------------------
+def test_cpu_tensors_need_reference_mode():
+    a, b = _bf16(8, 16), _bf16(16, 8)
+    with pytest.raises(ValueError, match=r"runs on CUDA tensors .*reference_on_cpu"):
+        coda_cute.gemm(a, b)
+    with pytest.raises(ValueError, match=r"run on CUDA tensors; got tensors on 'cpu'"):
+        gemm_mod.gemm_impl(a, b)
+
+
+def test_mixed_devices_rejected():
+    with pytest.raises(ValueError, match=r"a is on meta but b is on cpu"):
+        gemm_mod.check_device(torch.empty(8, 8, device="meta"), torch.empty(8, 8), None, None)
+    with pytest.raises(ValueError, match=r"scale_b is on cpu but a is on meta"):
+        m = torch.empty(8, 8, device="meta")
+        gemm_mod.check_device(m, m, None, torch.ones(1))
+
+
+@pytest.mark.parametrize("cap,result", [((9, 0), "sm_90a"), ((10, 0), NotImplementedError),
+                                        ((8, 0), NotImplementedError), ((12, 0), NotImplementedError)])
+def test_arch_selection(cap, result, monkeypatch):
+    monkeypatch.setattr(dispatch, "_device_props", lambda index: (cap, 132, "Some GPU"))
+    dev = torch.device("cuda", 0)
+    if isinstance(result, str):
+        assert dispatch.arch_of(dev) == result
+    else:
+        with pytest.raises(result, match="Blackwell" if cap[0] == 10 else "need a Hopper GPU"):
+            dispatch.arch_of(dev)
+
+
+# -- torch.library registration -------------------------------------------------------------------------
+ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _opcheck_cases():
+    torch.manual_seed(0)
+    yield "bf16 2-D", (_bf16(32, 48).requires_grad_(), _bf16(24, 48).t().requires_grad_()), {}, ALL_OPCHECKS
+    yield "bf16 3-D", (_bf16(2, 32, 48).requires_grad_(), _bf16(2, 48, 24).requires_grad_()), {}, ALL_OPCHECKS
+    yield "fp16 -> fp32", (torch.randn(16, 32).to(F16), torch.randn(32, 8).to(F16)), dict(out_dtype=F32), ALL_OPCHECKS
+    a, b = _fp8(32, 64), _fp8(24, 64).t()
+    # test_schema compares inputs with allclose, which CPU torch does not implement for fp8.
+    yield "fp8 rowwise", (a, b, torch.rand(32, 1) + 0.5, torch.rand(1, 24) + 0.5), {}, ALL_OPCHECKS[1:]
+
+
+@pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
+def test_opcheck(case):
+    _, args, kwargs, utils = case
+    with coda_cute.reference_on_cpu():
+        result = torch.library.opcheck(torch.ops.coda.gemm.default, args, kwargs, test_utils=utils)
+    assert set(result) == set(utils) and all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_torch_compile_fullgraph_aot_eager():
+    torch.manual_seed(0)
+    a, w, g = _bf16(40, 64), _bf16(24, 64), _bf16(24)
+
+    def f(a, w, g):
+        return torch.relu(coda_cute.gemm(a, w.t()) + g) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with coda_cute.reference_on_cpu():
+        got = compiled(a, w, g)
+        want = f(a, w, g)
+    assert got.equal(want)
+    assert rel_err(got, torch.relu(a.float() @ w.float().t() + g.float()) * 2) < 1e-2
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_autograd_matches_torch(batch):
+    torch.manual_seed(0)
+    x = _bf16(*batch, 48, 64).requires_grad_()
+    w = _bf16(*batch, 32, 64).requires_grad_()
+    g = _bf16(*batch, 48, 32)
+    with coda_cute.reference_on_cpu():
+        y = coda_cute.gemm(x, w.transpose(-1, -2))
+        y.backward(g)
+    xr, wr, gr = x.detach().float(), w.detach().float(), g.float()
+    assert y.dtype == BF16 and rel_err(y, xr @ wr.transpose(-1, -2)) < 1e-2
+    assert x.grad.dtype == BF16 and rel_err(x.grad, gr @ wr) < 1e-2
+    assert rel_err(w.grad, gr.transpose(-1, -2) @ xr) < 1e-2
+
+
+def test_fp8_has_no_autograd():
+    a = _fp8(16, 32).requires_grad_()
+    with coda_cute.reference_on_cpu(), pytest.raises(NotImplementedError, match="FP8 inputs have no autograd"):
+        coda_cute.gemm(a, _fp8(16, 32).t(), scale_a=torch.ones(1), scale_b=torch.ones(1))
