@@ -60,9 +60,11 @@ def aligned(extent, dtype):
     return extent * torch.tensor([], dtype=dtype).element_size() % 16 == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+CASES16 = [(torch.bfloat16, cfg) for cfg in CONFIGS16] + [(torch.float16, COOP), (torch.float16, PP)]
+
+
 @pytest.mark.parametrize("layout", ["kk", "kn", "mk", "mn"])
-@pytest.mark.parametrize("cfg", CONFIGS16, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype,cfg", CASES16, ids=lambda x: getattr(x, "name", str(x)))
 def test_gemm16_ragged(dtype, layout, cfg):
     for m, n, k in [(1, 8, 16), (17, 1000, 4104), (4095, 1000, 16), (4095, 8, 4104), (17, 8, 16),
                     (1, 1000, 4104)]:
@@ -104,14 +106,19 @@ def fp8_operands(m, n, k, a_dt, b_dt, scale_kind, batch=None):
     return a, b, sa.contiguous(), sb.contiguous()
 
 
-@pytest.mark.parametrize("dts", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
-                                 (torch.float8_e5m2, torch.float8_e4m3fn),
-                                 (torch.float8_e5m2, torch.float8_e5m2)], ids=str)
-@pytest.mark.parametrize("scale_kind", ["row", "tensor"])
-@pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=lambda c: c.name)
-def test_gemm_fp8_ragged(dts, scale_kind, cfg):
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+# Every config with e4m3 row-wise scales; the other dtype pairs and per-tensor scales on two.
+CASES8 = [(E4, E4, "row", cfg) for cfg in FP8_CONFIGS] + [
+    (a, b, kind, cfg)
+    for a, b, kind in [(E5, E4, "row"), (E5, E5, "row"), (E4, E4, "tensor")]
+    for cfg in (FP8_CONFIGS[0], FP8_CONFIGS[1])
+]
+
+
+@pytest.mark.parametrize("a_dt,b_dt,scale_kind,cfg", CASES8, ids=lambda x: getattr(x, "name", str(x)))
+def test_gemm_fp8_ragged(a_dt, b_dt, scale_kind, cfg):
     for m, n, k in [(1, 16, 16), (17, 1000, 4112), (4095, 1008, 4096), (4095, 16, 16)]:
-        a, b, sa, sb = fp8_operands(m, n, k, *dts, scale_kind)
+        a, b, sa, sb = fp8_operands(m, n, k, a_dt, b_dt, scale_kind)
         out = poisoned((m, n), torch.bfloat16)
         gemm_impl(a, b, sa, sb, use_fast_accum=cfg.fp8_fast_accum, config=cfg, out=out)
         err = rel_err(out, gemm_ref(a, b, sa, sb, round_output=False))

@@ -189,18 +189,73 @@ def check_device(a, b, scale_a, scale_b):
 
 
 # -- the implementation ------------------------------------------------------------------------------
+class _Plan:
+    """Everything a call derives from its arguments' metadata (shapes, strides, dtypes, devices):
+    built and validated once per signature, so repeated calls only re-check data pointers,
+    make three views and launch (small GEMMs are otherwise host-bound)."""
+
+    __slots__ = ("out_shape", "out_dtype", "fill", "a_view", "b_view", "d_view", "sa_view",
+                 "sb_view", "kernel", "device")
+
+    def launch(self, a, b, scale_a, scale_b, out):
+        if out is None:
+            if self.fill is not None:
+                return self.fill(self.out_shape, dtype=self.out_dtype, device=self.device)
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        elif out.shape != self.out_shape or out.dtype != self.out_dtype or not out.is_contiguous():
+            raise ValueError(f"coda.gemm: out must be a contiguous {self.out_dtype} tensor of "
+                             f"shape {self.out_shape}")
+        elif self.fill is not None:
+            return out.zero_() if self.fill is torch.zeros else out
+        for name, t in (("a", a), ("b", b), ("out", out)):
+            if t.data_ptr() % 16:
+                raise ValueError(f"coda.gemm: {name}'s data pointer must be 16-byte aligned (got "
+                                 f"offset {t.data_ptr() % 16} bytes); use a fresh or .contiguous() tensor")
+        self.kernel(
+            a.as_strided(*self.a_view), b.as_strided(*self.b_view), out.as_strided(*self.d_view),
+            None if scale_a is None else scale_a.as_strided(*self.sa_view),
+            None if scale_b is None else scale_b.as_strided(*self.sb_view),
+        )
+        return out
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+
+
 def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False,
               config: Optional[GemmConfig] = None, out: Optional[torch.Tensor] = None):
     """The op's CUDA implementation. ``config`` overrides the heuristic (benchmarks, tuner);
     ``out`` is a preallocated contiguous result (tests poison it to catch unwritten tiles)."""
+    key = (_meta(a), _meta(b), _meta(scale_a), _meta(scale_b), out_dtype, use_fast_accum, config)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, scale_a, scale_b, out_dtype, use_fast_accum, config)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan.launch(a, b, scale_a, scale_b, out)
+
+
+def _make_plan(a, b, scale_a, scale_b, out_dtype, use_fast_accum, config) -> _Plan:
     m, n, k, batch, out_dtype = check_shapes(a, b, scale_a, scale_b, out_dtype)
     arch = check_device(a, b, scale_a, scale_b)
-    fp8 = a.dtype in _FP8
-    out_shape = (batch, m, n) if a.dim() == 3 else (m, n)
+    plan = _Plan()
+    plan.device = a.device
+    plan.out_dtype = out_dtype
+    plan.out_shape = (batch, m, n) if a.dim() == 3 else (m, n)
+    plan.fill = None
     if m == 0 or n == 0 or batch == 0:
-        return a.new_empty(out_shape, dtype=out_dtype)
+        plan.fill = torch.empty
+        return plan
     if k == 0:
-        return a.new_zeros(out_shape, dtype=out_dtype)
+        plan.fill = torch.zeros
+        return plan
+    fp8 = a.dtype in _FP8
     a_view, a_major = _operand_view(a, "a", False, "m")
     b_view, b_major = _operand_view(b, "b", True, "n")
     if fp8 and (a_major != "k" or b_major != "k"):
@@ -209,10 +264,7 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
             "row-major (stride (K, 1)) and b column-major (b = w.t() of a row-major w), as for "
             f"torch._scaled_mm; got a strides {tuple(a.stride())}, b strides {tuple(b.stride())}"
         )
-    if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=a.device)
-    elif out.shape != out_shape or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"coda.gemm: out must be a contiguous {out_dtype} tensor of shape {out_shape}")
+    out = torch.empty(plan.out_shape, dtype=out_dtype, device="meta")
     d_view = _tma_view(out.unsqueeze(0).permute(1, 2, 0) if out.dim() == 2 else out.permute(1, 2, 0),
                        "out", k_major=True, dims=("M", "N", "batch"))
     sms = dispatch.num_sms(a.device)
@@ -220,15 +272,18 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
         config = dispatch.select_config(m, n, k, batch, fp8, use_fast_accum, sms)
     elif fp8 and use_fast_accum != config.fp8_fast_accum:
         config = config.with_(fp8_fast_accum=use_fast_accum)
-    sa = _scale_view(scale_a, batch)
-    sb = _scale_view(scale_b, batch)
+    plan.a_view = (tuple(a_view.shape), a_view.stride())
+    plan.b_view = (tuple(b_view.shape), b_view.stride())
+    plan.d_view = (tuple(d_view.shape), d_view.stride())
+    plan.sa_view = _scale_view(scale_a, batch)
+    plan.sb_view = _scale_view(scale_b, batch)
     spec = GemmSpec(
         _dtype_name(a.dtype), _dtype_name(b.dtype), _dtype_name(out_dtype), a_major, b_major,
         config if fp8 else config.with_(fp8_fast_accum=False),
         _scale_mode(scale_a), _scale_mode(scale_b), arch, sms,
     )
-    get_gemm(spec).fn(a_view, b_view, d_view, sa, sb)
-    return out
+    plan.kernel = get_gemm(spec).fn
+    return plan
 
 
 def _scale_mode(s) -> str:
@@ -238,14 +293,15 @@ def _scale_mode(s) -> str:
 
 
 def _scale_view(s, batch):
-    """Row-wise scales as the kernel's (extent, L) fp32 vector; single numbers as (1,)."""
+    """(shape, stride) of the kernel's view of a scale: (extent, L) fp32 for row-wise scales,
+    (1,) for a single number."""
     if s is None:
         return None
     if s.numel() == 1:
-        return s.reshape(1)
+        return ((1,), (1,))
     extent = s.numel() // batch
     batch_stride = s.stride(0) if s.dim() >= 2 and batch > 1 else extent
-    return s.as_strided((extent, batch), (1, batch_stride))
+    return ((extent, batch), (1, batch_stride))
 
 
 assert set(FP8_DTYPES) == {_dtype_name(d) for d in _FP8}
