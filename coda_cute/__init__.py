@@ -2,6 +2,8 @@
 
 Public API:
   * :func:`gemm` / ``torch.ops.coda.gemm`` - BF16/FP16/FP8 GEMM on Hopper (sm_90a).
+  * :mod:`coda_cute.epilogue` - epilogue visitor trees: fused GEMM epilogues and the ops built
+    from them (``gemm_epilogue``, ``register_op``).
   * :mod:`coda_cute.reference` - fp32 torch references of every op (CPU-runnable).
   * :func:`reference_on_cpu` - run coda ops on CPU tensors through their references.
 """
@@ -13,12 +15,12 @@ from typing import Optional
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.coda.*)
+from . import epilogue, ops  # noqa: F401  (registers torch.ops.coda.*)
 from .kernels.common.config import GemmConfig
 from .ops import gemm as _gemm_mod
 
 __version__ = "0.1.0"
-__all__ = ["gemm", "GemmConfig", "reference_on_cpu", "__version__"]
+__all__ = ["gemm", "epilogue", "GemmConfig", "reference_on_cpu", "__version__"]
 
 
 def gemm(

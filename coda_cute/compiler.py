@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 from .kernels.common.config import GemmConfig
+from .kernels.epilogue.nodes import Epilogue
 
 # torch dtype name -> element bytes; the DSL types are looked up lazily (importing the DSL is slow).
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int32": 4}
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 _CUTLASS_NAMES = {
     "bfloat16": "BFloat16",
@@ -27,13 +29,44 @@ _CUTLASS_NAMES = {
     "float32": "Float32",
     "float8_e4m3fn": "Float8E4M3FN",
     "float8_e5m2": "Float8E5M2",
+    "int32": "Int32",
 }
 SUPPORTED_ARCHS = ("sm_90a",)
 
 
 @dataclass(frozen=True)
+class KernelSpec:
+    """Compile-time identity of one kernel binary: operands, config, epilogue tree, target.
+
+    Equality and hashing use the tree's structural key, so two separately built but identical
+    trees share a binary.
+    """
+
+    a_dtype: str
+    b_dtype: str
+    a_major: str  # "k" or "m"
+    b_major: str  # "k" or "n"
+    config: GemmConfig
+    tree_key: tuple
+    arch: str = "sm_90a"
+    num_sms: int = 132
+    tree: Epilogue = field(default=None, compare=False, hash=False, repr=False)
+    label: str = field(default="tree", compare=False, hash=False)
+
+    @staticmethod
+    def of(a_dtype, b_dtype, a_major, b_major, config, tree: Epilogue, arch="sm_90a", num_sms=132,
+           label="tree") -> "KernelSpec":
+        return KernelSpec(a_dtype, b_dtype, a_major, b_major, config, tree.key, arch, num_sms, tree, label)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.label}_{self.arch}_{_short(self.a_dtype)}{_short(self.b_dtype)}"
+                f"_{self.a_major}{self.b_major}_{self.config.name}")
+
+
+@dataclass(frozen=True)
 class GemmSpec:
-    """Compile-time identity of one GEMM kernel binary."""
+    """A plain GEMM (``coda.gemm``): its epilogue is ``out = acc * scale_a * scale_b``."""
 
     a_dtype: str
     b_dtype: str
@@ -54,6 +87,14 @@ class GemmSpec:
             f"_{self.a_major}{self.b_major}{scales}_{self.config.name}"
         )
 
+    @property
+    def kernel_spec(self) -> KernelSpec:
+        from .ops.gemm import gemm_tree
+
+        tree = gemm_tree(self.scale_a, self.scale_b, self.d_dtype)
+        return KernelSpec.of(self.a_dtype, self.b_dtype, self.a_major, self.b_major, self.config,
+                             tree, self.arch, self.num_sms, label=self.name)
+
 
 def _short(dtype: str) -> str:
     return {"bfloat16": "bf16", "float16": "f16", "float32": "f32",
@@ -62,7 +103,7 @@ def _short(dtype: str) -> str:
 
 @dataclass
 class CompiledKernel:
-    spec: GemmSpec
+    spec: KernelSpec
     fn: object
     compile_seconds: float
     ptx: str | None = None
@@ -76,11 +117,12 @@ def cutlass_dtype(name: str):
     return getattr(cutlass, _CUTLASS_NAMES[name])
 
 
-def _fake_signature(spec: GemmSpec):
-    """Fake tensors standing for (A, B, D, scale_a, scale_b) with symbolic extents and strides.
+def _fake_signature(spec: KernelSpec):
+    """Fake arguments (A, B, tree inputs, tree outputs, scalars) with symbolic extents/strides.
 
-    Shared symbols make TVM-FFI check at call time that the extents agree (A and D share M, ...).
-    Leading strides are declared 16-byte divisible, which TMA requires.
+    Shared symbols make TVM-FFI check at call time that extents agree (A, every (M, N) tensor and
+    every row vector share M, ...). Leading strides of TMA-accessed tensors are declared 16-byte
+    divisible, which TMA requires.
     """
     import cutlass
     import cutlass.cute as cute
@@ -90,27 +132,41 @@ def _fake_signature(spec: GemmSpec):
     def stride16(dtype: str):
         return cute.sym_int64(divisibility=16 // DTYPE_BYTES[dtype])
 
+    def fake(dtype, shape, stride, align=16):
+        return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), shape, stride=stride, assumed_align=align)
+
     def operand(dtype, rows, major_is_k):
         stride = (stride16(dtype), 1, stride16(dtype)) if major_is_k else (1, stride16(dtype), stride16(dtype))
-        return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), (rows, k, l), stride=stride, assumed_align=16)
+        return fake(dtype, (rows, k, l), stride)
 
     a = operand(spec.a_dtype, m, spec.a_major == "k")
     b = operand(spec.b_dtype, n, spec.b_major == "k")
-    d = cute.runtime.make_fake_tensor(
-        cutlass_dtype(spec.d_dtype), (m, n, l),
-        stride=(stride16(spec.d_dtype), 1, stride16(spec.d_dtype)), assumed_align=16,
-    )
-
-    def scale(mode, extent):
-        if mode == "none":
-            return None
-        if mode == "tensor":
-            return cute.runtime.make_fake_tensor(cutlass.Float32, (1,), stride=(1,), assumed_align=4)
-        return cute.runtime.make_fake_tensor(
-            cutlass.Float32, (extent, l), stride=(1, cute.sym_int64()), assumed_align=4
-        )
-
-    return a, b, d, scale(spec.scale_a, m), scale(spec.scale_b, n)
+    ins = []
+    for i in spec.tree.inputs:
+        if i.kind == "row_vec":
+            ins.append(fake(i.dtype, (m, l), (1, cute.sym_int64()), 4))
+        elif i.kind == "col_vec":
+            ins.append(fake(i.dtype, (n, l), (1, cute.sym_int64()), 4))
+        elif i.kind == "tile":
+            ins.append(fake(i.dtype, (m, n, l), (stride16(i.dtype), 1, stride16(i.dtype))))
+        elif i.kind == "scalar_tensor":
+            ins.append(fake("float32", (1,), (1,), 4))
+    outs = []
+    for o in spec.tree.outputs:
+        if o.kind == "store":
+            cols = cute.sym_int() if o.half else n
+            outs.append(fake(o.dtype, (m, cols, l), (stride16(o.dtype), 1, stride16(o.dtype))))
+        elif o.kind == "row_reduce":
+            t = cute.sym_int()
+            for _ in range(2 if o.op == "lse" else 1):
+                outs.append(fake("float32", (m, t, l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
+        elif o.kind == "col_reduce":
+            outs.append(fake("float32", (n, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
+        else:  # gather
+            outs.append(fake("float32", (m, l), (1, cute.sym_int64()), 4))
+    scalars = tuple(cutlass.Float32(0.0) for i in spec.tree.inputs if i.kind == "scalar")
+    # Empty tuples are no valid kernel arguments: an absent group is passed as None.
+    return a, b, tuple(ins) or None, tuple(outs), scalars or None
 
 
 _PTXAS_RE = {
@@ -134,21 +190,19 @@ def parse_ptxas_remarks(text: str) -> dict:
 _compile_lock = threading.Lock()
 
 
-def compile_gemm(spec: GemmSpec, keep_artifacts: bool = False) -> CompiledKernel:
-    """Compile one GEMM spec (no GPU needed). ``keep_artifacts`` also returns PTX, cubin and
-    ptxas statistics."""
+def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> CompiledKernel:
+    """Compile one kernel (no GPU needed). ``keep_artifacts`` also returns PTX, cubin and ptxas
+    statistics."""
+    if isinstance(spec, GemmSpec):
+        spec = spec.kernel_spec
     if spec.arch not in SUPPORTED_ARCHS:
         raise NotImplementedError(f"no GEMM kernel for arch {spec.arch!r} (have {SUPPORTED_ARCHS})")
     import cutlass.cute as cute
 
-    from .kernels.epilogue.scale import ScaleVisitor
     from .kernels.sm90.gemm import Sm90Gemm
 
-    kernel = Sm90Gemm(
-        spec.config, cutlass_dtype(spec.a_dtype), cutlass_dtype(spec.b_dtype),
-        cutlass_dtype(spec.d_dtype), spec.a_major, spec.b_major,
-        ScaleVisitor(spec.scale_a, spec.scale_b), spec.num_sms,
-    )
+    kernel = Sm90Gemm(spec.config, cutlass_dtype(spec.a_dtype), cutlass_dtype(spec.b_dtype),
+                      spec.a_major, spec.b_major, spec.tree, spec.num_sms)
     args = _fake_signature(spec)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = f"--gpu-arch {spec.arch} --enable-tvm-ffi"
@@ -156,7 +210,6 @@ def compile_gemm(spec: GemmSpec, keep_artifacts: bool = False) -> CompiledKernel
         remarks = os.path.join(tmp, "remarks.yaml")
         if keep_artifacts:
             opts += f" --keep-ptx --keep-cubin --dump-dir {tmp} remarks{{ptx}} --remark-output {remarks}"
-        _pin_runtime_arch(spec.arch)
         t0 = time.perf_counter()
         fn = cute.compile(kernel, *args, stream, options=opts)
         seconds = time.perf_counter() - t0
@@ -170,17 +223,13 @@ def compile_gemm(spec: GemmSpec, keep_artifacts: bool = False) -> CompiledKernel
     return out
 
 
-def _pin_runtime_arch(arch: str) -> None:
-    # Without a GPU the DSL assumes sm_100a; a differing --gpu-arch would be treated as a
-    # cross-compile with no host JIT engine. Make the DSL's notion of the target match.
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+_cache: dict[KernelSpec, CompiledKernel] = {}
 
 
-_cache: dict[GemmSpec, CompiledKernel] = {}
-
-
-def get_gemm(spec: GemmSpec) -> CompiledKernel:
+def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
     """The compiled kernel for ``spec``, compiling it on first use (cached for the process)."""
+    if isinstance(spec, GemmSpec):
+        spec = spec.kernel_spec
     hit = _cache.get(spec)
     if hit is None:
         hit = _cache[spec] = compile_gemm(spec)

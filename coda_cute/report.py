@@ -44,7 +44,8 @@ from rich.table import Table
 from . import dispatch
 from .artifacts import PtxCensus, SassCensus, disassemble, find_nvdisasm, scan_ptx, scan_sass
 from .compiler import DTYPE_BYTES, FP8_DTYPES, CompiledKernel, GemmSpec, compile_gemm
-from .kernels.common.config import GemmConfig, epi_smem_bytes, pipeline_stages, smem_bytes
+from .epilogue.runner import tree_smem_bytes
+from .kernels.common.config import GemmConfig, pipeline_stages, smem_bytes
 
 ARCH = "sm_90a"
 FAMILIES = {
@@ -116,13 +117,16 @@ class KernelReport:
         return self.spec.config.cluster_m * self.spec.config.cluster_n > 1
 
     @property
+    def epi_bytes(self) -> int:
+        return tree_smem_bytes(self.spec.kernel_spec.tree, self.spec.config)
+
+    @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], DTYPE_BYTES[self.spec.d_dtype])
+        return smem_bytes(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes)
 
     @property
     def stages(self) -> int:
-        cfg, d = self.spec.config, DTYPE_BYTES[self.spec.d_dtype]
-        return pipeline_stages(cfg, DTYPE_BYTES[self.spec.a_dtype], epi_smem_bytes(cfg, d))
+        return pipeline_stages(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes)
 
     def presence(self) -> dict[str, tuple[bool, bool | None]]:
         """(in PTX, in SASS or None if unknown) per instruction class."""

@@ -15,8 +15,10 @@ import pytest
 from coda_cute import cli, dispatch, report
 from coda_cute.artifacts import find_nvdisasm, scan_ptx, scan_sass
 from coda_cute.compiler import GemmSpec, compile_gemm
+from coda_cute.epilogue.runner import tree_smem_bytes
+from coda_cute.ops.gemm import gemm_tree
 from coda_cute.kernels.common.config import (
-    SM90_SMEM_CAPACITY, GemmConfig, epi_smem_bytes, pipeline_stages, smem_bytes,
+    SM90_SMEM_CAPACITY, GemmConfig, pipeline_stages, smem_bytes,
 )
 
 SPECS = report.kernel_specs("all")
@@ -137,15 +139,19 @@ def test_scan_sass_opcodes():
 def test_config_space_fits_shared_memory(fp8):
     ab = 1 if fp8 else 2
     for cfg in dispatch.config_space(fp8):
-        for d_bytes in (2, 4):
-            assert pipeline_stages(cfg, ab, epi_smem_bytes(cfg, d_bytes)) >= 2, cfg.name
-            assert smem_bytes(cfg, ab, d_bytes) <= SM90_SMEM_CAPACITY, cfg.name
+        for d in ("bfloat16", "float32"):
+            epi = tree_smem_bytes(gemm_tree("none", "none", d), cfg)
+            assert pipeline_stages(cfg, ab, epi) >= 2, cfg.name
+            assert smem_bytes(cfg, ab, epi) <= SM90_SMEM_CAPACITY, cfg.name
 
 
 def test_smem_bytes_formula():
     cfg = GemmConfig(128, 256, 64, "cooperative")
-    # 4 stages of (128 + 256) x 64 bf16 + 2 epilogue buffers of 128 x 32 bf16 + 1 KiB reserved
-    assert smem_bytes(cfg, 2, 2) == 4 * 384 * 64 * 2 + 2 * 128 * 32 * 2 + 1024
+    epi = tree_smem_bytes(gemm_tree("none", "none", "bfloat16"), cfg)
+    # 2 epilogue buffers of 128 x 32 bf16, each 1 KiB-aligned
+    assert epi == 2 * 128 * 32 * 2 + 1024
+    # 4 stages of (128 + 256) x 64 bf16 + the epilogue + 1 KiB reserved
+    assert smem_bytes(cfg, 2, epi) == 4 * 384 * 64 * 2 + epi + 1024
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -175,25 +181,25 @@ def test_invalid_config_rejected(kw, match):
 def test_fp8_two_level_register_budget_rejected():
     import cutlass
 
-    from coda_cute.kernels.epilogue.scale import ScaleVisitor
     from coda_cute.kernels.sm90.gemm import Sm90Gemm
+    from coda_cute.ops.gemm import gemm_tree
 
     cfg = GemmConfig(128, 256, 128, "cooperative")  # two 128-register accumulators per thread
     with pytest.raises(ValueError, match="registers per thread"):
-        Sm90Gemm(cfg, cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cutlass.BFloat16, "k", "k",
-                 ScaleVisitor("row", "row"), 132)
+        Sm90Gemm(cfg, cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, "k", "k",
+                 gemm_tree("row", "row", "bfloat16"), 132)
     assert cfg not in dispatch.config_space(True)
 
 
 def test_fp8_needs_k_major_in_the_kernel():
     import cutlass
 
-    from coda_cute.kernels.epilogue.scale import ScaleVisitor
     from coda_cute.kernels.sm90.gemm import Sm90Gemm
+    from coda_cute.ops.gemm import gemm_tree
 
     with pytest.raises(ValueError, match="K-major"):
         Sm90Gemm(GemmConfig(128, 128, 128, "cooperative"), cutlass.Float8E4M3FN, cutlass.Float8E4M3FN,
-                 cutlass.BFloat16, "m", "k", ScaleVisitor("row", "row"), 132)
+                 "m", "k", gemm_tree("row", "row", "bfloat16"), 132)
 
 
 def test_unsupported_arch_raises_not_implemented():

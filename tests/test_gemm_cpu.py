@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import coda_cute
 from coda_cute import dispatch
+from coda_cute.epilogue import runner as run_mod
 from coda_cute.ops import gemm as gemm_mod
 from coda_cute.reference import gemm_ref
 from helpers import rel_err
@@ -163,13 +164,29 @@ def test_fake_cuda_output_meta(shapes, out_shape, dtype, kw):
 def hopper_host(monkeypatch):
     """Run gemm_impl on CPU tensors as if on an sm_90 device; record the launch instead of doing it.
 
-    Yields the list of launches: (spec, a_view, b_view, d_view, scale_a_view, scale_b_view).
+    Yields the list of launches: (spec, a_view, b_view, d_view, scale_a_view, scale_b_view), where
+    ``spec`` describes the plain GEMM the epilogue tree encodes (d_dtype, scale modes).
     """
     launches = []
+
+    def fake_kernel(spec):
+        inputs = {i.name: i.kind for i in spec.tree.inputs}
+        mode = {"row_vec": "row", "col_vec": "row", "scalar_tensor": "tensor", None: "none"}
+        desc = types.SimpleNamespace(
+            a_major=spec.a_major, b_major=spec.b_major, a_dtype=spec.a_dtype, arch=spec.arch,
+            config=spec.config, d_dtype=spec.tree.outputs[0].dtype,
+            scale_a=mode[inputs.get("scale_a")], scale_b=mode[inputs.get("scale_b")])
+
+        def launch(a, b, ins, outs, scalars):
+            launches.append((desc, a, b, outs[0], *(ins or (None, None))))
+        return types.SimpleNamespace(fn=launch)
+
     monkeypatch.setattr(gemm_mod, "check_device", lambda *args: "sm_90a")
+    monkeypatch.setattr(run_mod, "_check_devices", lambda *args: "sm_90a")
     monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(gemm_mod, "get_gemm",
-                        lambda spec: types.SimpleNamespace(fn=lambda *views: launches.append((spec, *views))))
+    monkeypatch.setattr(run_mod, "get_gemm", fake_kernel)
+    monkeypatch.setattr(run_mod, "_plans", {})
+    monkeypatch.setattr(gemm_mod, "_prepared", {})
     return launches
 
 

@@ -116,25 +116,15 @@ def ab_stage_bytes(cfg: GemmConfig, ab_bytes: int) -> int:
     return (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes
 
 
-def epi_stage_count(cfg: GemmConfig) -> int:
-    return 2 if cfg.tile_n >= 128 else 4
+def smem_bytes(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:
+    """Shared memory one CTA allocates for ``cfg`` next to ``epi_bytes`` of epilogue buffers:
 
-
-def epi_smem_bytes(cfg: GemmConfig, d_bytes: int) -> int:
-    """The epilogue's shared-memory ring: ``epi_stage_count`` buffers of one ``epi_tile`` of D."""
-    return cfg.epi_tile[0] * cfg.epi_tile[1] * d_bytes * epi_stage_count(cfg)
-
-
-def smem_bytes(cfg: GemmConfig, ab_bytes: int, d_bytes: int) -> int:
-    """Shared memory one CTA allocates for ``cfg``:
-
-        stages x (tile_m + tile_n) x tile_k x ab_bytes  +  epilogue ring  +  SMEM_RESERVED
+        stages x (tile_m + tile_n) x tile_k x ab_bytes  +  epi_bytes  +  SMEM_RESERVED
 
     where ``stages`` is what :func:`pipeline_stages` picks and ``SMEM_RESERVED`` covers the
-    pipeline mbarriers and the padding that aligns each buffer to 1024 bytes.
+    mainloop's mbarriers and alignment padding.
     """
-    epi = epi_smem_bytes(cfg, d_bytes)
-    return pipeline_stages(cfg, ab_bytes, epi) * ab_stage_bytes(cfg, ab_bytes) + epi + SMEM_RESERVED
+    return pipeline_stages(cfg, ab_bytes, epi_bytes) * ab_stage_bytes(cfg, ab_bytes) + epi_bytes + SMEM_RESERVED
 
 
 def pipeline_stages(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:

@@ -1,134 +1,509 @@
-"""Hopper epilogue plumbing: accumulator registers -> shared memory -> TMA store.
+"""Hopper epilogue plumbing for epilogue trees: registers -> shared memory -> TMA, plus the
+tree's inputs (vectors, tiles, scalars) and its reductions.
 
-Roles: runs on the consumer (MMA) warpgroups right after their mainloop. Every consumer thread
-walks the output tile in sub-tiles of ``epi_tile`` (one band of WGMMA atoms: 64 rows per
-warpgroup, 32 columns), hands the sub-tile's fp32 values and their global coordinates to the
-*visitor* (the epilogue math), converts to the output dtype, and writes the sub-tile into a ring of
-``stages`` shared-memory buffers with ``stmatrix``. One elected warp per participating warpgroup
-set then issues the TMA store of that buffer; bulk-group accounting (``PipelineTmaStore``) keeps a
-buffer from being overwritten before its store has read it.
+Roles:
+  * consumer warpgroups (after their mainloop): walk the output tile in sub-tiles of
+    ``epi_tile`` (one band of WGMMA atoms: 64 rows per warpgroup x 32 columns). Per sub-tile
+    they evaluate the tree (``kernels.epilogue.codegen``) on the fp32 accumulator registers,
+    stage each stored output in its shared-memory ring (``stmatrix`` for full-width outputs,
+    element stores for half-width ones), fold reductions into registers (row partials) or a
+    per-warp shared-memory scratch (column partials) and write gathers straight to global
+    memory. One elected warp then issues the TMA stores; bulk-group accounting keeps a ring
+    buffer from being rewritten before its store has read it.
+  * epilogue-load warp (warp 9, in the producer warpgroup; only when the tree has tile
+    inputs): TMA-loads the tile inputs' sub-tiles into their own ring, in the order the
+    consumers visit them, guarded by mbarriers (``PipelineTmaAsync``).
 
-The class is arch-specific plumbing only; what is computed lives in the visitor
-(``coda_cute.kernels.epilogue``), so the mainloop, the plumbing and the math stay separable.
+Row and column vectors are read once per tile into registers laid out like the accumulator
+(``AccVectors``), before the mainloop's last WGMMAs retire.
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
+from ..epilogue import nodes as N
+from ..epilogue.codegen import Emitter
 
-class Sm90TmaEpilogue:
-    """Epilogue stage of the Hopper GEMM: owns the D smem ring, the TMA store atom and the loop."""
-
-    def __init__(self, d_dtype, acc_dtype, epi_tile, stages: int, visitor):
-        self.d_dtype = d_dtype
-        self.acc_dtype = acc_dtype
-        self.epi_tile = epi_tile
-        self.stages = stages
-        self.visitor = visitor
-        self.d_layout = LayoutEnum.ROW_MAJOR
-
-    # -- host side (inside the @cute.jit launcher) --------------------------------------------
-    def smem_layout(self):
-        return sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.stages)
-
-    def make_tma_store(self, mD: cute.Tensor):
-        smem_one = cute.slice_(self.smem_layout(), (None, None, 0))
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mD, smem_one, self.epi_tile
-        )
-
-    # -- device side -------------------------------------------------------------------------
-    def r2s_copy(self, tiled_mma: cute.TiledMma):
-        """stmatrix-based register->smem copy shaped by the MMA's accumulator layout."""
-        atom_c = cute.make_copy_atom(
-            warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
-        )
-        tiled_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
-        atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
-        return cute.make_tiled_copy_S(atom_r2s, tiled_c)
-
-    @cute.jit
-    def begin_tile(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32, visitor_args: tuple):
-        """Per-tile visitor state (row/column vectors in registers), loaded once per tile."""
-        return self.visitor.begin_tile(AccVectors(acc_coords, problem_mnl, batch), *visitor_args)
-
-    @cute.jit
-    def store_tile(
-        self,
-        acc: cute.Tensor,
-        visitor_state,
-        tiled_mma: cute.TiledMma,
-        tidx: Int32,
-        sD: cute.Tensor,
-        tma_atom_d: cute.CopyAtom,
-        gD_tile: cute.Tensor,
-        store_pipeline,
-        barrier: pipeline.NamedBarrier,
-        is_store_warp,
-        buffer_base: Int32,
-    ):
-        """Run the visitor over ``acc`` sub-tile by sub-tile and store the tile ``gD_tile``.
-
-        ``visitor_state`` comes from :meth:`begin_tile`. ``buffer_base`` is the running sub-tile
-        count, which picks the smem buffer.
-        """
-        tiled_r2s = self.r2s_copy(tiled_mma)
-        thr_r2s = tiled_r2s.get_slice(tidx)
-        tRS_sD = thr_r2s.partition_D(sD)
-        frag_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-        frag = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
-        frag_out = cute.make_rmem_tensor(frag_shape, self.d_dtype)
-        n_frag = cute.size(frag)
-
-        gD_epi = cute.zipped_divide(gD_tile, self.epi_tile)
-        bSG_sD, bSG_gD = cpasync.tma_partition(
-            tma_atom_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi
-        )
-        epi_grid = gD_epi.shape[1]
-        epi_count = cute.size(epi_grid)
-        # Sub-tiles are visited N-fastest: the register fragment holds a row band of WGMMA atoms
-        # contiguously, column block after column block.
-        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
-
-        for e in cutlass.range_constexpr(epi_count):
-            for v in cutlass.range_constexpr(n_frag):
-                frag[v] = acc[e * n_frag + v]
-            self.visitor.visit(frag, visitor_state, e * n_frag)
-            frag_out.store(frag.load().to(self.d_dtype))
-            buf = (buffer_base + e) % self.stages
-            cute.copy(tiled_r2s, frag_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            barrier.arrive_and_wait()
-            if is_store_warp:
-                cute.copy(tma_atom_d, bSG_sD[(None, buf)], bSG_gD[(None, epi_order.get_hier_coord(e))])
-                store_pipeline.producer_commit()
-                store_pipeline.producer_acquire()
-            barrier.arrive_and_wait()
-        return buffer_base + epi_count
-
-
+DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+             "int32": cutlass.Int32}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}
+LOAD_STAGES = 2
 #: most distinct column values a thread keeps in registers for a whole tile.
 EAGER_COLS = 48
+_NEG_INF = -math.inf
+
+
+def epi_stage_count(tile_n: int) -> int:
+    return 2 if tile_n >= 128 else 4
+
+
+class Sm90TreeEpilogue:
+    """The epilogue of one (tree, config) kernel: smem rings, TMA atoms and the per-tile loop."""
+
+    def __init__(self, tree: N.Epilogue, tile_mn, epi_tile, pingpong: bool):
+        self.tree = tree
+        self.tile_mn = tile_mn
+        self.epi_tile = epi_tile
+        self.stages = epi_stage_count(tile_mn[1])
+        self.pingpong = pingpong
+        self.epi_warps = 4 if pingpong else 8
+        sinks = tree.sinks
+        self.full_stores = [s for s in sinks if isinstance(s, N.Store) and not s.half]
+        self.half_stores = [s for s in sinks if isinstance(s, N.Store) and s.half]
+        self.row_reds = [s for s in sinks if isinstance(s, N.RowReduce)]
+        self.col_reds = [s for s in sinks if isinstance(s, N.ColReduce)]
+        self.gathers = [s for s in sinks if isinstance(s, N.Gather)]
+        self.tile_inputs = [i for i in tree.inputs if i.kind == "tile"]
+        self.tensor_inputs = [i for i in tree.inputs if i.kind != "scalar"]
+        self.scalar_inputs = [i for i in tree.inputs if i.kind == "scalar"]
+        # Output tensor slots: sinks in order; an lse reduction has two (max, sum of exp).
+        self.out_slots = {}
+        slot = 0
+        for s in sinks:
+            self.out_slots[s.name] = slot
+            slot += 2 if isinstance(s, N.RowReduce) and s.op == "lse" else 1
+        self.load_stages = LOAD_STAGES
+        self.subtiles = (tile_mn[0] // epi_tile[0]) * (tile_mn[1] // epi_tile[1])
+
+    # -- host side (pure Python) -------------------------------------------------------------------
+    def smem_bytes(self) -> int:
+        em, en = self.epi_tile
+        b = sum(self.stages * em * en * BYTES[s.dtype] for s in self.full_stores)
+        b += sum(self.stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores)
+        b += sum(LOAD_STAGES * em * en * BYTES[t.dtype] for t in self.tile_inputs)
+        b += len(self.col_reds) * self.epi_warps * self.tile_mn[1] * 4
+        # each buffer is 1024-byte aligned
+        n_buffers = len(self.full_stores) + len(self.half_stores) + len(self.tile_inputs) + len(self.col_reds)
+        return b + 1024 * n_buffers + (64 if self.tile_inputs else 0)
+
+    # -- host side (inside the @cute.jit launcher) -------------------------------------------------
+    def make_atoms(self, ins: tuple, outs: tuple):
+        """TMA atoms (with their coordinate tensors) for stores and tile inputs, and the smem
+        layouts, which the kernel receives as arguments."""
+        em, en = self.epi_tile
+        full_layouts = [
+            sm90_utils.make_smem_layout_epi(DSL_TYPES[s.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile, self.stages)
+            for s in self.full_stores
+        ]
+        half_layouts = [
+            cute.make_layout((em, en // 2, self.stages), stride=(en // 2, 1, em * en // 2))
+            for _ in self.half_stores
+        ]
+        tile_layouts = [
+            sm90_utils.make_smem_layout_epi(DSL_TYPES[t.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile, LOAD_STAGES)
+            for t in self.tile_inputs
+        ]
+        store_atoms = []
+        for s, lay in zip(self.full_stores, full_layouts):
+            store_atoms.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
+                cute.slice_(lay, (None, None, 0)), self.epi_tile))
+        for s, lay in zip(self.half_stores, half_layouts):
+            store_atoms.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
+                cute.slice_(lay, (None, None, 0)), (em, en // 2)))
+        load_atoms = []
+        for t, lay in zip(self.tile_inputs, tile_layouts):
+            load_atoms.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), ins[self._in_index(t.name)],
+                cute.slice_(lay, (None, None, 0)), self.epi_tile))
+        return tuple(store_atoms), tuple(load_atoms), (tuple(full_layouts), tuple(half_layouts), tuple(tile_layouts))
+
+    def _in_index(self, name: str) -> int:
+        return [i.name for i in self.tensor_inputs].index(name)
+
+    # -- device side: shared memory ----------------------------------------------------------------
+    def allocate(self, smem, layouts):
+        """Carve the epilogue's buffers out of shared memory (after the mainloop's)."""
+        full_layouts, half_layouts, tile_layouts = layouts
+        bufs = []
+        for s, lay in zip(self.full_stores, full_layouts):
+            bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay.outer, 1024, swizzle=lay.inner))
+        for s, lay in zip(self.half_stores, half_layouts):
+            bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay, 1024))
+        tiles = [smem.allocate_tensor(DSL_TYPES[t.dtype], lay.outer, 1024, swizzle=lay.inner)
+                 for t, lay in zip(self.tile_inputs, tile_layouts)]
+        scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
+                   for _ in self.col_reds]
+        load_pipe = None
+        if const_expr(len(self.tile_inputs) > 0):
+            mbar = smem.allocate_array(cutlass.Int64, 2 * LOAD_STAGES, byte_alignment=8)
+            em, en = self.epi_tile
+            tx = sum(em * en * BYTES[t.dtype] for t in self.tile_inputs)
+            load_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar, num_stages=LOAD_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_warps),
+                tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
+            )
+        return bufs, tiles, scratch, load_pipe
+
+    # -- device side: the epilogue-load warp ----------------------------------------------------
+    @cute.jit
+    def produce_loads(self, load_atoms, load_tensors, tiles, load_pipe, sched):
+        """Load warp: every tile input's sub-tiles, tile after tile, in the consumers' order."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, LOAD_STAGES)
+        work = sched.first
+        while sched.is_valid(work):
+            tm, tn, tl = sched.coord(work)
+            parts = [self._load_partition(atom, t, s, (tm, tn, tl))
+                     for atom, t, s in zip(load_atoms, load_tensors, tiles)]
+            epi_grid = parts[0][2]
+            order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+            for e in cutlass.range_constexpr(cute.size(epi_grid)):
+                load_pipe.producer_acquire(state)
+                bar = load_pipe.producer_get_barrier(state)
+                for atom, (bS, bG, _) in zip(load_atoms, parts):
+                    cute.copy(atom, bG[(None, order.get_hier_coord(e))], bS[(None, state.index)], tma_bar_ptr=bar)
+                load_pipe.producer_commit(state)
+                state.advance()
+            work += sched.stride
+        load_pipe.producer_tail(state)
+
+    def _load_partition(self, atom, tensor, smem, coord):
+        g = cute.local_tile(tensor, self.tile_mn, coord)
+        g_epi = cute.zipped_divide(g, self.epi_tile)
+        bS, bG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), g_epi)
+        return bS, bG, g_epi.shape[1]
+
+    # -- device side: per-tile state -------------------------------------------------------------
+    @cute.jit
+    def begin_tile(self, acc_coords, problem_mnl, batch, ins, scalars):
+        """Registers the tree reads for the whole tile: vectors laid out like the accumulator,
+        scalars and 1-element scalar tensors."""
+        vecs = AccVectors(acc_coords, problem_mnl, batch)
+        state = {}
+        for spec, t in zip(self.tensor_inputs, ins):
+            if const_expr(spec.kind == "row_vec"):
+                state[spec.name] = vecs.rows(t, DSL_TYPES[spec.dtype])
+            elif const_expr(spec.kind == "col_vec"):
+                state[spec.name] = vecs.cols(t, DSL_TYPES[spec.dtype])
+            elif const_expr(spec.kind == "scalar_tensor"):
+                state[spec.name] = Float32(t[0])
+        for spec, v in zip(self.scalar_inputs, scalars):
+            state[spec.name] = Float32(v)
+        return state
+
+    # -- device side: the sub-tile loop ----------------------------------------------------------
+    @cute.jit
+    def store_tile(self, acc, state, acc_coords, tile_coords, tiled_mma, tidx, warp_in_epi, bufs,
+                   tiles, scratch, store_atoms, store_tensors, outs, load_pipe, load_state,
+                   store_pipe, barrier, is_store_warp, buffer_base, problem_mnl, tile_mnl):
+        """Evaluate the tree over ``acc`` sub-tile by sub-tile, stage and store its outputs, fold
+        its reductions and write their per-tile partials. Returns (sub-tile count, load state)."""
+        em, en = self.epi_tile
+        tm, tn, tl = tile_mnl
+        n_frag = em * en // (self.epi_warps * 32)
+        frag = cute.make_rmem_tensor(n_frag, Float32)
+        n_epi = (self.tile_mn[0] // em) * (self.tile_mn[1] // en)
+        epi_grid = (self.tile_mn[0] // em, self.tile_mn[1] // en)
+        order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+
+        full_copies = [self._r2s(tiled_mma, s.dtype, tidx, buf)
+                       for s, buf in zip(self.full_stores, bufs[:len(self.full_stores)])]
+        store_parts = []
+        for atom, t, buf in zip(store_atoms, store_tensors, bufs):
+            g = cute.local_tile(t, (self.tile_mn[0], cute.size(buf, mode=[1]) * epi_grid[1]), (tm, tn, tl))
+            g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
+            store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
+
+        row_acc = [self._row_init(r) for r in self.row_reds]
+        for e in cutlass.range_constexpr(n_epi):
+            emc, enc = order.get_hier_coord(e)
+            for v in cutlass.range_constexpr(n_frag):
+                frag[v] = acc[e * n_frag + v]
+            if const_expr(len(self.tile_inputs) > 0):
+                load_pipe.consumer_wait(load_state)
+            ctx = _Ctx(self, frag, state, acc_coords, tiles, load_state, e * n_frag, tile_coords,
+                       emc * em, enc * en)
+            emit = Emitter(ctx)
+            buf = (buffer_base + e) % self.stages
+            for k, s in enumerate(self.full_stores):
+                staged = cute.make_rmem_tensor(n_frag, Float32)
+                for v in cutlass.range_constexpr(n_frag):
+                    staged[v] = _as_float(emit.value(s.x, v))
+                tiled_r2s, tRS_sD, shape = full_copies[k]
+                out = cute.make_rmem_tensor(shape, DSL_TYPES[s.dtype])
+                out.store(cute.make_tensor(staged.iterator, cute.make_layout(shape)).load().to(DSL_TYPES[s.dtype]))
+                cute.copy(tiled_r2s, out, tRS_sD[(None, None, None, buf)])
+            for k, s in enumerate(self.half_stores):
+                sH = bufs[len(self.full_stores) + k]
+                for p in cutlass.range_constexpr(n_frag // 2):
+                    ml, nl = ctx.local(2 * p)
+                    sH[(ml, nl // 2, buf)] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, 2 * p)))
+            for k, r in enumerate(self.row_reds):
+                row_acc[k] = self._row_fold(r, row_acc[k], emit, ctx, n_frag, e, problem_mnl)
+            for k, c in enumerate(self.col_reds):
+                self._col_fold(c, scratch[k], emit, ctx, n_frag, warp_in_epi, problem_mnl)
+            for g in self.gathers:
+                self._gather(g, emit, ctx, n_frag, outs[self.out_slots[g.name]], problem_mnl, tl)
+            if const_expr(len(self.tile_inputs) > 0):
+                load_pipe.consumer_release(load_state)
+                load_state.advance()
+            if const_expr(len(store_parts) > 0):
+                # Register stores are generic-proxy; the TMA engine reads through the async proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
+                if is_store_warp:
+                    for atom, (bS, bG) in zip(store_atoms, store_parts):
+                        cute.copy(atom, bS[(None, buf)], bG[(None, (emc, enc))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                barrier.arrive_and_wait()
+        for k, r in enumerate(self.row_reds):
+            self._row_finish(r, row_acc[k], outs, acc_coords, tn, tl, problem_mnl)
+        if const_expr(len(self.col_reds) > 0):
+            barrier.arrive_and_wait()
+            for k, c in enumerate(self.col_reds):
+                self._col_finish(c, scratch[k], outs[self.out_slots[c.name]], tidx, tn, tm, tl, problem_mnl)
+            barrier.arrive_and_wait()
+        return buffer_base + n_epi, load_state
+
+    def _r2s(self, tiled_mma, dtype: str, tidx, buf):
+        """stmatrix (16-bit) or plain (fp32) register->smem copy in the accumulator's layout."""
+        d = DSL_TYPES[dtype]
+        atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), d)
+        tiled_c = cute.make_tiled_copy_C_atom(atom_c, tiled_mma)
+        tiled_r2s = cute.make_tiled_copy_S(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, d, Float32), tiled_c)
+        thr = tiled_r2s.get_slice(tidx)
+        return tiled_r2s, thr.partition_D(buf), cute.shape(thr.partition_S(buf))[:3]
+
+    # -- reductions --------------------------------------------------------------------------------
+    def _row_init(self, r: N.RowReduce):
+        slots = self.row_slots
+        if r.op == "max":
+            return [Float32(_NEG_INF)] * slots
+        if r.op == "lse":
+            return ([Float32(_NEG_INF)] * slots, [Float32(0.0)] * slots)
+        return [Float32(0.0)] * slots
+
+    @property
+    def row_slots(self) -> int:
+        """Distinct rows per thread in a tile (2 per 64-row WGMMA atom the thread covers)."""
+        return 2 * (self.tile_mn[0] // (64 * (1 if self.pingpong else 2)))
+
+    def _row_fold(self, r, accum, emit, ctx, n_frag, e, problem_mnl):
+        half = r.x.domain == N.HALF
+        step = 2 if half else 1
+        vals = {}
+        for v in range(0, n_frag, step):
+            x = _as_float(emit.value(r.x, v))
+            if r.op == "sumsq":
+                x = x * x
+            valid = ctx.col_index(v) < problem_mnl[1]
+            slot = ctx.row_slot(v)
+            vals.setdefault(slot, []).append((valid, x))
+        if r.op == "lse":
+            mx, sm = list(accum[0]), list(accum[1])
+            for slot, items in vals.items():
+                m_sub = mx[slot]
+                for valid, x in items:
+                    m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+                s_new = _rescale(sm[slot], mx[slot], m_sub)
+                for valid, x in items:
+                    s_new = s_new + Float32(cutlass.select_(valid, _exp(x - m_sub), Float32(0.0)))
+                mx[slot], sm[slot] = m_sub, s_new
+            return (mx, sm)
+        out = list(accum)
+        for slot, items in vals.items():
+            for valid, x in items:
+                if r.op == "max":
+                    out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+                else:
+                    out[slot] = out[slot] + Float32(cutlass.select_(valid, x, Float32(0.0)))
+        return out
+
+    @cute.jit
+    def _row_finish(self, r, accum, outs, acc_coords, tn, tl, problem_mnl):
+        """Reduce each row over the 4 threads that share it and write the tile's partial."""
+        lane = cute.arch.lane_idx()
+        out0 = outs[self.out_slots[r.name]]
+        out1 = outs[self.out_slots[r.name] + 1] if const_expr(r.op == "lse") else None
+        for slot in cutlass.range_constexpr(self.row_slots):
+            m = acc_coords[self.row_slot_index(slot)][0]
+            if const_expr(r.op == "lse"):
+                mx, sm = accum[0][slot], accum[1][slot]
+                for off in cutlass.range_constexpr(2):
+                    m_o = cute.arch.shuffle_sync_bfly(mx, offset=1 << off)
+                    s_o = cute.arch.shuffle_sync_bfly(sm, offset=1 << off)
+                    m_new = cutlass.max(mx, m_o)
+                    sm = _rescale(sm, mx, m_new) + _rescale(s_o, m_o, m_new)
+                    mx = m_new
+                if lane % 4 == 0:
+                    if m < problem_mnl[0] and tn * self.tile_mn[1] < problem_mnl[1]:
+                        out0[(m, tn, tl)] = mx
+                        out1[(m, tn, tl)] = sm
+            else:
+                x = accum[slot]
+                for off in cutlass.range_constexpr(2):
+                    x = _combine(r.op == "max", x, cute.arch.shuffle_sync_bfly(x, offset=1 << off))
+                if lane % 4 == 0:
+                    if m < problem_mnl[0] and tn * self.tile_mn[1] < problem_mnl[1]:
+                        out0[(m, tn, tl)] = x
+
+    def row_slot_index(self, slot: int):
+        """Accumulator coordinate of the first register in row slot ``slot``."""
+        return ((0, slot % 2, 0), slot // 2, 0)
+
+    @cute.jit
+    def _col_fold(self, c, scratch, emit, ctx, n_frag: cutlass.Constexpr, warp_in_epi, problem_mnl):
+        """Sum (or max) this sub-tile's rows per column into the warp's scratch row."""
+        is_max = c.op == "max"
+        identity = Float32(_NEG_INF) if is_max else Float32(0.0)
+        # Sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk: fold the two row halves
+        # in-thread, then the warp's 8 row groups (lanes 4 apart), then warps via scratch.
+        for j in cutlass.range_constexpr(n_frag // 4):
+            for pair in cutlass.range_constexpr(2):
+                v = 4 * j + pair
+                parts = []
+                for w in (v, v + 2):
+                    x = _as_float(emit.value(c.x, w))
+                    if const_expr(c.op == "sumsq"):
+                        x = x * x
+                    parts.append(Float32(cutlass.select_(ctx.row_index(w) < problem_mnl[0], x, identity)))
+                x = _combine(is_max, parts[0], parts[1])
+                for off in cutlass.range_constexpr(3):
+                    x = _combine(is_max, x, cute.arch.shuffle_sync_bfly(x, offset=4 << off))
+                nl = ctx.tile_local(v)[1]
+                if cute.arch.lane_idx() < 4:
+                    scratch[(warp_in_epi, nl)] = _combine(is_max, scratch[(warp_in_epi, nl)], x)
+
+    @cute.jit
+    def _col_finish(self, c, scratch, out, tidx, tn, tm, tl, problem_mnl):
+        is_max = c.op == "max"
+        identity = Float32(_NEG_INF) if is_max else Float32(0.0)
+        threads = self.epi_warps * 32
+        for base in cutlass.range_constexpr(0, self.tile_mn[1], threads):
+            col = base + tidx
+            if col < self.tile_mn[1]:
+                total = identity
+                for w in cutlass.range_constexpr(self.epi_warps):
+                    total = _combine(is_max, total, scratch[(w, col)])
+                    scratch[(w, col)] = identity
+                n = tn * self.tile_mn[1] + col
+                # A cluster can run past the problem's last row tile: such tiles have no partial.
+                if n < problem_mnl[1] and tm * self.tile_mn[0] < problem_mnl[0]:
+                    out[(n, tm, tl)] = total
+
+    @cute.jit
+    def init_scratch(self, scratch, tidx):
+        """Scratch starts at the reduction identity (afterwards ``_col_finish`` resets it)."""
+        for c, s in zip(self.col_reds, scratch):
+            identity = Float32(_NEG_INF) if c.op == "max" else Float32(0.0)
+            threads = self.epi_warps * 32
+            for i in cutlass.range_constexpr(0, cute.size(s), threads):
+                idx = i + tidx
+                if idx < cute.size(s):
+                    s[idx] = identity
+
+    @cute.jit
+    def _gather(self, g, emit, ctx, n_frag, out, problem_mnl, tl):
+        for v in cutlass.range_constexpr(n_frag):
+            m = ctx.row_index(v)
+            n = ctx.col_index(v)
+            hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
+            x = _as_float(emit.value(g.x, v))
+            if hit:
+                if m < problem_mnl[0]:
+                    out[(m, tl)] = x
+
+
+class _Ctx:
+    """What the tree's leaves read for sub-tile element ``i`` (see ``codegen``)."""
+
+    def __init__(self, epi, frag, state, acc_coords, tiles, load_state, offset, tile_coords,
+                 sub_m0, sub_n0):
+        self.epi = epi
+        self.frag = frag
+        self.state = state
+        self.coords = acc_coords  # global (m, n) per accumulator register
+        self.tile_coords = tile_coords  # tile-local (m, n) per accumulator register
+        self.tiles = tiles
+        self.load_state = load_state
+        self.offset = offset
+        self.sub0 = (sub_m0, sub_n0)
+
+    def acc(self, i):
+        return self.frag[i]
+
+    def row(self, name, i):
+        return self.state[name][self.offset + i]
+
+    def col(self, name, i):
+        return self.state[name][self.offset + i]
+
+    def scalar(self, name):
+        return self.state[name]
+
+    def tile(self, name, i):
+        k = [t.name for t in self.epi.tile_inputs].index(name)
+        ml, nl = self.local(i)
+        return Float32(self.tiles[k][(ml, nl, self.load_state.index)])
+
+    def row_index(self, i):
+        return self.coords[self.offset + i][0]
+
+    def col_index(self, i):
+        return self.coords[self.offset + i][1]
+
+    def tile_local(self, i):
+        return self.tile_coords[self.offset + i]
+
+    def local(self, i):
+        """Sub-tile-local (m, n) of element i."""
+        m, n = self.tile_coords[self.offset + i]
+        return m - self.sub0[0], n - self.sub0[1]
+
+    def row_slot(self, i) -> int:
+        """Which of this thread's rows element i is on (static)."""
+        idx = self.offset + i
+        v_chunks = self.coords.shape[0][2]
+        i1 = (idx // 2) % 2
+        mm = idx // (4 * v_chunks)
+        return i1 + 2 * (mm % (self.epi.row_slots // 2))
+
+
+def _combine(is_max: bool, a, b):
+    return cutlass.max(a, b) if is_max else a + b
+
+
+def _as_float(x):
+    return x if isinstance(x, Float32) else Float32(x)
+
+
+def _exp(x):
+    return cute.math.exp2(x * (1.0 / math.log(2.0)), fastmath=True)
+
+
+def _rescale(s, m_old, m_new):
+    """s * exp(m_old - m_new), with an empty running sum (m_old = -inf) staying 0."""
+    return Float32(cutlass.select_(m_old == m_new, s, s * _exp(m_old - m_new)))
 
 
 class _LazyCols:
     """Column vector read from global memory at the use (L1-resident after the first sub-tile)."""
 
-    def __init__(self, vectors: "AccVectors", vec: cute.Tensor):
+    def __init__(self, vectors: "AccVectors", vec: cute.Tensor, dtype):
         self.vectors = vectors
         self.vec = vec
+        self.dtype = dtype
 
     def __getitem__(self, i):
         n = self.vectors.coords[i][1]
-        return self.vec[(cutlass.min(n, self.vectors.problem[1] - 1), self.vectors.batch)]
+        return _convert(self.vec[(cutlass.min(n, self.vectors.problem[1] - 1), self.vectors.batch)], self.dtype)
+
+
+def _convert(x, dtype):
+    return Int32(x) if dtype is cutlass.Int32 else Float32(x)
 
 
 class AccVectors:
@@ -138,7 +513,8 @@ class AccVectors:
     vector only varies with (row half, MMA_M) and a column vector with (col pair, chunk, MMA_N).
     The register tensors returned here have the accumulator's shape with zero strides on the other
     modes, so ``vec[i]`` is the value for accumulator register ``i`` while only the distinct
-    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread).
+    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread). Rows or columns past
+    the problem edge read the last valid entry: their results are never stored.
     """
 
     def __init__(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32):
@@ -149,32 +525,27 @@ class AccVectors:
         (_, _, self.chunks), self.mma_m, self.mma_n = self.shape
 
     @cute.jit
-    def rows(self, vec: cute.Tensor):
-        """``vec[(m, batch)]`` for each register's row m (rows past M read row M-1: never stored)."""
-        out = cute.make_rmem_tensor(
-            cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), cutlass.Float32)
+    def rows(self, vec: cute.Tensor, dtype):
+        out = cute.make_rmem_tensor(cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), dtype)
         for mm in cutlass.range_constexpr(self.mma_m):
             for half in cutlass.range_constexpr(2):
                 crd = ((0, half, 0), mm, 0)
                 m = self.coords[crd][0]
-                out[crd] = vec[(cutlass.min(m, self.problem[0] - 1), self.batch)]
+                out[crd] = _convert(vec[(cutlass.min(m, self.problem[0] - 1), self.batch)], dtype)
         return out
 
     @cute.jit
-    def cols(self, vec: cute.Tensor):
-        """``vec[(n, batch)]`` for each register's column n (clamped like :meth:`rows`).
-
-        Wide tiles (more than ``EAGER_COLS`` distinct columns per thread) would spill next to the
-        accumulator; their columns are read lazily, per epilogue sub-tile, instead.
-        """
-        if cutlass.const_expr(2 * self.chunks * self.mma_n > EAGER_COLS):
-            return _LazyCols(self, vec)
+    def cols(self, vec: cute.Tensor, dtype):
+        """Wide tiles (more than ``EAGER_COLS`` distinct columns per thread) would spill next to
+        the accumulator; their columns are read lazily, per epilogue sub-tile, instead."""
+        if const_expr(2 * self.chunks * self.mma_n > EAGER_COLS):
+            return _LazyCols(self, vec, dtype)
         out = cute.make_rmem_tensor(
-            cute.make_layout(self.shape, stride=((1, 0, 2), 0, 2 * self.chunks)), cutlass.Float32)
+            cute.make_layout(self.shape, stride=((1, 0, 2), 0, 2 * self.chunks)), dtype)
         for mn in cutlass.range_constexpr(self.mma_n):
             for j in cutlass.range_constexpr(self.chunks):
                 for pair in cutlass.range_constexpr(2):
                     crd = ((pair, 0, j), 0, mn)
                     n = self.coords[crd][1]
-                    out[crd] = vec[(cutlass.min(n, self.problem[1] - 1), self.batch)]
+                    out[crd] = _convert(vec[(cutlass.min(n, self.problem[1] - 1), self.batch)], dtype)
         return out

@@ -25,18 +25,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.config import GemmConfig, epi_stage_count, pipeline_stages
+from ..common.config import GemmConfig, pipeline_stages
+from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
-from .epilogue import Sm90TmaEpilogue
+from .epilogue import Sm90TreeEpilogue
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
-OUT_TYPES = (cutlass.BFloat16, cutlass.Float16, cutlass.Float32)
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPI = 1  # + warpgroup index for ping-pong
@@ -50,14 +50,14 @@ _CONSUMER_REGS = 240
 
 
 class Sm90Gemm:
-    """One compiled kernel instance: config x dtypes x operand majors x epilogue visitor.
+    """One compiled kernel instance: config x operand dtypes and majors x epilogue tree.
 
     ``a_major`` is ``"k"`` (A is M x K row-major) or ``"m"``; ``b_major`` is ``"k"`` (B stored
     N x K row-major, i.e. the torch ``K x N`` operand is column-major) or ``"n"``.
     """
 
-    def __init__(self, cfg: GemmConfig, a_dtype, b_dtype, d_dtype, a_major: str, b_major: str,
-                 visitor, num_sms: int):
+    def __init__(self, cfg: GemmConfig, a_dtype, b_dtype, a_major: str, b_major: str,
+                 tree: Epilogue, num_sms: int):
         is_fp8 = a_dtype in FP8_TYPES
         if is_fp8 != (b_dtype in FP8_TYPES):
             raise TypeError(f"A and B must both be 16-bit or both be FP8, got {a_dtype} and {b_dtype}")
@@ -65,13 +65,10 @@ class Sm90Gemm:
             raise TypeError(f"16-bit A and B must be the same bf16/fp16 type, got {a_dtype} and {b_dtype}")
         if is_fp8 and (a_major != "k" or b_major != "k"):
             raise ValueError("FP8 WGMMA needs K-major A and B")
-        if d_dtype not in OUT_TYPES:
-            raise TypeError(f"output dtype must be bf16, fp16 or fp32, got {d_dtype}")
         if cfg.tile_n % 32:
             raise ValueError(f"tile_n must be a multiple of 32, got {cfg.tile_n}")
         self.cfg = cfg
-        self.a_dtype, self.b_dtype, self.d_dtype = a_dtype, b_dtype, d_dtype
-        self.acc_dtype = Float32
+        self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
         self.two_level = is_fp8 and not cfg.fp8_fast_accum
@@ -82,15 +79,13 @@ class Sm90Gemm:
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.threads = 3 * _THREADS_PER_WG
         self.producer_warp = 8
+        self.load_warp = 9
         # ping-pong: one warpgroup consumes each stage and stores each tile.
         self.consumer_warps = 4 if self.pingpong else 8
         self.epi_threads = _THREADS_PER_WG if self.pingpong else 2 * _THREADS_PER_WG
         self.max_clusters = num_sms // (cfg.cluster_m * cfg.cluster_n)
-        ab_bytes = a_dtype.width // 8
-        self.epi_stages = epi_stage_count(cfg)
-        epi_bytes = cfg.epi_tile[0] * cfg.epi_tile[1] * (d_dtype.width // 8) * self.epi_stages
-        self.stages = pipeline_stages(cfg, ab_bytes, epi_bytes)
-        self.epilogue = Sm90TmaEpilogue(d_dtype, self.acc_dtype, cfg.epi_tile, self.epi_stages, visitor)
+        self.epilogue = Sm90TreeEpilogue(tree, self.tile_mnk[:2], cfg.epi_tile, self.pingpong)
+        self.stages = pipeline_stages(cfg, a_dtype.width // 8, self.epilogue.smem_bytes())
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
@@ -98,30 +93,34 @@ class Sm90Gemm:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor,
-                 scale_a, scale_b, stream):
-        """``mA``: (M, K, L), ``mB``: (N, K, L), ``mD``: (M, N, L) row-major; scales per visitor."""
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, ins: tuple, outs: tuple, scalars: tuple,
+                 stream):
+        """``mA``: (M, K, L), ``mB``: (N, K, L); ``ins`` / ``outs`` / ``scalars``: the tree's
+        tensor inputs, outputs and runtime scalars in the epilogue's order (``None`` when
+        empty)."""
         tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
-        d_smem = self.epilogue.smem_layout()
-
         tma_a, tma_mA = self._tma_load(mA, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, tma_mB = self._tma_load(mB, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
-        tma_d, tma_mD = self.epilogue.make_tma_store(mD)
+        ins = ins if ins is not None else ()
+        scalars = scalars if scalars is not None else ()
+        store_atoms, load_atoms, epi_layouts = self.epilogue.make_atoms(ins, outs)
 
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        grid = TileScheduler.grid(mD.shape, self.tile_mnk[:2], self.cluster_mn, self.max_clusters)
+        problem_mnl = (mA.shape[0], mB.shape[0], mA.shape[2])
+        grid = TileScheduler.grid(problem_mnl, self.tile_mnk[:2], self.cluster_mn, self.max_clusters)
         self.kernel(
-            tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD, mD.shape,
-            a_smem, b_smem, d_smem, scale_a, scale_b,
+            tiled_mma, tma_a, tma_mA, tma_b, tma_mB,
+            tuple(x[0] for x in store_atoms), tuple(x[1] for x in store_atoms),
+            tuple(x[0] for x in load_atoms), tuple(x[1] for x in load_atoms),
+            ins, outs, scalars, problem_mnl, a_smem, b_smem, epi_layouts,
         ).launch(
             grid=grid,
             block=[self.threads, 1, 1],
@@ -139,9 +138,9 @@ class Sm90Gemm:
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
-               tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
-               problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               d_smem: cute.ComposedLayout, scale_a, scale_b):
+               tma_b: cute.CopyAtom, mB: cute.Tensor, store_atoms: tuple, store_tensors: tuple,
+               load_atoms: tuple, load_tensors: tuple, ins: tuple, outs: tuple, scalars: tuple,
+               problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, epi_layouts):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
@@ -149,16 +148,18 @@ class Sm90Gemm:
         if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_d)
+            for atom in store_atoms + load_atoms:
+                cpasync.prefetch_descriptor(atom)
 
         cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+        epi_bufs, epi_tiles, epi_scratch, load_pipe = self.epilogue.allocate(smem, epi_layouts)
 
         mcast_size = self.cluster_mn[0] + self.cluster_mn[1] - 1
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
@@ -187,28 +188,35 @@ class Sm90Gemm:
             if warp_idx == self.producer_warp:
                 produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, self.stages,
                         self.cluster_mn, cta_layout_mnk, cluster_coord)
+            if const_expr(len(load_atoms) > 0):
+                if warp_idx == self.load_warp:
+                    self.epilogue.produce_loads(load_atoms, load_tensors, epi_tiles, load_pipe, sched)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.consume(tiled_mma, sA, sB, sD, tma_d, mD, ab_pipe, sched, k_tiles,
-                         problem_mnl, tidx, warp_idx, wg_idx, scale_a, scale_b)
+            self.consume(tiled_mma, sA, sB, ab_pipe, sched, k_tiles, problem_mnl, tidx, warp_idx,
+                         wg_idx, (epi_bufs, epi_tiles, epi_scratch, load_pipe),
+                         store_atoms, store_tensors, ins, outs, scalars)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, tiled_mma, sA, sB, sD, tma_d, mD, ab_pipe, sched: TileScheduler, k_tiles,
-                problem_mnl, tidx, warp_idx, wg_idx, scale_a, scale_b):
+    def consume(self, tiled_mma, sA, sB, ab_pipe, sched: TileScheduler, k_tiles, problem_mnl, tidx,
+                warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars):
         """MMA warpgroups: mainloop into registers, then the epilogue, tile after tile."""
+        epi_bufs, epi_tiles, epi_scratch, load_pipe = epi_smem
         mma_tidx = tidx
+        warp_in_epi = warp_idx
         if const_expr(self.pingpong):
             mma_tidx = tidx % _THREADS_PER_WG
+            warp_in_epi = warp_idx % 4
         thr_mma, frags, acc, acc_tmp = self.mainloop.fragments(tiled_mma, sA, sB, mma_tidx)
         stagger = None
         if const_expr(self.two_level and not self.pingpong):
             stagger = Stagger(_BAR_STAGGER, wg_idx)
 
-        # Global (m, n) of every output element, and the TMA view of D, both tiled like D.
+        # Global and tile-local (m, n) of every output element, tiled like the output.
         cD = cute.local_tile(cute.make_identity_tensor((problem_mnl[0], problem_mnl[1])),
                              self.tile_mnk[:2], (None, None))
-        gD = cute.local_tile(mD, self.tile_mnk[:2], (None, None, None))
+        tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
 
         epi_bar_id = _BAR_EPI
         is_store_warp = warp_idx == 0
@@ -217,19 +225,24 @@ class Sm90Gemm:
             is_store_warp = warp_idx % 4 == 0
         epi_barrier = pipeline.NamedBarrier(barrier_id=epi_bar_id, num_threads=self.epi_threads)
         store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
+            num_stages=self.epilogue.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
         )
+        self.epilogue.init_scratch(epi_scratch, mma_tidx)
+        epi_barrier.arrive_and_wait()
 
+        n_epi = self.epilogue.subtiles
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.epilogue.load_stages)
         work = sched.first
         work_step = sched.stride
         if const_expr(self.pingpong):
-            # Warpgroup w takes every other tile; its ring position starts after the other's tile.
+            # Warpgroup w takes every other tile; its ring positions start after the other's tile.
             work = work + wg_idx * sched.stride
             work_step = 2 * sched.stride
             if wg_idx == 1:
                 read_state.advance(k_tiles)
+                load_state.advance(n_epi)
             else:
                 self._order_arrive(_BAR_MMA_ORDER, 0)
                 self._order_arrive(_BAR_EPI_ORDER, 0)
@@ -245,22 +258,24 @@ class Sm90Gemm:
                 if const_expr(self.pingpong):
                     self._order_arrive(_BAR_MMA_ORDER, 1 - wg_idx)
                 # Per-tile epilogue loads overlap the last k-tile's WGMMAs.
-                return self.epilogue.begin_tile(tCcD, problem_mnl, tl, (scale_a, scale_b))
+                return self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
 
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger)
             if const_expr(self.pingpong):
                 self._order_wait(_BAR_EPI_ORDER, wg_idx)
-            epi_count = self.epilogue.store_tile(
-                acc, epi_state, tiled_mma, mma_tidx, sD, tma_d, gD[(None, None, tm, tn, tl)],
-                store_pipe, epi_barrier, is_store_warp, epi_count,
+            epi_count, load_state = self.epilogue.store_tile(
+                acc, epi_state, tCcD, tCcT, tiled_mma, mma_tidx, warp_in_epi, epi_bufs, epi_tiles,
+                epi_scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
+                epi_barrier, is_store_warp, epi_count, problem_mnl, (tm, tn, tl),
             )
             if const_expr(self.pingpong):
-                # The other warpgroup reuses the same smem ring: let our stores drain first.
+                # The other warpgroup reuses the same smem rings: let our stores drain first.
                 if is_store_warp:
                     store_pipe.producer_tail()
                 self._order_arrive(_BAR_EPI_ORDER, 1 - wg_idx)
                 read_state.advance(k_tiles)
+                load_state.advance(n_epi)
             work += work_step
 
         if const_expr(not self.pingpong):

@@ -1,0 +1,84 @@
+"""Registering an epilogue tree as a ``torch.ops.coda.<name>`` custom op.
+
+The op's schema is ``name(Tensor a, Tensor b, <tensor inputs...>, <float scalars...>) ->
+<outputs>`` (one Tensor, or a tuple when there are several) with inputs in ``tree.input_order()`` and outputs in sink order (an lse
+reduction contributes two: max and sum-of-exp partials). The fake (meta) implementation derives
+every output's shape and dtype from the tree and the config the heuristic picks, so the op works
+under ``torch.compile``; on CPU tensors it raises unless ``coda_cute.reference_on_cpu()`` is
+active, in which case it evaluates the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch
+from ..kernels.epilogue.nodes import Epilogue, EpilogueError
+from ..operands import check_operands
+from .reference import evaluate
+from .runner import choose_config, output_shapes, run
+
+_libs: dict[str, torch.library.Library] = {}
+
+
+def _sms(device) -> int:
+    try:
+        return dispatch.num_sms(device)
+    except (AssertionError, RuntimeError):  # fake CUDA tensors on a GPU-less machine
+        return 132
+
+
+def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
+    """Define ``torch.ops.<namespace>.<name>`` running ``a @ b`` with ``tree``; returns the op."""
+    if not name.isidentifier():
+        raise EpilogueError(f"op name must be an identifier, got {name!r}")
+    qual = f"{namespace}::{name}"
+    if qual in _libs:
+        raise EpilogueError(f"{qual} is already registered")
+    tensors = [i for i in tree.inputs if i.kind != "scalar"]
+    scalars = [i for i in tree.inputs if i.kind == "scalar"]
+    args = ["Tensor a", "Tensor b"] + [f"Tensor {i.name}" for i in tensors] + [f"float {i.name}" for i in scalars]
+    n_out = sum(2 if (o.kind == "row_reduce" and o.op == "lse") else 1 for o in tree.outputs)
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    returns = "Tensor" if n_out == 1 else f"({', '.join(['Tensor'] * n_out)})"
+    lib.define(f"{name}({', '.join(args)}) -> {returns}")
+    order = [i.name for i in tensors] + [i.name for i in scalars]
+
+    def bind(rest):
+        return dict(zip(order, rest))
+
+    def flat(outs: dict):
+        res = []
+        for o in tree.outputs:
+            v = outs[o.name]
+            res += list(v) if isinstance(v, tuple) else [v]
+        return res[0] if n_out == 1 else tuple(res)
+
+    def cuda_impl(a, b, *rest):
+        return flat(run(tree, a, b, bind(rest), op=qual))
+
+    def config_for(a, b):
+        m, n, k, batch, fp8 = check_operands(a, b, qual)
+        return m, n, batch, choose_config(tree, m, n, k, batch, fp8, False, _sms(a.device))
+
+    def fake_impl(a, b, *rest):
+        m, n, batch, cfg = config_for(a, b)
+        res = [a.new_empty(shape, dtype=dtype)
+               for _, shape, dtype, _ in output_shapes(tree, m, n, batch, a.dim() == 3, cfg)]
+        return res[0] if n_out == 1 else tuple(res)
+
+    def cpu_impl(a, b, *rest):
+        from ..ops.gemm import reference_on_cpu_enabled
+
+        if not reference_on_cpu_enabled():
+            raise ValueError(f"{qual} runs on CUDA tensors (Hopper, sm_90); got CPU tensors. "
+                             "Wrap the call in coda_cute.reference_on_cpu() to use the torch reference.")
+        _, _, _, cfg = config_for(a, b)
+        acc = torch.matmul(a.float(), b.float())
+        return flat(evaluate(tree, acc, bind(rest), (cfg.tile_m, cfg.tile_n)))
+
+    lib.impl(name, cuda_impl, "CUDA")
+    lib.impl(name, cpu_impl, "CPU")
+    torch.library.register_fake(qual, fake_impl, lib=lib)
+    _libs[qual] = lib
+    return getattr(getattr(torch.ops, namespace), name)

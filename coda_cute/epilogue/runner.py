@@ -1,0 +1,242 @@
+"""Running a GEMM with an epilogue tree on torch tensors.
+
+    outputs = run(tree, a, b, inputs)        # a @ b with ``tree`` applied to the accumulator
+
+Everything a call derives from its arguments' metadata (validation, views, output shapes, the
+config and the compiled kernel) is a *plan*, built once per call signature; repeated calls only
+re-check data pointers, allocate outputs and launch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..compiler import KernelSpec, get_gemm
+from ..kernels.common.config import GemmConfig, pipeline_stages
+from ..kernels.epilogue import nodes as N
+from ..operands import check_operands, dtype_name, mn_view, operand_view, tma_view
+from .reference import torch_dtype
+
+_MAX_PLANS = 4096
+_plans: dict = {}
+
+
+def tree_smem_bytes(tree: N.Epilogue, cfg: GemmConfig) -> int:
+    from ..kernels.sm90.epilogue import Sm90TreeEpilogue
+
+    return Sm90TreeEpilogue(tree, (cfg.tile_m, cfg.tile_n), cfg.epi_tile, cfg.schedule == "pingpong").smem_bytes()
+
+
+def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
+    """Whether ``cfg`` keeps at least 2 A/B stages next to the tree's shared memory."""
+    try:
+        return pipeline_stages(cfg.with_(stages=0), ab_bytes, tree_smem_bytes(tree, cfg)) >= 2
+    except ValueError:
+        return False
+
+
+def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
+    """The heuristic's config among those whose shared memory the tree leaves room for."""
+    cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
+             and fits(tree, c, 1 if fp8 else 2)]
+    if not cands:
+        raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
+    return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8))
+
+
+class Plan:
+    """One call signature's validated launch recipe."""
+
+    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views",
+                 "scalar_names", "out_views", "kernel", "empty", "config")
+
+    def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None) -> dict:
+        for name, t in (("a", a), ("b", b)):
+            if t.data_ptr() % 16:
+                raise ValueError(f"{self.op}: {name}'s data pointer must be 16-byte aligned (got offset "
+                                 f"{t.data_ptr() % 16} bytes); use a fresh or .contiguous() tensor")
+        result, out_args = {}, []
+        for name, shape, dtype, fill, view in self.out_allocs:
+            t = outputs.get(name) if outputs else None
+            if t is None:
+                t = (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=self.device)
+            elif tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{self.op}: {name} must be a contiguous {dtype} tensor of shape {shape}")
+            result[name] = t
+            out_args.append(t.as_strided(*view))
+        if self.empty:
+            return _group(result, self.tree)
+        ins = tuple(inputs[name].as_strided(*view) for name, view in self.in_views) or None
+        scalars = tuple(float(inputs[name]) for name in self.scalar_names) or None
+        self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars)
+        return _group(result, self.tree)
+
+
+def _group(result: dict, tree: N.Epilogue) -> dict:
+    """lse reductions return (max partials, sum-of-exp partials) under their name."""
+    for o in tree.outputs:
+        if o.kind == "row_reduce" and o.op == "lse":
+            result[o.name] = (result.pop(o.name + ".max"), result.pop(o.name + ".sumexp"))
+    return result
+
+
+def _meta(t):
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.stride(), t.dtype, t.device)
+    return type(t)
+
+
+def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
+        config: Optional[GemmConfig] = None, use_fast_accum: bool = False,
+        outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue") -> dict:
+    """``a @ b`` with ``tree`` in the epilogue. ``inputs`` binds the tree's named inputs;
+    ``outputs`` may pass preallocated outputs by name. Returns the outputs by name."""
+    key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
+           config, use_fast_accum)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan.launch(a, b, inputs, outputs)
+
+
+def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConfig):
+    """(name, shape, dtype, zero-filled) of every output tensor, in the kernel's order."""
+    lead = (batch,) if batched else ()
+    out = []
+    for o in tree.outputs:
+        if o.kind == "store":
+            cols = n // 2 if o.half else n
+            out.append((o.name, lead + (m, cols), torch_dtype(o.dtype), False))
+        elif o.kind == "row_reduce":
+            t = -(-n // config.tile_n)
+            names = (o.name + ".max", o.name + ".sumexp") if o.op == "lse" else (o.name,)
+            out += [(nm, lead + (m, t), torch.float32, False) for nm in names]
+        elif o.kind == "col_reduce":
+            out.append((o.name, lead + (n, -(-m // config.tile_m)), torch.float32, False))
+        else:
+            out.append((o.name, lead + (m,), torch.float32, True))
+    return out
+
+
+def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
+    if not isinstance(tree, N.Epilogue):
+        raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
+    m, n, k, batch, fp8 = check_operands(a, b, op)
+    batched = a.dim() == 3
+    arch = _check_devices(a, b, inputs, tree, op)
+    if any(o.kind == "store" and o.half for o in tree.outputs) and n % 2:
+        raise ValueError(f"{op}: pairwise (half-width) outputs need an even N, got N={n}")
+    plan = Plan()
+    plan.tree = tree
+    plan.op = op
+    plan.device = a.device
+    plan.batched = batched
+    sms = dispatch.num_sms(a.device)
+    if config is None:
+        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms)
+    elif fp8 and use_fast_accum != config.fp8_fast_accum:
+        config = config.with_(fp8_fast_accum=use_fast_accum)
+    if not fp8:
+        config = config.with_(fp8_fast_accum=False)
+    if not fits(tree, config, 1 if fp8 else 2):
+        raise N.EpilogueError(f"{op}: config {config.name} leaves no room for this epilogue's "
+                              "shared memory; pick a smaller tile")
+    plan.config = config
+    plan.empty = m == 0 or n == 0 or batch == 0 or k == 0
+    if plan.empty and k == 0 and m and n and batch:
+        raise ValueError(f"{op}: K = 0 gives an all-zero accumulator; run the epilogue in "
+                         "torch instead (coda_cute.epilogue.evaluate)")
+    if not plan.empty:
+        a_view, a_major = operand_view(a, "a", False, "m", op)
+        b_view, b_major = operand_view(b, "b", True, "n", op)
+        if fp8 and (a_major != "k" or b_major != "k"):
+            raise ValueError(
+                f"{op}: FP8 operands must be K-major (FP8 WGMMA reads K-contiguous tiles): a "
+                "row-major (stride (K, 1)) and b column-major (b = w.t() of a row-major w), as for "
+                f"torch._scaled_mm; got a strides {tuple(a.stride())}, b strides {tuple(b.stride())}"
+            )
+    plan.out_allocs = []
+    for name, shape, dtype, fill in output_shapes(tree, m, n, batch, batched, config):
+        plan.out_allocs.append((name, shape, dtype, fill, _out_view(name, shape, dtype, tree, op)))
+    if plan.empty:
+        return plan
+    plan.a_view = (tuple(a_view.shape), a_view.stride())
+    plan.b_view = (tuple(b_view.shape), b_view.stride())
+    plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op))
+                     for i in tree.inputs if i.kind != "scalar"]
+    plan.scalar_names = [i.name for i in tree.inputs if i.kind == "scalar"]
+    for name in plan.scalar_names:
+        if not isinstance(inputs.get(name), (int, float)) or isinstance(inputs.get(name), bool):
+            raise TypeError(f"{op}: scalar input {name!r} must be a Python number")
+    spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
+                         arch, sms)
+    plan.kernel = get_gemm(spec).fn
+    return plan
+
+
+def _check_devices(a, b, inputs, tree, op):
+    if a.device != b.device:
+        raise ValueError(f"{op}: a is on {a.device} but b is on {b.device}")
+    for i in tree.inputs:
+        if i.name not in inputs:
+            raise ValueError(f"{op}: missing epilogue input {i.name!r} ({i.kind}, {i.dtype})")
+        t = inputs[i.name]
+        if i.kind != "scalar":
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: epilogue input {i.name!r} must be a tensor ({i.kind})")
+            if t.device != a.device:
+                raise ValueError(f"{op}: epilogue input {i.name!r} is on {t.device} but a is on {a.device}")
+    extra = set(inputs) - {i.name for i in tree.inputs}
+    if extra:
+        raise ValueError(f"{op}: unknown epilogue inputs {sorted(extra)}; the tree reads "
+                         f"{[i.name for i in tree.inputs]}")
+    return dispatch.arch_of(a.device)
+
+
+def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op):
+    t = inputs[spec.name]
+    want = torch_dtype(spec.dtype) if spec.kind != "scalar_tensor" else torch.float32
+    if t.dtype != want:
+        raise TypeError(f"{op}: epilogue input {spec.name!r} ({spec.kind}) must be {want}, got {t.dtype}")
+    if spec.kind == "scalar_tensor":
+        if t.numel() != 1:
+            raise ValueError(f"{op}: {spec.name!r} must hold exactly one number, got shape {tuple(t.shape)}")
+        return ((1,), (1,))
+    if spec.kind in ("row_vec", "col_vec"):
+        extent = m if spec.kind == "row_vec" else n
+        what = "M (rows of a)" if spec.kind == "row_vec" else "N (columns of b)"
+        ok = [(extent,)] + ([(batch, extent)] if batched else [])
+        if tuple(t.shape) not in ok:
+            raise ValueError(f"{op}: {spec.kind} {spec.name!r} must have shape "
+                             f"{' or '.join(map(str, ok))} (one per {what}), got {tuple(t.shape)}")
+        if extent > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {spec.name!r} must be contiguous, got strides {tuple(t.stride())}")
+        l_stride = t.stride(0) if t.dim() == 2 else 0
+        return ((extent, batch), (1, l_stride))
+    ok = [(batch, m, n)] if batched else [(m, n)]
+    if tuple(t.shape) not in ok:
+        raise ValueError(f"{op}: tile {spec.name!r} must have shape {' or '.join(map(str, ok))}, "
+                         f"got {tuple(t.shape)}")
+    if n > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: tile {spec.name!r} must be row-major (stride 1 along N), "
+                         f"got strides {tuple(t.stride())}")
+    v = tma_view(mn_view(t), spec.name, True, ("M", "N", "batch"), op)
+    return (tuple(v.shape), v.stride())
+
+
+def _out_view(name, shape, dtype, tree, op):
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    kind = next(o.kind for o in tree.outputs if name.split(".")[0] == o.name)
+    if kind == "store":
+        v = tma_view(mn_view(meta), name, True, ("M", "N", "batch"), op)
+    elif kind == "gather":
+        v = (meta.unsqueeze(0) if meta.dim() == 1 else meta).t()
+    else:  # partials (L?, rows, tiles) -> (rows, tiles, L)
+        v = mn_view(meta)
+    return (tuple(v.shape), v.stride())

@@ -1,0 +1,187 @@
+"""Epilogue math in the CuTe DSL: turns tree nodes into fp32 register arithmetic.
+
+Arch-independent: values are produced element by element of the current epilogue sub-tile, and
+every leaf is fetched through a *context* supplied by the architecture's epilogue plumbing:
+
+    ctx.acc(i)            the accumulator value of sub-tile element i
+    ctx.row(name, i)      a row vector's value for element i's row
+    ctx.col(name, i)      a column vector's value for element i's column
+    ctx.tile(name, i)     a tile input's value at element i
+    ctx.scalar(name)      a runtime scalar
+    ctx.row_index(i), ctx.col_index(i)   element i's global m and n (Int32)
+
+Elements 2j and 2j+1 of a sub-tile are adjacent output columns of the same row (the WGMMA
+accumulator layout keeps column pairs in one thread), which is what ``pairwise`` relies on.
+Transcendentals use the fast hardware paths (ex2/lg2/rsqrt approximations, ~1e-6 relative),
+well inside the bf16 output rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import nodes as N
+
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _f(x):
+    """Promote Int32 / Python numbers to Float32."""
+    if isinstance(x, Float32):
+        return x
+    return Float32(x)
+
+
+def _exp(x):
+    return cute.math.exp2(x * _LOG2E, fastmath=True)
+
+
+def _sigmoid(x):
+    return cute.arch.rcp_approx(1.0 + _exp(-x))
+
+
+def _unary(op: str, x):
+    if op == "to_float":
+        return _f(x)
+    x = _f(x)
+    if op == "neg":
+        return -x
+    if op == "abs":
+        return cute.math.abs(x)
+    if op == "exp":
+        return _exp(x)
+    if op == "exp2":
+        return cute.math.exp2(x, fastmath=True)
+    if op == "log":
+        return cute.math.log2(x, fastmath=True) * _LN2
+    if op == "log2":
+        return cute.math.log2(x, fastmath=True)
+    if op == "sqrt":
+        return cute.math.sqrt(x, fastmath=True)
+    if op == "rsqrt":
+        return cute.math.rsqrt(x, fastmath=True)
+    if op == "recip":
+        return 1.0 / x
+    if op == "sin":
+        return cute.math.sin(x)
+    if op == "cos":
+        return cute.math.cos(x)
+    if op == "tanh":
+        return cute.math.tanh(x, fastmath=True)
+    if op == "sigmoid":
+        return _sigmoid(x)
+    if op == "silu":
+        return x * _sigmoid(x)
+    if op == "gelu":  # tanh approximation (torch's approximate="tanh")
+        return 0.5 * x * (1.0 + cute.math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
+    if op == "relu":
+        return cutlass.max(x, Float32(0.0))
+    if op == "square":
+        return x * x
+    raise N.EpilogueError(f"no code for unary op {op!r}")
+
+
+def _binary(op: str, x, y, as_int: bool):
+    if not as_int:
+        x, y = _f(x), _f(y)
+    if op == "add":
+        return x + y
+    if op == "sub":
+        return x - y
+    if op == "mul":
+        return x * y
+    if op == "div":
+        return x / y
+    if op == "max":
+        return cutlass.max(x, y)
+    return cutlass.min(x, y)
+
+
+def _compare(op: str, x, y):
+    if op == "lt":
+        return x < y
+    if op == "le":
+        return x <= y
+    if op == "gt":
+        return x > y
+    if op == "ge":
+        return x >= y
+    if op == "eq":
+        return x == y
+    return x != y
+
+
+_DSL = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+class Emitter:
+    """Evaluates tree nodes for the elements of one epilogue sub-tile (memoized per element)."""
+
+    def __init__(self, ctx, binding=None):
+        self.ctx = ctx
+        self.binding = binding  # (even, odd) values inside a pairwise body
+        self.memo = {}
+
+    def value(self, node: N.Node, i: int):
+        key = (id(node), i)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = self._emit(node, i)
+        return hit
+
+    def _emit(self, node: N.Node, i: int):
+        ctx = self.ctx
+        if isinstance(node, N.Acc):
+            return ctx.acc(i)
+        if isinstance(node, N.Const):
+            return Float32(node.value)
+        if isinstance(node, (N.Scalar, N.ScalarTensor)):
+            return ctx.scalar(node.name)
+        if isinstance(node, N.RowVec):
+            return ctx.row(node.name, i)
+        if isinstance(node, N.ColVec):
+            return ctx.col(node.name, i)
+        if isinstance(node, N.Tile):
+            return ctx.tile(node.name, i)
+        if isinstance(node, N.RowIndex):
+            return ctx.row_index(i)
+        if isinstance(node, N.ColIndex):
+            return ctx.col_index(i)
+        if isinstance(node, N.PairArg):
+            return self.binding[node.which]
+        if isinstance(node, N.Unary):
+            return _unary(node.op, self.value(node.children[0], i))
+        if isinstance(node, N.Binary):
+            x, y = (self.value(c, i) for c in node.children)
+            return _binary(node.op, x, y, node.dtype == "int32")
+        if isinstance(node, N.Compare):
+            x, y = (self.value(c, i) for c in node.children)
+            if node.children[0].dtype != "int32" or node.children[1].dtype != "int32":
+                x, y = _f(x), _f(y)
+            return _compare(node.op, x, y)
+        if isinstance(node, N.Select):
+            c, a, b = (self.value(ch, i) for ch in node.children)
+            return Float32(cutlass.select_(c, _f(a), _f(b)))
+        if isinstance(node, N.Cast):
+            x = _f(self.value(node.children[0], i))
+            if node.to == "float32":
+                return x
+            return _DSL[node.to](x).to(Float32)
+        if isinstance(node, N.Pairwise):
+            base = i - i % 2
+            x = node.children[0]
+            pair = (_f(self.value(x, base)), _f(self.value(x, base + 1)))
+            body = Emitter(self.ctx, pair)
+            # Leaves inside the body (rows, indices) are read at the even element.
+            if len(node.body) == 1:
+                return _f(body.value(node.body[0], base))
+            return _f(body.value(node.body[i % 2], base))
+        raise N.EpilogueError(f"no code for node kind {node.kind!r}")
+
+

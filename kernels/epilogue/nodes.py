@@ -1,0 +1,498 @@
+"""Epilogue visitor trees: the node vocabulary (pure Python; no DSL, no torch).
+
+An epilogue is a DAG evaluated on every element (m, n) of a GEMM's output tile while the fp32
+accumulator is still in registers. Values are fp32 (indices are int32, comparisons boolean):
+
+    leaves    acc()                   the accumulator  sum_k A[m, k] B[n, k]
+              scalar(name)            a runtime number (Python float at call time)
+              scalar_tensor(name)     a 1-element fp32 device tensor (no host sync)
+              row_vec(name, dtype)    v[l, m]      (one per output row, e.g. RMSNorm's r)
+              col_vec(name, dtype)    v[l, n]      (one per output column, e.g. a bias)
+              tile(name, dtype)       T[l, m, n]   (an (M, N) input, e.g. the residual)
+              row_index(), col_index()           m and n (int32)
+              const(value)            a compile-time constant
+    compute   + - * / (also with Python numbers), max/min, comparisons, where(c, a, b),
+              unary math (exp, log, rsqrt, silu, sigmoid, gelu, ...), cast(x, dtype) (round
+              to a narrower type and back),
+              pairwise(fn, x): fn(x[2j], x[2j+1]) on adjacent columns, returning one value (the
+              result has N/2 columns) or a pair (written back to columns 2j and 2j+1)
+    sinks     store(x, name, dtype)           an (M, N) or (M, N/2) output
+              row_reduce(x, op, name)         per-tile partials over the tile's columns:
+                                              (L, M, n_tiles) fp32; op sum | sumsq | max | lse
+                                              (lse: two outputs, ``name`` max and sum of exp)
+              col_reduce(x, op, name)         per-tile partials over the tile's rows:
+                                              (L, N, m_tiles) fp32; op sum | sumsq | max
+              gather(x, index, name)          out[l, m] = x[m, index[l, m]] (fp32, (L, M)); rows
+                                              whose index is outside [0, N) are left at 0
+
+``Epilogue(*sinks)`` validates the DAG and gives it a structural key (node kinds, ops, dtypes,
+input/output roles; not names or values of runtime inputs), which kernels are cached by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+DTYPES = ("float32", "bfloat16", "float16", "int32")
+STORE_DTYPES = ("float32", "bfloat16", "float16")
+UNARY_OPS = ("neg", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "recip", "sin", "cos",
+             "tanh", "sigmoid", "silu", "gelu", "relu", "square", "to_float")
+BINARY_OPS = ("add", "sub", "mul", "div", "max", "min")
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+ROW_REDUCE_OPS = ("sum", "sumsq", "max", "lse")
+COL_REDUCE_OPS = ("sum", "sumsq", "max")
+FULL, HALF = "full", "half"
+
+
+class EpilogueError(ValueError):
+    """A malformed epilogue tree or a call that does not match it."""
+
+
+class Node:
+    """A value in the epilogue DAG. ``domain`` is FULL (one value per output column) or HALF (one
+    per column pair, after a single-output ``pairwise``)."""
+
+    kind = "node"
+    dtype = "float32"
+
+    def __init__(self, *children: "Node", domain: Optional[str] = None):
+        self.children = tuple(children)
+        doms = {c.domain for c in self.children if c.domain is not None}
+        if len(doms) > 1:
+            raise EpilogueError(
+                f"{self.kind}: cannot combine full-width values with half-width values (the "
+                "output of a single-value pairwise node has N/2 columns)"
+            )
+        self.domain = domain if domain is not None else (doms.pop() if doms else None)
+
+    # -- structural identity --------------------------------------------------------------------
+    def params(self) -> tuple:
+        """The node's own parameters that select generated code (not runtime values)."""
+        return ()
+
+    # -- operators --------------------------------------------------------------------------------
+    def __add__(self, o): return Binary("add", self, _lift(o))
+    def __radd__(self, o): return Binary("add", _lift(o), self)
+    def __sub__(self, o): return Binary("sub", self, _lift(o))
+    def __rsub__(self, o): return Binary("sub", _lift(o), self)
+    def __mul__(self, o): return Binary("mul", self, _lift(o))
+    def __rmul__(self, o): return Binary("mul", _lift(o), self)
+    def __truediv__(self, o): return Binary("div", self, _lift(o))
+    def __rtruediv__(self, o): return Binary("div", _lift(o), self)
+    def __neg__(self): return Unary("neg", self)
+    def __lt__(self, o): return Compare("lt", self, _lift(o))
+    def __le__(self, o): return Compare("le", self, _lift(o))
+    def __gt__(self, o): return Compare("gt", self, _lift(o))
+    def __ge__(self, o): return Compare("ge", self, _lift(o))
+    def eq(self, o): return Compare("eq", self, _lift(o))
+    def ne(self, o): return Compare("ne", self, _lift(o))
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(c) for c in self.children)
+        p = ", ".join(str(x) for x in self.params())
+        return f"{self.kind}({p}{', ' if p and inner else ''}{inner})"
+
+
+def _lift(x) -> Node:
+    if isinstance(x, Node):
+        return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise EpilogueError(f"cannot use {type(x).__name__} {x!r} in an epilogue expression")
+    return Const(float(x))
+
+
+# -- leaves -----------------------------------------------------------------------------------------
+class Leaf(Node):
+    role = None  # "input" leaves are bound to call arguments by name
+
+    def __init__(self, name: Optional[str] = None, dtype: str = "float32", domain=None):
+        super().__init__(domain=domain)
+        if dtype not in DTYPES:
+            raise EpilogueError(f"{self.kind} {name!r}: dtype must be one of {DTYPES}, got {dtype!r}")
+        self.name = name
+        self.dtype = dtype
+
+    def params(self):
+        return (self.dtype,)
+
+
+class Acc(Leaf):
+    kind = "acc"
+
+    def __init__(self):
+        super().__init__(domain=FULL)
+
+
+class Const(Leaf):
+    kind = "const"
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = float(value)
+
+    def params(self):
+        return (self.value,)
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+class Scalar(Leaf):
+    kind = "scalar"
+    role = "input"
+
+
+class ScalarTensor(Leaf):
+    kind = "scalar_tensor"
+    role = "input"
+
+
+class RowVec(Leaf):
+    kind = "row_vec"
+    role = "input"
+
+
+class ColVec(Leaf):
+    kind = "col_vec"
+    role = "input"
+
+    def __init__(self, name, dtype="float32"):
+        super().__init__(name, dtype, domain=FULL)
+
+
+class Tile(Leaf):
+    kind = "tile"
+    role = "input"
+
+    def __init__(self, name, dtype="bfloat16"):
+        if dtype == "int32":
+            raise EpilogueError(f"tile {name!r}: tile inputs are float32, bfloat16 or float16")
+        super().__init__(name, dtype, domain=FULL)
+
+
+class RowIndex(Leaf):
+    kind = "row_index"
+
+    def __init__(self):
+        super().__init__(dtype="int32")
+
+
+class ColIndex(Leaf):
+    kind = "col_index"
+
+    def __init__(self):
+        super().__init__(dtype="int32", domain=FULL)
+
+
+class PairArg(Leaf):
+    """Placeholder for the even (0) or odd (1) element inside a ``pairwise`` body."""
+
+    kind = "pair_arg"
+
+    def __init__(self, which: int):
+        super().__init__(domain=FULL)
+        self.which = which
+
+    def params(self):
+        return (self.which,)
+
+
+# -- compute ----------------------------------------------------------------------------------------
+class Unary(Node):
+    kind = "unary"
+
+    def __init__(self, op: str, x: Node):
+        if op not in UNARY_OPS:
+            raise EpilogueError(f"unknown unary op {op!r}; known: {UNARY_OPS}")
+        super().__init__(x)
+        self.op = op
+
+    def params(self):
+        return (self.op,)
+
+
+class Binary(Node):
+    kind = "binary"
+
+    def __init__(self, op: str, x: Node, y: Node):
+        if op not in BINARY_OPS:
+            raise EpilogueError(f"unknown binary op {op!r}; known: {BINARY_OPS}")
+        super().__init__(x, y)
+        self.op = op
+        self.dtype = "int32" if x.dtype == y.dtype == "int32" and op in ("add", "sub", "mul", "max", "min") else "float32"
+
+    def params(self):
+        return (self.op,)
+
+
+class Compare(Node):
+    kind = "compare"
+    dtype = "bool"
+
+    def __init__(self, op: str, x: Node, y: Node):
+        if op not in COMPARE_OPS:
+            raise EpilogueError(f"unknown comparison {op!r}; known: {COMPARE_OPS}")
+        super().__init__(x, y)
+        self.op = op
+
+    def params(self):
+        return (self.op,)
+
+
+class Select(Node):
+    kind = "select"
+
+    def __init__(self, cond: Node, a: Node, b: Node):
+        if cond.dtype != "bool":
+            raise EpilogueError("where(cond, a, b): cond must be a comparison")
+        super().__init__(cond, a, b)
+
+
+class Cast(Node):
+    kind = "cast"
+
+    def __init__(self, x: Node, dtype: str):
+        if dtype not in STORE_DTYPES:
+            raise EpilogueError(f"cast: dtype must be one of {STORE_DTYPES}, got {dtype!r}")
+        super().__init__(x)
+        self.to = dtype
+
+    def params(self):
+        return (self.to,)
+
+
+class Pairwise(Node):
+    """fn(x[2j], x[2j+1]) per column pair; ``outputs`` is 1 (HALF domain) or 2 (FULL domain)."""
+
+    kind = "pairwise"
+
+    def __init__(self, fn: Callable, x: Node):
+        if x.domain != FULL:
+            raise EpilogueError("pairwise: its input must be a full-width value (depend on acc, "
+                                "a column vector or a tile)")
+        even, odd = PairArg(0), PairArg(1)
+        body = fn(even, odd)
+        body = tuple(_lift(b) for b in body) if isinstance(body, tuple) else (_lift(body),)
+        if len(body) not in (1, 2):
+            raise EpilogueError("pairwise: fn must return one value or a pair of values")
+        super().__init__(x, domain=HALF if len(body) == 1 else FULL)
+        self.body = body
+        for b in body:
+            for n in walk(b):
+                if isinstance(n, (Tile, ColVec)):
+                    raise EpilogueError("pairwise: fn may use the pair, scalars, row vectors and "
+                                        "indices; column vectors and tiles go outside it")
+
+    def params(self):
+        return (len(self.body), tuple(structure(b) for b in self.body))
+
+
+# -- sinks ------------------------------------------------------------------------------------------
+class Sink:
+    kind = "sink"
+
+    def __init__(self, x: Node, name: str):
+        if not isinstance(x, Node):
+            raise EpilogueError(f"{self.kind} {name!r}: expects an epilogue value, got {type(x).__name__}")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise EpilogueError(f"{self.kind}: output name must be an identifier, got {name!r}")
+        self.x = x
+        self.name = name
+
+    def params(self) -> tuple:
+        return ()
+
+
+class Store(Sink):
+    kind = "store"
+
+    def __init__(self, x, name, dtype="bfloat16"):
+        super().__init__(x, name)
+        if dtype not in STORE_DTYPES:
+            raise EpilogueError(f"store {name!r}: dtype must be one of {STORE_DTYPES}, got {dtype!r}")
+        if x.domain is None:
+            raise EpilogueError(f"store {name!r}: the value does not vary over the tile (it uses "
+                                "neither acc, a column vector, a tile nor col_index)")
+        self.dtype = dtype
+
+    @property
+    def half(self) -> bool:
+        return self.x.domain == HALF
+
+    def params(self):
+        return (self.dtype, self.half)
+
+
+class RowReduce(Sink):
+    kind = "row_reduce"
+
+    def __init__(self, x, op, name):
+        super().__init__(x, name)
+        if op not in ROW_REDUCE_OPS:
+            raise EpilogueError(f"row_reduce {name!r}: op must be one of {ROW_REDUCE_OPS}, got {op!r}")
+        self.op = op
+
+    def params(self):
+        return (self.op,)
+
+
+class ColReduce(Sink):
+    kind = "col_reduce"
+
+    def __init__(self, x, op, name):
+        super().__init__(x, name)
+        if op not in COL_REDUCE_OPS:
+            raise EpilogueError(f"col_reduce {name!r}: op must be one of {COL_REDUCE_OPS}, got {op!r}")
+        if x.domain == HALF:
+            raise EpilogueError(f"col_reduce {name!r}: half-width values have no column reduction")
+        self.op = op
+
+    def params(self):
+        return (self.op,)
+
+
+class Gather(Sink):
+    kind = "gather"
+
+    def __init__(self, x, index: Node, name):
+        super().__init__(x, name)
+        if not isinstance(index, RowVec) or index.dtype != "int32":
+            raise EpilogueError(f"gather {name!r}: index must be an int32 row_vec")
+        if x.domain == HALF:
+            raise EpilogueError(f"gather {name!r}: gathers read full-width values")
+        self.index = index
+
+
+# -- traversal and identity ------------------------------------------------------------------------
+def walk(node: Node):
+    """Every node reachable from ``node`` (each once), children before parents."""
+    seen, order = set(), []
+
+    def visit(n):
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        for c in n.children:
+            visit(c)
+        if isinstance(n, Pairwise):
+            for b in n.body:
+                visit(b)
+        order.append(n)
+
+    visit(node)
+    return order
+
+
+def structure(node: Node, _memo=None) -> tuple:
+    """Hashable structural description of the DAG under ``node`` (shared nodes numbered)."""
+    memo = {} if _memo is None else _memo
+    if id(node) in memo:
+        return ("ref", memo[id(node)])
+    memo[id(node)] = len(memo)
+    name_role = ("input",) if isinstance(node, Leaf) and node.role == "input" else ()
+    return (node.kind, node.params(), name_role, tuple(structure(c, memo) for c in node.children))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    kind: str  # scalar | scalar_tensor | row_vec | col_vec | tile
+    dtype: str
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    name: str
+    kind: str  # store | row_reduce | col_reduce | gather
+    dtype: str
+    half: bool = False
+    op: str = ""
+
+
+class Epilogue:
+    """A validated epilogue: its sinks, named inputs and outputs, and a structural key."""
+
+    def __init__(self, *sinks: Sink):
+        if not sinks:
+            raise EpilogueError("an epilogue needs at least one output (store, reduction or gather)")
+        self.sinks = tuple(sinks)
+        names = [s.name for s in sinks]
+        if len(set(names)) != len(names):
+            raise EpilogueError(f"output names must be distinct, got {names}")
+        inputs: dict[str, Leaf] = {}
+        for s in sinks:
+            roots = [s.x] + ([s.index] if isinstance(s, Gather) else [])
+            for root in roots:
+                for n in walk(root):
+                    if isinstance(n, Leaf) and n.role == "input":
+                        if n.name is None or not n.name.isidentifier():
+                            raise EpilogueError(f"{n.kind}: input name must be an identifier, got {n.name!r}")
+                        prev = inputs.get(n.name)
+                        if prev is not None and (prev.kind, prev.dtype) != (n.kind, n.dtype):
+                            raise EpilogueError(f"input {n.name!r} is used as {prev.kind}[{prev.dtype}] "
+                                                f"and as {n.kind}[{n.dtype}]")
+                        inputs.setdefault(n.name, n)
+        clash = set(inputs) & set(names)
+        if clash:
+            raise EpilogueError(f"names used for both an input and an output: {sorted(clash)}")
+        self.inputs = tuple(InputSpec(n.name, n.kind, n.dtype) for n in inputs.values())
+        self.outputs = tuple(_output_spec(s) for s in sinks)
+        memo: dict = {}
+        self.key = (
+            tuple((s.kind, s.params(), structure(s.x, memo),
+                   structure(s.index, memo) if isinstance(s, Gather) else None) for s in sinks),
+            tuple((i.kind, i.dtype) for i in self.inputs),
+        )
+
+    def input_order(self) -> tuple:
+        return tuple(i.name for i in self.inputs)
+
+    def __repr__(self):
+        return "Epilogue(" + ", ".join(f"{s.kind}:{s.name}" for s in self.sinks) + ")"
+
+
+def _output_spec(s: Sink) -> OutputSpec:
+    if isinstance(s, Store):
+        return OutputSpec(s.name, "store", s.dtype, s.half)
+    if isinstance(s, RowReduce):
+        return OutputSpec(s.name, "row_reduce", "float32", s.x.domain == HALF, s.op)
+    if isinstance(s, ColReduce):
+        return OutputSpec(s.name, "col_reduce", "float32", False, s.op)
+    return OutputSpec(s.name, "gather", "float32")
+
+
+# -- the public vocabulary (functions) --------------------------------------------------------------
+def acc() -> Node: return Acc()
+def const(v: float) -> Node: return Const(v)
+def scalar(name: str) -> Node: return Scalar(name)
+def scalar_tensor(name: str) -> Node: return ScalarTensor(name)
+def row_vec(name: str, dtype: str = "float32") -> Node: return RowVec(name, dtype)
+def col_vec(name: str, dtype: str = "float32") -> Node: return ColVec(name, dtype)
+def tile(name: str, dtype: str = "bfloat16") -> Node: return Tile(name, dtype)
+def row_index() -> Node: return RowIndex()
+def col_index() -> Node: return ColIndex()
+def where(cond: Node, a, b) -> Node: return Select(cond, _lift(a), _lift(b))
+def maximum(a, b) -> Node: return Binary("max", _lift(a), _lift(b))
+def minimum(a, b) -> Node: return Binary("min", _lift(a), _lift(b))
+def cast(x: Node, dtype: str) -> Node: return Cast(x, dtype)
+def pairwise(fn: Callable, x: Node) -> Node: return Pairwise(fn, x)
+def store(x: Node, name: str, dtype: str = "bfloat16") -> Sink: return Store(x, name, dtype)
+def row_reduce(x: Node, op: str, name: str) -> Sink: return RowReduce(x, op, name)
+def col_reduce(x: Node, op: str, name: str) -> Sink: return ColReduce(x, op, name)
+def gather(x: Node, index: Node, name: str) -> Sink: return Gather(x, index, name)
+
+
+def _unary(op):
+    def f(x):
+        return Unary(op, _lift(x))
+    f.__name__ = op
+    f.__doc__ = f"Elementwise {op}."
+    return f
+
+
+neg, absolute, exp, exp2, log, log2, sqrt, rsqrt, recip = map(
+    _unary, ("neg", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "recip"))
+sin, cos, tanh, sigmoid, silu, gelu, relu, square, to_float = map(
+    _unary, ("sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "square", "to_float"))
