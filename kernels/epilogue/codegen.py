@@ -38,12 +38,13 @@ def _f(x):
     return Float32(x)
 
 
-def _exp(x):
+def fast_exp(x):
+    """exp(x) as ex2.approx(x * log2 e)."""
     return cute.math.exp2(x * _LOG2E, fastmath=True)
 
 
 def _sigmoid(x):
-    return cute.arch.rcp_approx(1.0 + _exp(-x))
+    return cute.arch.rcp_approx(1.0 + fast_exp(-x))
 
 
 def _unary(op: str, x):
@@ -55,7 +56,7 @@ def _unary(op: str, x):
     if op == "abs":
         return cute.math.abs(x)
     if op == "exp":
-        return _exp(x)
+        return fast_exp(x)
     if op == "exp2":
         return cute.math.exp2(x, fastmath=True)
     if op == "log":

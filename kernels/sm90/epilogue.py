@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from ..epilogue import nodes as N
-from ..epilogue.codegen import Emitter
+from ..epilogue.codegen import Emitter, fast_exp
 
 DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "int32": cutlass.Int32}
@@ -310,7 +310,7 @@ class Sm90TreeEpilogue:
                     m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
                 s_new = _rescale(sm[slot], mx[slot], m_sub)
                 for valid, x in items:
-                    s_new = s_new + Float32(cutlass.select_(valid, _exp(x - m_sub), Float32(0.0)))
+                    s_new = s_new + Float32(cutlass.select_(valid, fast_exp(x - m_sub), Float32(0.0)))
                 mx[slot], sm[slot] = m_sub, s_new
             return (mx, sm)
         out = list(accum)
@@ -480,13 +480,9 @@ def _as_float(x):
     return x if isinstance(x, Float32) else Float32(x)
 
 
-def _exp(x):
-    return cute.math.exp2(x * (1.0 / math.log(2.0)), fastmath=True)
-
-
 def _rescale(s, m_old, m_new):
     """s * exp(m_old - m_new), with an empty running sum (m_old = -inf) staying 0."""
-    return Float32(cutlass.select_(m_old == m_new, s, s * _exp(m_old - m_new)))
+    return Float32(cutlass.select_(m_old == m_new, s, s * fast_exp(m_old - m_new)))
 
 
 class _LazyCols:
