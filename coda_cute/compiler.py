@@ -151,6 +151,10 @@ def _fake_signature(spec: KernelSpec):
             ins.append(fake(i.dtype, (m, n, l), (stride16(i.dtype), 1, stride16(i.dtype))))
         elif i.kind == "scalar_tensor":
             ins.append(fake("float32", (1,), (1,), 4))
+        elif i.kind == "row_sum":
+            ins.append(fake("float32", (m, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
+        elif i.kind == "lookup":
+            ins.append(fake("float32", (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1), 4))
     outs = []
     for o in spec.tree.outputs:
         if o.kind == "store":

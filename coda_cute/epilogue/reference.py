@@ -29,17 +29,21 @@ def evaluate(tree: N.Epilogue, acc: torch.Tensor, inputs: dict, tile_mn=(128, 25
     batched = acc.dim() == 3
     acc3 = acc.float() if batched else acc.float().unsqueeze(0)
     ev = _Evaluator(acc3, inputs, batched)
+    L, M, Nn = acc3.shape
     out = {}
     for s in tree.sinks:
-        x = ev.value(s.x)
+        # Values that depend on fewer than all of (l, m, n) are broadcast over the output, as the
+        # kernel evaluates them at every element.
+        x = ev.value(s.x).expand(L, M, Nn // 2 if s.x.domain == N.HALF else Nn)
         if isinstance(s, N.Store):
-            res = x.to(_TORCH[s.dtype])
+            # A fresh dense tensor, like the kernel's output (never a view of an input).
+            res = x.to(_TORCH[s.dtype], memory_format=torch.contiguous_format, copy=True)
         elif isinstance(s, N.RowReduce):
             res = _row_partials(x, s.op, tile_mn[1] // (2 if s.x.domain == N.HALF else 1))
         elif isinstance(s, N.ColReduce):
             res = _col_partials(x, s.op, tile_mn[0])
         else:
-            idx = ev.value(s.index).long()[..., 0]  # (L, M)
+            idx = ev.value(s.index).long().expand(L, M, 1)[..., 0]
             ok = (idx >= 0) & (idx < x.shape[-1])
             res = torch.where(ok, x.gather(-1, idx.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1), 0.0)
         if isinstance(res, tuple):
@@ -77,7 +81,7 @@ class _Evaluator:
         if isinstance(node, N.Acc):
             return self.acc
         if isinstance(node, N.Const):
-            return torch.tensor(node.value, dtype=torch.float32, device=dev)
+            return torch.tensor(node.value, dtype=_TORCH[node.dtype], device=dev)
         if isinstance(node, (N.Scalar, N.ScalarTensor)):
             v = self._input(node.name)
             return torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(())
@@ -88,10 +92,13 @@ class _Evaluator:
         if isinstance(node, N.ColVec):
             v = self._input(node.name).to(dev)
             v = v.reshape(-1, Nn) if v.dim() == 2 else v.reshape(1, Nn)
-            return v.float().unsqueeze(-2)
+            return (v.to(torch.int32) if node.dtype == "int32" else v.float()).unsqueeze(-2)
         if isinstance(node, N.Tile):
             v = self._input(node.name).to(dev)
             return (v if v.dim() == 3 else v.unsqueeze(0)).float()
+        if isinstance(node, N.RowSum):
+            v = self._input(node.name).to(dev).float()
+            return (v if v.dim() == 3 else v.unsqueeze(0)).sum(-1, keepdim=True)
         if isinstance(node, N.RowIndex):
             return torch.arange(M, device=dev, dtype=torch.int32).reshape(1, M, 1)
         if isinstance(node, N.ColIndex):
@@ -107,7 +114,9 @@ class _Evaluator:
             if node.dtype != "int32":
                 x, y = x.float(), y.float()
             return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
-                    "max": torch.maximum, "min": torch.minimum}[node.op](x, y)
+                    "max": torch.maximum, "min": torch.minimum,
+                    "floordiv": lambda p, q: torch.div(p, q, rounding_mode="floor"),
+                    "mod": torch.remainder}[node.op](x, y)
         if isinstance(node, N.Compare):
             x, y = kids
             if x.dtype != y.dtype:
@@ -119,10 +128,20 @@ class _Evaluator:
             return torch.where(c, a.float(), b.float())
         if isinstance(node, N.Cast):
             return kids[0].float().to(_TORCH[node.to]).float()
+        if isinstance(node, N.Lookup):
+            table = self._input(node.name).to(dev).float()
+            r, c = torch.broadcast_tensors(*kids)
+            return table[r.long().clamp(0, table.shape[0] - 1), c.long().clamp(0, table.shape[1] - 1)]
+        if isinstance(node, N.SegmentReduce):
+            x = kids[0].float().expand(L, M, Nn)
+            x = x * x if node.op == "sumsq" else x
+            w = node.width
+            seg = _pad_to(x, -1, w, 0.0).reshape(L, M, -1, w).sum(-1)
+            return seg.repeat_interleave(w, dim=-1)[..., :Nn]
         if isinstance(node, N.Pairwise):
             x = kids[0]
             pair = (x[..., 0::2], x[..., 1::2])
-            outs = [self.value(b, pair).float().expand_as(pair[0]) for b in node.body]
+            outs = torch.broadcast_tensors(pair[0], *(self.value(b, pair).float() for b in node.body))[1:]
             if len(outs) == 1:
                 return outs[0]
             return torch.stack(outs, dim=-1).flatten(-2)
@@ -174,13 +193,16 @@ def _row_partials(x, op, tile_n):
 
 
 def _col_partials(x, op, tile_m):
-    """(L, N, m_tiles) partials over row tiles of height ``tile_m``."""
+    """(L, N, m_tiles) partials over row tiles of height ``tile_m`` (contiguous, as the kernel
+    writes them)."""
     L, M, Nn = x.shape
     t = _tiles(M, tile_m)
     if op == "max":
-        return _pad_to(x, -2, tile_m, -math.inf).reshape(L, t, tile_m, Nn).amax(-2).transpose(-1, -2)
-    y = x * x if op == "sumsq" else x
-    return _pad_to(y.double(), -2, tile_m, 0.0).reshape(L, t, tile_m, Nn).sum(-2).float().transpose(-1, -2)
+        p = _pad_to(x, -2, tile_m, -math.inf).reshape(L, t, tile_m, Nn).amax(-2)
+    else:
+        y = x * x if op == "sumsq" else x
+        p = _pad_to(y.double(), -2, tile_m, 0.0).reshape(L, t, tile_m, Nn).sum(-2).float()
+    return p.transpose(-1, -2).contiguous()
 
 
 def finalize_sum(partials: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,18 @@ def tree_smem_bytes(tree: N.Epilogue, cfg: GemmConfig) -> int:
 
 
 def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
-    """Whether ``cfg`` keeps at least 2 A/B stages next to the tree's shared memory."""
+    """Whether ``cfg`` keeps at least 2 A/B stages next to the tree's shared memory and its tile
+    width is a multiple of every ``segment_reduce`` width."""
+    if any(cfg.tile_n % w for w in segment_widths(tree)):
+        return False
     try:
         return pipeline_stages(cfg.with_(stages=0), ab_bytes, tree_smem_bytes(tree, cfg)) >= 2
     except ValueError:
         return False
+
+
+def segment_widths(tree: N.Epilogue) -> set:
+    return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
 
 def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
@@ -94,8 +101,11 @@ def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue") -> dict:
     """``a @ b`` with ``tree`` in the epilogue. ``inputs`` binds the tree's named inputs;
     ``outputs`` may pass preallocated outputs by name. Returns the outputs by name."""
+    if not isinstance(tree, N.Epilogue):
+        raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
+    # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
-           config, use_fast_accum)
+           len(inputs), config, use_fast_accum)
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op)
@@ -125,8 +135,6 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
 
 
 def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
-    if not isinstance(tree, N.Epilogue):
-        raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     arch = _check_devices(a, b, inputs, tree, op)
@@ -146,7 +154,8 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
         config = config.with_(fp8_fast_accum=False)
     if not fits(tree, config, 1 if fp8 else 2):
         raise N.EpilogueError(f"{op}: config {config.name} leaves no room for this epilogue's "
-                              "shared memory; pick a smaller tile")
+                              "shared memory, or its tile width is no multiple of a segment_reduce "
+                              f"width {sorted(segment_widths(tree))}")
     plan.config = config
     plan.empty = m == 0 or n == 0 or batch == 0 or k == 0
     if plan.empty and k == 0 and m and n and batch:
@@ -208,6 +217,20 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op):
         if t.numel() != 1:
             raise ValueError(f"{op}: {spec.name!r} must hold exactly one number, got shape {tuple(t.shape)}")
         return ((1,), (1,))
+    if spec.kind == "row_sum":
+        ok = [(m, t.shape[-1])] + ([(batch, m, t.shape[-1])] if batched else [])
+        if t.dim() not in (2, 3) or tuple(t.shape) not in ok:
+            raise ValueError(f"{op}: row_sum {spec.name!r} must be (M, T)" + (" or (L, M, T)" if batched else "")
+                             + f" with M = {m}, got {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: row_sum {spec.name!r} must be contiguous along T, got strides {tuple(t.stride())}")
+        v = t.unsqueeze(0).permute(1, 2, 0) if t.dim() == 2 else t.permute(1, 2, 0)
+        return (tuple(v.shape), v.stride())
+    if spec.kind == "lookup":
+        if t.dim() != 2 or t.stride(-1) != 1 or t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{op}: lookup table {spec.name!r} must be a non-empty 2-D tensor, "
+                             f"contiguous along its last dim; got shape {tuple(t.shape)}, strides {tuple(t.stride())}")
+        return (tuple(t.shape), t.stride())
     if spec.kind in ("row_vec", "col_vec"):
         extent = m if spec.kind == "row_vec" else n
         what = "M (rows of a)" if spec.kind == "row_vec" else "N (columns of b)"

@@ -8,6 +8,8 @@ every leaf is fetched through a *context* supplied by the architecture's epilogu
     ctx.col(name, i)      a column vector's value for element i's column
     ctx.tile(name, i)     a tile input's value at element i
     ctx.scalar(name)      a runtime scalar
+    ctx.lookup(name, r, c)  a 2-D table read at int32 indices
+    ctx.segment(node, i)  a segment_reduce node's value for element i (computed in a prepass)
     ctx.row_index(i), ctx.col_index(i)   element i's global m and n (Int32)
 
 Elements 2j and 2j+1 of a sub-tile are adjacent output columns of the same row (the WGMMA
@@ -101,6 +103,10 @@ def _binary(op: str, x, y, as_int: bool):
         return x / y
     if op == "max":
         return cutlass.max(x, y)
+    if op == "floordiv":
+        return x // y
+    if op == "mod":
+        return x % y
     return cutlass.min(x, y)
 
 
@@ -141,11 +147,16 @@ class Emitter:
         if isinstance(node, N.Acc):
             return ctx.acc(i)
         if isinstance(node, N.Const):
-            return Float32(node.value)
+            return Int32(node.value) if node.dtype == "int32" else Float32(node.value)
         if isinstance(node, (N.Scalar, N.ScalarTensor)):
             return ctx.scalar(node.name)
-        if isinstance(node, N.RowVec):
+        if isinstance(node, (N.RowVec, N.RowSum)):
             return ctx.row(node.name, i)
+        if isinstance(node, N.Lookup):
+            r, c = (self.value(ch, i) for ch in node.children)
+            return ctx.lookup(node.name, r, c)
+        if isinstance(node, N.SegmentReduce):
+            return ctx.segment(node, i)
         if isinstance(node, N.ColVec):
             return ctx.col(node.name, i)
         if isinstance(node, N.Tile):

@@ -11,11 +11,16 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
               tile(name, dtype)       T[l, m, n]   (an (M, N) input, e.g. the residual)
               row_index(), col_index()           m and n (int32)
               const(value)            a compile-time constant
+              row_sum(name)           sum_t P[l, m, t] of an (M, T) input (finalizes partials)
+              lookup(name, r, c)      Tab[r, c] of a 2-D fp32 table at int32 indices
     compute   + - * / (also with Python numbers), max/min, comparisons, where(c, a, b),
               unary math (exp, log, rsqrt, silu, sigmoid, gelu, ...), cast(x, dtype) (round
               to a narrower type and back),
               pairwise(fn, x): fn(x[2j], x[2j+1]) on adjacent columns, returning one value (the
               result has N/2 columns) or a pair (written back to columns 2j and 2j+1)
+              segment_reduce(x, op, w): sum / sum of squares of x over each row's aligned
+              w-column segment (per-head statistics), usable as a value; fn may
+              use the pair, scalars, row vectors and indices
     sinks     store(x, name, dtype)           an (M, N) or (M, N/2) output
               row_reduce(x, op, name)         per-tile partials over the tile's columns:
                                               (L, M, n_tiles) fp32; op sum | sumsq | max | lse
@@ -26,7 +31,8 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
                                               whose index is outside [0, N) are left at 0
 
 ``Epilogue(*sinks)`` validates the DAG and gives it a structural key (node kinds, ops, dtypes,
-input/output roles; not names or values of runtime inputs), which kernels are cached by.
+constants, which input each leaf reads by position in the input order; not names or values of
+runtime inputs), which kernels are cached by.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ DTYPES = ("float32", "bfloat16", "float16", "int32")
 STORE_DTYPES = ("float32", "bfloat16", "float16")
 UNARY_OPS = ("neg", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "recip", "sin", "cos",
              "tanh", "sigmoid", "silu", "gelu", "relu", "square", "to_float")
-BINARY_OPS = ("add", "sub", "mul", "div", "max", "min")
+BINARY_OPS = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod")
+INT_ONLY_OPS = ("floordiv", "mod")
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 ROW_REDUCE_OPS = ("sum", "sumsq", "max", "lse")
 COL_REDUCE_OPS = ("sum", "sumsq", "max")
@@ -55,6 +62,7 @@ class Node:
 
     kind = "node"
     dtype = "float32"
+    role = None  # "input" nodes are bound to call arguments by name
 
     def __init__(self, *children: "Node", domain: Optional[str] = None):
         self.children = tuple(children)
@@ -80,6 +88,8 @@ class Node:
     def __rmul__(self, o): return Binary("mul", _lift(o), self)
     def __truediv__(self, o): return Binary("div", self, _lift(o))
     def __rtruediv__(self, o): return Binary("div", _lift(o), self)
+    def __floordiv__(self, o): return Binary("floordiv", self, _lift_int(o))
+    def __mod__(self, o): return Binary("mod", self, _lift_int(o))
     def __neg__(self): return Unary("neg", self)
     def __lt__(self, o): return Compare("lt", self, _lift(o))
     def __le__(self, o): return Compare("le", self, _lift(o))
@@ -95,6 +105,12 @@ class Node:
         return f"{self.kind}({p}{', ' if p and inner else ''}{inner})"
 
 
+def _lift_int(x) -> Node:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return Const(x, "int32")
+    return _lift(x)
+
+
 def _lift(x) -> Node:
     if isinstance(x, Node):
         return x
@@ -105,8 +121,6 @@ def _lift(x) -> Node:
 
 # -- leaves -----------------------------------------------------------------------------------------
 class Leaf(Node):
-    role = None  # "input" leaves are bound to call arguments by name
-
     def __init__(self, name: Optional[str] = None, dtype: str = "float32", domain=None):
         super().__init__(domain=domain)
         if dtype not in DTYPES:
@@ -128,12 +142,12 @@ class Acc(Leaf):
 class Const(Leaf):
     kind = "const"
 
-    def __init__(self, value: float):
-        super().__init__()
-        self.value = float(value)
+    def __init__(self, value, dtype: str = "float32"):
+        super().__init__(dtype=dtype)
+        self.value = int(value) if dtype == "int32" else float(value)
 
     def params(self):
-        return (self.value,)
+        return (self.value, self.dtype)
 
     def __repr__(self):
         return repr(self.value)
@@ -199,6 +213,59 @@ class PairArg(Leaf):
         return (self.which,)
 
 
+class RowSum(Leaf):
+    """Per row: the sum over T of an (M, T) fp32 input, e.g. the per-tile partials of an earlier
+    epilogue's row reduction, finalized in this epilogue instead of a separate kernel."""
+
+    kind = "row_sum"
+    role = "input"
+
+    def __init__(self, name: str):
+        super().__init__(name, "float32")
+
+
+class Lookup(Node):
+    """A 2-D fp32 table (R, C) read at int32 indices ``row``, ``col`` (clamped into the table)."""
+
+    kind = "lookup"
+    role = "input"
+
+    def __init__(self, name: str, row: Node, col: Node):
+        for what, idx in (("row", row), ("col", col)):
+            if not isinstance(idx, Node) or idx.dtype != "int32":
+                raise EpilogueError(f"lookup {name!r}: the {what} index must be an int32 expression "
+                                    "(row_index(), col_index(), an int32 row_vec, ...)")
+        super().__init__(row, col)
+        self.name = name
+
+
+class SegmentReduce(Node):
+    """Sum (or sum of squares) of ``x`` over the ``width``-column segment each element lies in,
+    per row: e.g. a per-head statistic when ``width`` is the head dimension. Computed in a first
+    pass over the tile, so ``x`` may not read tile inputs; ``width`` must divide the kernel's
+    tile width."""
+
+    kind = "segment_reduce"
+
+    def __init__(self, x: Node, op: str, width: int):
+        if op not in ("sum", "sumsq"):
+            raise EpilogueError(f"segment_reduce: op must be 'sum' or 'sumsq', got {op!r}")
+        if not isinstance(width, int) or width < 8 or width % 8:
+            raise EpilogueError(f"segment_reduce: width must be a multiple of 8, got {width!r}")
+        if x.domain != FULL:
+            raise EpilogueError("segment_reduce: its input must be a full-width value")
+        for n in walk(x):
+            if isinstance(n, (Tile, SegmentReduce)) and n is not x:
+                raise EpilogueError("segment_reduce: its input may not read tile inputs or other "
+                                    "segment reductions (it is computed before them)")
+        super().__init__(x)
+        self.op = op
+        self.width = width
+
+    def params(self):
+        return (self.op, self.width)
+
+
 # -- compute ----------------------------------------------------------------------------------------
 class Unary(Node):
     kind = "unary"
@@ -219,9 +286,11 @@ class Binary(Node):
     def __init__(self, op: str, x: Node, y: Node):
         if op not in BINARY_OPS:
             raise EpilogueError(f"unknown binary op {op!r}; known: {BINARY_OPS}")
+        if op in INT_ONLY_OPS and not (x.dtype == y.dtype == "int32"):
+            raise EpilogueError(f"{op}: integer division and remainder take int32 operands")
         super().__init__(x, y)
         self.op = op
-        self.dtype = "int32" if x.dtype == y.dtype == "int32" and op in ("add", "sub", "mul", "max", "min") else "float32"
+        self.dtype = "int32" if x.dtype == y.dtype == "int32" and op != "div" else "float32"
 
     def params(self):
         return (self.op,)
@@ -281,12 +350,15 @@ class Pairwise(Node):
         self.body = body
         for b in body:
             for n in walk(b):
-                if isinstance(n, (Tile, ColVec)):
+                # The kernel evaluates the body once per pair, at the even column: only values
+                # that are the same for both columns (or the pair itself) are meaningful there.
+                if isinstance(n, (Acc, Tile, ColVec, Pairwise)):
                     raise EpilogueError("pairwise: fn may use the pair, scalars, row vectors and "
-                                        "indices; column vectors and tiles go outside it")
+                                        "indices; the accumulator, column vectors, tiles and "
+                                        "other pairwise nodes go outside it")
 
     def params(self):
-        return (len(self.body), tuple(structure(b) for b in self.body))
+        return (len(self.body),)
 
 
 # -- sinks ------------------------------------------------------------------------------------------
@@ -385,20 +457,26 @@ def walk(node: Node):
     return order
 
 
-def structure(node: Node, _memo=None) -> tuple:
-    """Hashable structural description of the DAG under ``node`` (shared nodes numbered)."""
+def structure(node: Node, slots: dict, _memo=None) -> tuple:
+    """Hashable structural description of the DAG under ``node`` (shared nodes numbered).
+
+    An input leaf is described by ``slots[name]``, the position of its input in the tree's
+    input order, which is how a compiled kernel binds it: trees that differ only in their input
+    names share a key, trees that feed the same leaves from different inputs do not.
+    """
     memo = {} if _memo is None else _memo
     if id(node) in memo:
         return ("ref", memo[id(node)])
     memo[id(node)] = len(memo)
-    name_role = ("input",) if isinstance(node, Leaf) and node.role == "input" else ()
-    return (node.kind, node.params(), name_role, tuple(structure(c, memo) for c in node.children))
+    slot = ("input", slots[node.name]) if node.role == "input" else ()
+    body = tuple(structure(b, slots) for b in node.body) if isinstance(node, Pairwise) else ()
+    return (node.kind, node.params(), slot, body, tuple(structure(c, slots, memo) for c in node.children))
 
 
 @dataclass(frozen=True)
 class InputSpec:
     name: str
-    kind: str  # scalar | scalar_tensor | row_vec | col_vec | tile
+    kind: str  # scalar | scalar_tensor | row_vec | col_vec | tile | row_sum | lookup
     dtype: str
 
 
@@ -417,16 +495,20 @@ class Epilogue:
     def __init__(self, *sinks: Sink):
         if not sinks:
             raise EpilogueError("an epilogue needs at least one output (store, reduction or gather)")
+        for s in sinks:
+            if not isinstance(s, Sink):
+                raise EpilogueError(f"Epilogue takes outputs (store, row_reduce, col_reduce, gather), "
+                                    f"got {s!r}")
         self.sinks = tuple(sinks)
         names = [s.name for s in sinks]
         if len(set(names)) != len(names):
             raise EpilogueError(f"output names must be distinct, got {names}")
-        inputs: dict[str, Leaf] = {}
+        inputs: dict[str, Node] = {}
         for s in sinks:
             roots = [s.x] + ([s.index] if isinstance(s, Gather) else [])
             for root in roots:
                 for n in walk(root):
-                    if isinstance(n, Leaf) and n.role == "input":
+                    if n.role == "input":
                         if n.name is None or not n.name.isidentifier():
                             raise EpilogueError(f"{n.kind}: input name must be an identifier, got {n.name!r}")
                         prev = inputs.get(n.name)
@@ -440,9 +522,10 @@ class Epilogue:
         self.inputs = tuple(InputSpec(n.name, n.kind, n.dtype) for n in inputs.values())
         self.outputs = tuple(_output_spec(s) for s in sinks)
         memo: dict = {}
+        slots = {name: k for k, name in enumerate(inputs)}
         self.key = (
-            tuple((s.kind, s.params(), structure(s.x, memo),
-                   structure(s.index, memo) if isinstance(s, Gather) else None) for s in sinks),
+            tuple((s.kind, s.params(), structure(s.x, slots, memo),
+                   structure(s.index, slots, memo) if isinstance(s, Gather) else None) for s in sinks),
             tuple((i.kind, i.dtype) for i in self.inputs),
         )
 
@@ -482,6 +565,9 @@ def store(x: Node, name: str, dtype: str = "bfloat16") -> Sink: return Store(x, 
 def row_reduce(x: Node, op: str, name: str) -> Sink: return RowReduce(x, op, name)
 def col_reduce(x: Node, op: str, name: str) -> Sink: return ColReduce(x, op, name)
 def gather(x: Node, index: Node, name: str) -> Sink: return Gather(x, index, name)
+def row_sum(name: str) -> Node: return RowSum(name)
+def lookup(name: str, row: Node, col: Node) -> Node: return Lookup(name, row, col)
+def segment_reduce(x: Node, op: str, width: int) -> Node: return SegmentReduce(x, op, width)
 
 
 def _unary(op):

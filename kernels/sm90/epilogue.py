@@ -189,6 +189,10 @@ class Sm90TreeEpilogue:
                 state[spec.name] = vecs.cols(t, DSL_TYPES[spec.dtype])
             elif const_expr(spec.kind == "scalar_tensor"):
                 state[spec.name] = Float32(t[0])
+            elif const_expr(spec.kind == "row_sum"):
+                state[spec.name] = vecs.row_sums(t)
+            elif const_expr(spec.kind == "lookup"):
+                state[spec.name] = t
         for spec, v in zip(self.scalar_inputs, scalars):
             state[spec.name] = Float32(v)
         return state
@@ -216,6 +220,8 @@ class Sm90TreeEpilogue:
             g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
             store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
 
+        segments = self._segment_prepass(acc, frag, state, acc_coords, tile_coords, n_frag, order,
+                                         problem_mnl)
         row_acc = [self._row_init(r) for r in self.row_reds]
         for e in cutlass.range_constexpr(n_epi):
             emc, enc = order.get_hier_coord(e)
@@ -224,7 +230,7 @@ class Sm90TreeEpilogue:
             if const_expr(len(self.tile_inputs) > 0):
                 load_pipe.consumer_wait(load_state)
             ctx = _Ctx(self, frag, state, acc_coords, tiles, load_state, e * n_frag, tile_coords,
-                       emc * em, enc * en)
+                       emc * em, enc * en, segments)
             emit = Emitter(ctx)
             buf = (buffer_base + e) % self.stages
             for k, s in enumerate(self.full_stores):
@@ -267,6 +273,48 @@ class Sm90TreeEpilogue:
                 self._col_finish(c, scratch[k], outs[self.out_slots[c.name]], tidx, tn, tm, tl, problem_mnl)
             barrier.arrive_and_wait()
         return buffer_base + n_epi, load_state
+
+    def _segment_prepass(self, acc, frag, state, acc_coords, tile_coords, n_frag, order, problem_mnl):
+        """Values of the tree's ``segment_reduce`` nodes: for each row this thread holds and each
+        ``width``-column segment of the tile, the sum (of squares) over the segment, computed in a
+        first pass over the accumulator (before anything is stored) and completed across the 4
+        threads that share a row."""
+        nodes = self.segment_nodes
+        if not nodes:
+            return {}
+        em, en = self.epi_tile
+        n_epi = cute.size(order)
+        sums = {}
+        for e in range(n_epi):
+            emc, enc = order.get_hier_coord(e)
+            for v in range(n_frag):
+                frag[v] = acc[e * n_frag + v]
+            ctx = _Ctx(self, frag, state, acc_coords, None, None, e * n_frag, tile_coords,
+                       emc * em, enc * en, {})
+            emit = Emitter(ctx)
+            for node in nodes:
+                for v in range(n_frag):
+                    x = _as_float(emit.value(node.children[0], v))
+                    if node.op == "sumsq":
+                        x = x * x
+                    x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x, Float32(0.0)))
+                    key = (id(node), ctx.row_slot(v), ctx.segment(node, v))
+                    sums[key] = sums[key] + x if key in sums else x
+        for key in list(sums):
+            x = sums[key]
+            for off in (1, 2):
+                x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+            sums[key] = x
+        return sums
+
+    @property
+    def segment_nodes(self):
+        found = {}
+        for s in self.tree.sinks:
+            for n in N.walk(s.x):
+                if isinstance(n, N.SegmentReduce):
+                    found[id(n)] = n
+        return list(found.values())
 
     def _r2s(self, tiled_mma, dtype: str, tidx, buf):
         """stmatrix (16-bit) or plain (fp32) register->smem copy in the accumulator's layout."""
@@ -421,7 +469,7 @@ class _Ctx:
     """What the tree's leaves read for sub-tile element ``i`` (see ``codegen``)."""
 
     def __init__(self, epi, frag, state, acc_coords, tiles, load_state, offset, tile_coords,
-                 sub_m0, sub_n0):
+                 sub_m0, sub_n0, segments):
         self.epi = epi
         self.frag = frag
         self.state = state
@@ -431,6 +479,7 @@ class _Ctx:
         self.load_state = load_state
         self.offset = offset
         self.sub0 = (sub_m0, sub_n0)
+        self.segments = segments
 
     def acc(self, i):
         return self.frag[i]
@@ -443,6 +492,21 @@ class _Ctx:
 
     def scalar(self, name):
         return self.state[name]
+
+    def lookup(self, name, row, col):
+        t = self.state[name]
+        r = cutlass.max(cutlass.min(Int32(row), cute.size(t, mode=[0]) - 1), Int32(0))
+        c = cutlass.max(cutlass.min(Int32(col), cute.size(t, mode=[1]) - 1), Int32(0))
+        return Float32(t[(r, c)])
+
+    def segment(self, node, i):
+        """The segment index of element i for ``node`` (static); with ``self.segments`` filled,
+        the node's value for element i."""
+        idx = self.offset + i
+        seg = ((idx // 4) % self.coords.shape[0][2]) * 8 // node.width
+        if not self.segments:
+            return seg
+        return self.segments[(id(node), self.row_slot(i), seg)]
 
     def tile(self, name, i):
         k = [t.name for t in self.epi.tile_inputs].index(name)
@@ -528,6 +592,21 @@ class AccVectors:
                 crd = ((0, half, 0), mm, 0)
                 m = self.coords[crd][0]
                 out[crd] = _convert(vec[(cutlass.min(m, self.problem[0] - 1), self.batch)], dtype)
+        return out
+
+    @cute.jit
+    def row_sums(self, parts: cute.Tensor):
+        """Per row: the sum of an (M, T, L) tensor over T (per-tile partials of an earlier
+        epilogue, finalized here instead of in a separate kernel)."""
+        out = cute.make_rmem_tensor(cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), Float32)
+        for mm in cutlass.range_constexpr(self.mma_m):
+            for half in cutlass.range_constexpr(2):
+                crd = ((0, half, 0), mm, 0)
+                m = cutlass.min(self.coords[crd][0], self.problem[0] - 1)
+                total = Float32(0.0)
+                for t in cutlass.range(cute.size(parts, mode=[1]), unroll=1):
+                    total = total + parts[(m, t, self.batch)]
+                out[crd] = total
         return out
 
     @cute.jit
