@@ -220,6 +220,7 @@ class Sm90TreeEpilogue:
             g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
             store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
 
+        tile_copies = [self._s2r(tiled_mma, t.dtype, tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
         segments = self._segment_prepass(acc, frag, state, acc_coords, tile_coords, n_frag, order,
                                          problem_mnl)
         row_acc = [self._row_init(r) for r in self.row_reds]
@@ -227,9 +228,13 @@ class Sm90TreeEpilogue:
             emc, enc = order.get_hier_coord(e)
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc[e * n_frag + v]
+            tile_vals = []
             if const_expr(len(self.tile_inputs) > 0):
                 load_pipe.consumer_wait(load_state)
-            ctx = _Ctx(self, frag, state, acc_coords, tiles, load_state, e * n_frag, tile_coords,
+                for tiled_s2r, tSR_s, vals, tSR_r in tile_copies:
+                    cute.copy(tiled_s2r, tSR_s[(None, None, None, load_state.index)], tSR_r)
+                    tile_vals.append(vals)
+            ctx = _Ctx(self, frag, state, acc_coords, tile_vals, e * n_frag, tile_coords,
                        emc * em, enc * en, segments)
             emit = Emitter(ctx)
             buf = (buffer_base + e) % self.stages
@@ -289,7 +294,7 @@ class Sm90TreeEpilogue:
             emc, enc = order.get_hier_coord(e)
             for v in range(n_frag):
                 frag[v] = acc[e * n_frag + v]
-            ctx = _Ctx(self, frag, state, acc_coords, None, None, e * n_frag, tile_coords,
+            ctx = _Ctx(self, frag, state, acc_coords, None, e * n_frag, tile_coords,
                        emc * em, enc * en, {})
             emit = Emitter(ctx)
             for node in nodes:
@@ -315,6 +320,19 @@ class Sm90TreeEpilogue:
                 if isinstance(n, N.SegmentReduce):
                     found[id(n)] = n
         return list(found.values())
+
+    def _s2r(self, tiled_mma, dtype: str, tidx, smem):
+        """ldmatrix (16-bit) or plain (fp32) smem->register copy of a tile input, landing in the
+        same fragment layout the stores use, so register ``v`` is sub-tile element ``v``."""
+        d = DSL_TYPES[dtype]
+        tiled_c = cute.make_tiled_copy_C_atom(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), d), tiled_mma)
+        load_atom = (cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), d) if d.width == 16
+                     else cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), d))
+        tiled_s2r = cute.make_tiled_copy_S(load_atom, tiled_c)
+        thr_s2r = tiled_s2r.get_slice(tidx)
+        _, _, frag_shape = self._r2s(tiled_mma, dtype, tidx, smem)
+        vals = cute.make_rmem_tensor(frag_shape, d)
+        return tiled_s2r, thr_s2r.partition_S(smem), vals, thr_s2r.retile(vals)
 
     def _r2s(self, tiled_mma, dtype: str, tidx, buf):
         """stmatrix (16-bit) or plain (fp32) register->smem copy in the accumulator's layout."""
@@ -468,15 +486,14 @@ class Sm90TreeEpilogue:
 class _Ctx:
     """What the tree's leaves read for sub-tile element ``i`` (see ``codegen``)."""
 
-    def __init__(self, epi, frag, state, acc_coords, tiles, load_state, offset, tile_coords,
-                 sub_m0, sub_n0, segments):
+    def __init__(self, epi, frag, state, acc_coords, tiles, offset, tile_coords, sub_m0, sub_n0,
+                 segments):
         self.epi = epi
         self.frag = frag
         self.state = state
         self.coords = acc_coords  # global (m, n) per accumulator register
         self.tile_coords = tile_coords  # tile-local (m, n) per accumulator register
-        self.tiles = tiles
-        self.load_state = load_state
+        self.tiles = tiles  # per tile input: this sub-tile's values in fragment order
         self.offset = offset
         self.sub0 = (sub_m0, sub_n0)
         self.segments = segments
@@ -510,8 +527,7 @@ class _Ctx:
 
     def tile(self, name, i):
         k = [t.name for t in self.epi.tile_inputs].index(name)
-        ml, nl = self.local(i)
-        return Float32(self.tiles[k][(ml, nl, self.load_state.index)])
+        return Float32(self.tiles[k][i])
 
     def row_index(self, i):
         return self.coords[self.offset + i][0]
