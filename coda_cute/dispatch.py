@@ -46,6 +46,15 @@ def num_sms(device) -> int:
     return _device_props(device.index if device.index is not None else _current_device())[1]
 
 
+def num_sms_or_default(device, default: int = 132) -> int:
+    """SM count of ``device``; ``default`` (an H100/H200's) for fake CUDA tensors on a machine
+    without a GPU, where shapes must still be derived (fake implementations, tracing)."""
+    try:
+        return num_sms(device)
+    except (AssertionError, RuntimeError):
+        return default
+
+
 def _current_device() -> int:
     import torch
 

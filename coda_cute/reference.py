@@ -41,3 +41,188 @@ def _col_scale(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return s.reshape(())
     n = b.shape[-1]
     return s.reshape(*b.shape[:-2], 1, n)
+
+
+# -- CODA block ops (coda_cute.ops.coda_block, coda_cute.ops.lm_head_ce) ---------------------------
+# Each reference computes in fp32 (float64 inputs stay float64, for gradient checks) and rounds
+# once to the activation dtype, exactly as the op is specified; all are differentiable by torch
+# autograd, which makes them the oracle for the ops' hand-written backward too.
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _project(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y @ w.T in fp32 (w stored like nn.Linear: out x in)."""
+    return _wide(y) @ _wide(w).t()
+
+
+def norm_stats_partials_ref(y: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """p[m, t] = sum over the columns n of tile t (width ``tile_n``) of y[m, n]^2: (M, ceil(N/tile_n))."""
+    m, n = y.shape
+    t = -(-n // tile_n)
+    sq = _wide(y).square()
+    sq = torch.cat([sq, sq.new_zeros(m, t * tile_n - n)], dim=1)
+    # Summed in float64 like coda_cute.epilogue.evaluate, so the two agree bit for bit.
+    return sq.double().reshape(m, t, tile_n).sum(-1).to(sq.dtype)
+
+
+def rms_rstd_ref(ss: torch.Tensor, d: int, eps: float) -> torch.Tensor:
+    """r[m] = (sum_t ss[m, t] / d + eps)^(-1/2): the RMSNorm scale from norm-stat partials."""
+    return torch.rsqrt(_wide(ss).sum(-1) / d + eps)
+
+
+def residual_gemm_norm_stats_ref(a, w, residual, tile_n: int):
+    """y = residual + a @ w.T rounded to a's dtype; ss = per-tile sums of squares of the rounded y."""
+    y = (_project(a, w) + _wide(residual)).to(a.dtype)
+    return y, norm_stats_partials_ref(y, tile_n)
+
+
+def _scaled(y, w, ss, eps):
+    return rms_rstd_ref(ss, y.shape[-1], eps).unsqueeze(-1) * _project(y, w)
+
+
+def norm_swiglu_ref(y, w_gu, ss, eps: float):
+    """z = r * (y @ w_gu.T) (rows of w_gu interleaved gate/up); h_j = silu(z_2j) * z_2j+1 from the
+    unrounded z. Returns (z, h) rounded to y's dtype."""
+    z = _scaled(y, w_gu, ss, eps)
+    h = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    return z.to(y.dtype), h.to(y.dtype)
+
+
+def rope_pairs_ref(x, positions, cos, sin, head_dim: int):
+    """Rotate adjacent pairs (2k, 2k+1) of every head of x (M, heads * head_dim) by theta(pos, k):
+    a' = a cos - b sin, b' = a sin + b cos, with cos/sin tables (max_pos, head_dim / 2)."""
+    m = x.shape[0]
+    c = cos.to(x.dtype)[positions.long()].unsqueeze(1)
+    s = sin.to(x.dtype)[positions.long()].unsqueeze(1)
+    pairs = x.reshape(m, -1, head_dim // 2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).reshape(x.shape)
+
+
+def head_rms_norm_ref(x, weight, head_dim: int, eps: float):
+    """RMSNorm over each head's head_dim values of x (M, heads * head_dim); ``weight`` is
+    (heads, head_dim) (one norm weight per head row, e.g. q_norm repeated over the Q heads)."""
+    h = x.reshape(x.shape[0], -1, head_dim)
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * _wide(weight)
+    return h.reshape(x.shape)
+
+
+def qk_norm_weight(q_norm_w, k_norm_w, n_heads: int, n_kv_heads: int):
+    """(n_heads + n_kv_heads, head_dim): q_norm_w for every Q head, then k_norm_w for every K head."""
+    return torch.cat([_wide(q_norm_w).expand(n_heads, -1), _wide(k_norm_w).expand(n_kv_heads, -1)])
+
+
+def norm_rope_qkv_ref(y, w_qkv, ss, eps: float, positions, cos, sin, n_heads: int, n_kv_heads: int,
+                      head_dim: int, q_norm_w=None, k_norm_w=None, qk_eps: float = 1e-6):
+    """x = r * (y @ w_qkv.T) with columns [Q heads | K heads | V heads]; on the Q and K columns an
+    optional per-head RMSNorm (times q_norm_w / k_norm_w), then the adjacent-pair rotation; V as
+    is. Rounded once to y's dtype: (M, (n_heads + 2 n_kv_heads) head_dim)."""
+    x = _scaled(y, w_qkv, ss, eps)
+    n_qk = (n_heads + n_kv_heads) * head_dim
+    qk = x[:, :n_qk]
+    if q_norm_w is not None:
+        qk = head_rms_norm_ref(qk, qk_norm_weight(q_norm_w, k_norm_w, n_heads, n_kv_heads), head_dim, qk_eps)
+    qk = rope_pairs_ref(qk, positions, cos, sin, head_dim)
+    return torch.cat([qk, x[:, n_qk:]], dim=1).to(y.dtype)
+
+
+def norm_proj_ref(y, w, ss, eps: float):
+    """r * (y @ w.T) rounded to y's dtype."""
+    return _scaled(y, w, ss, eps).to(y.dtype)
+
+
+def lm_head_ce_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean"):
+    """Cross-entropy of logits = r * (y @ w_lm.T) (fp32, materialized here, never in the op).
+
+    LSE_m = log sum_v exp(logits[m, v]); loss_m = LSE_m - logits[m, targets_m], 0 where
+    targets_m == ignore_index. reduction: "mean" (over the other rows; NaN if there are none, as
+    in torch), "sum" or "none" ((M,)). Returns (loss, LSE) in fp32.
+    """
+    logits = _scaled(y, w_lm, ss, eps)
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = targets != ignore_index
+    tgt = logits.gather(1, targets.long().clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - tgt, 0.0)
+    return reduce_loss(loss, valid, reduction), lse
+
+
+def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / valid.sum() if reduction == "mean" else total
+
+
+# -- the plain (unfused) Llama block, HF / torchtitan conventions ----------------------------------
+# The comparison baseline for coda_cute.nn: RMSNorm with weight, q/k/v and concatenated gate/up
+# projections, rotate-half RoPE, SDPA with GQA. Runs in the parameters' dtype like the HF model
+# (bf16 for the unfused bf16 path, fp32/fp64 for the fp32 reference).
+
+def rms_norm_ref(x, weight, eps: float):
+    """HF LlamaRMSNorm: normalize in fp32, round to x's dtype, then scale by the weight."""
+    h = _wide(x)
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_tables(max_pos: int, head_dim: int, theta: float, device=None):
+    """cos/sin of theta(pos, k) = pos * theta^(-2k / head_dim): two (max_pos, head_dim / 2) fp32 tables."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    ang = torch.arange(max_pos, device=device, dtype=torch.float64).unsqueeze(1) * inv_freq
+    return ang.cos().float(), ang.sin().float()
+
+
+def rope_rotate_half_ref(x, positions, cos, sin):
+    """HF rotate-half RoPE on x (B, heads, S, head_dim): element k pairs with k + head_dim / 2."""
+    c = torch.cat([cos, cos], -1)[positions.long()].to(x.dtype)
+    s = torch.cat([sin, sin], -1)[positions.long()].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+
+def gate_up_weight(p: dict) -> torch.Tensor:
+    """The concatenated [gate; up] weight (2f, d) of an HF block dict (either layout)."""
+    if "mlp.gate_up_proj.weight" in p:
+        return p["mlp.gate_up_proj.weight"]
+    return torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+
+
+def llama_block_ref(x, p: dict, positions, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int,
+                    eps: float, qk_eps: float = 1e-6):
+    """One pre-norm Llama decoder block on x (B, S, d), the standard unfused way.
+
+    ``p`` holds HF names relative to the layer ("self_attn.q_proj.weight", ...; gate/up separate
+    or as "mlp.gate_up_proj.weight"; optional "self_attn.q_norm.weight" / "k_norm" for QK-norm,
+    applied per head before RoPE). ``positions`` (S,) index the (max_pos, head_dim / 2) tables.
+    """
+    bsz, seq, _ = x.shape
+    h = rms_norm_ref(x, p["input_layernorm.weight"], eps)
+
+    def heads(w, n):
+        return (h @ w.t()).reshape(bsz, seq, n, head_dim)
+
+    q = heads(p["self_attn.q_proj.weight"], n_heads)
+    k = heads(p["self_attn.k_proj.weight"], n_kv_heads)
+    v = heads(p["self_attn.v_proj.weight"], n_kv_heads)
+    if "self_attn.q_norm.weight" in p:
+        q = rms_norm_ref(q, p["self_attn.q_norm.weight"], qk_eps)
+        k = rms_norm_ref(k, p["self_attn.k_norm.weight"], qk_eps)
+    q = rope_rotate_half_ref(q.transpose(1, 2), positions, cos, sin)
+    k = rope_rotate_half_ref(k.transpose(1, 2), positions, cos, sin)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+                                                         enable_gqa=True)
+    x = x + o.transpose(1, 2).reshape(bsz, seq, -1) @ p["self_attn.o_proj.weight"].t()
+    g, u = (rms_norm_ref(x, p["post_attention_layernorm.weight"], eps) @ gate_up_weight(p).t()).chunk(2, -1)
+    return x + (torch.nn.functional.silu(g) * u) @ p["mlp.down_proj.weight"].t()
+
+
+def llama_head_ce_ref(y, norm_w, w_lm, targets, eps: float, ignore_index: int = -100,
+                      reduction: str = "mean"):
+    """Final RMSNorm + LM head + cross-entropy, unfused: the logits (..., V) are materialized in
+    y's dtype and the loss computed in fp32 (as HF does)."""
+    logits = rms_norm_ref(y, norm_w, eps) @ w_lm.t()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             targets.reshape(-1), ignore_index=ignore_index,
+                                             reduction=reduction)

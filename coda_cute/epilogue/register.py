@@ -21,13 +21,6 @@ from .runner import choose_config, output_shapes, run
 _libs: dict[str, torch.library.Library] = {}
 
 
-def _sms(device) -> int:
-    try:
-        return dispatch.num_sms(device)
-    except (AssertionError, RuntimeError):  # fake CUDA tensors on a GPU-less machine
-        return 132
-
-
 def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
     """Define ``torch.ops.<namespace>.<name>`` running ``a @ b`` with ``tree``; returns the op."""
     if not name.isidentifier():
@@ -59,7 +52,8 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
 
     def config_for(a, b):
         m, n, k, batch, fp8 = check_operands(a, b, qual)
-        return m, n, batch, choose_config(tree, m, n, k, batch, fp8, False, _sms(a.device))
+        sms = dispatch.num_sms_or_default(a.device)
+        return m, n, batch, choose_config(tree, m, n, k, batch, fp8, False, sms)
 
     def fake_impl(a, b, *rest):
         m, n, batch, cfg = config_for(a, b)

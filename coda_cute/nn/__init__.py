@@ -1,0 +1,9 @@
+"""torch.nn modules on the CODA ops: a Llama block, the final norm + LM head + loss, a small Llama.
+
+* :class:`CodaLlamaBlock`, :class:`CodaLlamaHead`, :class:`CodaLlama`, :class:`LlamaConfig`
+  (:mod:`coda_cute.nn.llama`).
+* :mod:`coda_cute.nn.convert`: standard (HF) Llama weights <-> the layouts the ops need.
+"""
+
+from . import convert  # noqa: F401
+from .llama import CodaLlama, CodaLlamaBlock, CodaLlamaHead, LlamaConfig, embedding_norm_stats  # noqa: F401

@@ -1,0 +1,194 @@
+"""A Llama decoder block, the final norm + LM head + loss, and a small Llama, on the CODA ops.
+
+One block (x: the residual stream, ss: its norm-stat partials from the GEMM that produced it):
+
+    qkv      = coda.norm_rope_qkv(x, W_qkv * gamma_attn, ss, ...)      RMSNorm + QKV + RoPE
+    o        = scaled_dot_product_attention(q, k, v, causal, GQA)
+    y1, ss1  = coda.residual_gemm_norm_stats(o, W_o, x)                out-proj + residual
+    z, h     = coda.norm_swiglu(y1, W_gu * gamma_ffn, ss1, eps)        RMSNorm + gate/up + SwiGLU
+    y2, ss2  = coda.residual_gemm_norm_stats(h, W_down, y1)            down-proj + residual
+
+The RMSNorm weights are folded into the consumer weights on every forward (a differentiable
+torch multiply, so autograd produces d gamma = sum_n dW' * W); see
+``coda_cute.ops.coda_block.residual_gemm_norm_stats`` for why gamma is not stored with y.
+Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
+``from_hf`` / ``hf_state_dict`` convert from and to standard HF weights. Keep the model's
+parameters in bf16 (the ops' dtype) and the RoPE tables in fp32: move it with ``.to(device)``,
+not ``.to(dtype)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
+from ..ops.lm_head_ce import lm_head_ce
+from ..reference import rope_tables
+from .convert import block_from_hf, block_to_hf
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    head_dim: Optional[int] = None  # default dim // n_heads
+    norm_eps: float = 1e-5
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3-style)
+    qk_norm_eps: float = 1e-6
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+
+def embedding_norm_stats(x: torch.Tensor) -> torch.Tensor:
+    """(M, 1) fp32 sums of squares of the rows of x (M, d): the norm statistics of the embedding
+    output, which no GEMM produces. One small torch reduction (reads x once, writes M floats),
+    differentiable, so the first norm's gradient reaches the embeddings through autograd."""
+    return x.float().square().sum(-1, keepdim=True)
+
+
+def _weight(*shape, device, dtype, std=0.02):
+    return nn.Parameter(torch.randn(*shape, device=device, dtype=torch.float32).mul_(std).to(dtype))
+
+
+def _norm(d, device, dtype):
+    return nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+
+class CodaLlamaBlock(nn.Module):
+    """A pre-norm Llama decoder layer (GQA attention, SwiGLU MLP, optional QK-norm).
+
+    Parameters: attn_norm (d), wqkv ((H + 2 Hkv) hd, d), wo (d, H hd), ffn_norm (d),
+    w_gu (2f, d) interleaved, w_down (d, f), and with ``cfg.qk_norm`` q_norm, k_norm (hd,)
+    (adjacent-pair order, like the Q/K rows).
+    """
+
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
+        kw = dict(device=device, dtype=dtype)
+        self.attn_norm = _norm(d, **kw)
+        self.wqkv = _weight((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, d, **kw)
+        self.wo = _weight(d, cfg.n_heads * hd, **kw)
+        self.ffn_norm = _norm(d, **kw)
+        self.w_gu = _weight(2 * f, d, **kw)
+        self.w_down = _weight(d, f, **kw)
+        self.q_norm = _norm(hd, **kw) if cfg.qk_norm else None
+        self.k_norm = _norm(hd, **kw) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor):
+        """x: (B, S, d) bf16 residual stream; ss: (B*S, T) fp32 its norm-stat partials;
+        positions: (S,) int32 into the (max_pos, hd/2) fp32 cos/sin tables.
+        Returns the next residual stream (B, S, d) and its partials."""
+        c = self.cfg
+        b, s, d = x.shape
+        h, hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        flat = x.reshape(b * s, d)
+        qkv = norm_rope_qkv(flat, self.wqkv * self.attn_norm, ss, c.norm_eps, positions.repeat(b),
+                            cos, sin, h, hkv, hd, self.q_norm, self.k_norm, c.qk_norm_eps)
+        q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([h * hd, hkv * hd, hkv * hd], 1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y1, ss1 = residual_gemm_norm_stats(o.transpose(1, 2).reshape(b * s, h * hd), self.wo, flat)
+        _, act = norm_swiglu(y1, self.w_gu * self.ffn_norm, ss1, c.norm_eps)
+        y2, ss2 = residual_gemm_norm_stats(act, self.w_down, y1)
+        return y2.view(b, s, d), ss2
+
+    def load_hf(self, p: dict, rope: str = "rotate_half"):
+        """Copy in one layer's HF tensors (names relative to the layer)."""
+        c = self.cfg
+        with torch.no_grad():
+            for name, t in block_from_hf(p, c.n_heads, c.n_kv_heads, c.head_dim, rope).items():
+                getattr(self, name).copy_(t)
+
+    def hf_state_dict(self, rope: str = "rotate_half") -> dict:
+        c = self.cfg
+        params = {n: t.detach() for n, t in self.named_parameters()}
+        return block_to_hf(params, c.n_heads, c.n_kv_heads, c.head_dim, rope)
+
+
+class CodaLlamaHead(nn.Module):
+    """Final RMSNorm + LM head: the loss through ``coda.lm_head_ce`` (logits never stored), or
+    the logits through ``coda.norm_proj``. Parameters: norm (d), weight (V, d)."""
+
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = _norm(cfg.dim, device, dtype)
+        self.weight = _weight(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
+
+    def forward(self, y, ss, targets, ignore_index: int = -100, reduction: str = "mean"):
+        """y: (..., d) bf16, ss: its (M, T) partials, targets: (...) int. Returns the loss."""
+        loss, _ = lm_head_ce(y.reshape(-1, self.cfg.dim), self.weight * self.norm, ss,
+                             self.cfg.norm_eps, targets.reshape(-1), ignore_index, reduction)
+        return loss
+
+    def logits(self, y, ss):
+        out = norm_proj(y.reshape(-1, self.cfg.dim), self.weight * self.norm, ss, self.cfg.norm_eps)
+        return out.view(*y.shape[:-1], -1)
+
+
+class CodaLlama(nn.Module):
+    """Embedding, ``n_layers`` :class:`CodaLlamaBlock`, :class:`CodaLlamaHead`."""
+
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype) for _ in range(cfg.n_layers))
+        self.head = CodaLlamaHead(cfg, device, dtype)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                ignore_index: int = -100, reduction: str = "mean"):
+        """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V)."""
+        b, s = tokens.shape
+        x = self.embed(tokens)
+        ss = embedding_norm_stats(x.reshape(b * s, -1))
+        positions = torch.arange(s, device=tokens.device, dtype=torch.int32)
+        for layer in self.layers:
+            x, ss = layer(x, ss, positions, self.rope_cos, self.rope_sin)
+        if targets is None:
+            return self.head.logits(x, ss)
+        return self.head(x, ss, targets, ignore_index, reduction)
+
+    @classmethod
+    def from_hf(cls, cfg: LlamaConfig, state_dict: dict, rope: str = "rotate_half", device=None,
+                dtype=torch.bfloat16) -> "CodaLlama":
+        """Build from an HF ``LlamaForCausalLM`` state dict ("model.embed_tokens.weight",
+        "model.layers.{i}.…", "model.norm.weight", "lm_head.weight"; a missing lm_head means
+        tied embeddings, copied here - the two are trained separately afterwards)."""
+        model = cls(cfg, device, dtype)
+        sd = state_dict
+        with torch.no_grad():
+            model.embed.weight.copy_(sd["model.embed_tokens.weight"])
+            model.head.norm.copy_(sd["model.norm.weight"])
+            model.head.weight.copy_(sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
+        for i, layer in enumerate(model.layers):
+            prefix = f"model.layers.{i}."
+            layer.load_hf({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, rope)
+        return model
+
+    def hf_state_dict(self, rope: str = "rotate_half") -> dict:
+        """The parameters as an HF ``LlamaForCausalLM`` state dict (gate/up separate)."""
+        sd = {"model.embed_tokens.weight": self.embed.weight.detach(),
+              "model.norm.weight": self.head.norm.detach(),
+              "lm_head.weight": self.head.weight.detach()}
+        for i, layer in enumerate(self.layers):
+            sd.update({f"model.layers.{i}.{k}": v for k, v in layer.hf_state_dict(rope).items()})
+        return sd

@@ -1,0 +1,246 @@
+"""Benchmark the CODA Llama-block ops and the block forward (issue 4) on one GPU.
+
+bf16, d = 4096, ffn = 14336, 32 heads / 8 KV heads, head_dim 128, vocab 32768, 16384 tokens
+(batch x seq = 4 x 4096 by default), random data. Times are triton.testing.do_bench medians after
+warm-up. Each fused op is compared with
+
+  (a) the shadow: the plain cuBLAS GEMM of the same shape alone (torch.mm), the ratio target is
+      fused / shadow <= 1.00;
+  (b) eager PyTorch computing the op's outputs (bf16 GEMM, then the epilogue math in fp32);
+  (c) torch.compile of (b).
+
+The block forward (CodaLlamaBlock, gamma folds included) is compared with the sum of its four
+shadow GEMMs plus attention (SDPA alone), and with the plain HF-convention block
+(coda_cute.reference.llama_block_ref) eager and compiled; the target is
+(block - attention) / sum of GEMMs <= 1.00. "gamma fold" rows time W * gamma for each consumer
+weight (the cost of option B, see coda.residual_gemm_norm_stats). Last, the LM head + CE peak
+memory beyond its inputs (torch.cuda.max_memory_allocated), forward and forward + backward, fused
+vs eager (targets 0.1 GiB and 0.5 GiB).
+
+    python scripts/bench_block.py [--batch 4 --seq 4096] [--no-compile] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from coda_cute import reference as R
+from coda_cute.nn import CodaLlamaBlock, LlamaConfig, embedding_norm_stats
+from coda_cute.ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
+from coda_cute.ops.lm_head_ce import lm_head_ce
+
+BF16 = torch.bfloat16
+CFG = LlamaConfig(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
+                  rope_theta=500000.0)
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def peak_beyond_inputs(fn) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# -- eager versions of each op's math (bf16 GEMM, epilogue in fp32) --------------------------------
+def _rstd(ss, d, eps):
+    return torch.rsqrt(ss.sum(-1, keepdim=True) / d + eps)
+
+
+def eager_residual(a, w, res):
+    y = torch.addmm(res, a, w.t())
+    return y, y.float().square().sum(-1, keepdim=True)
+
+
+def eager_swiglu(y, w, ss, eps):
+    z = torch.mm(y, w.t()).float() * _rstd(ss, y.shape[1], eps)
+    return z.to(BF16), (F.silu(z[:, 0::2]) * z[:, 1::2]).to(BF16)
+
+
+def eager_qkv(y, w, ss, eps, pos, cos, sin, h, hkv, hd, qn=None, kn=None, qk_eps=1e-6):
+    x = torch.mm(y, w.t()).float() * _rstd(ss, y.shape[1], eps)
+    n_qk = (h + hkv) * hd
+    qk = x[:, :n_qk]
+    if qn is not None:
+        qk = R.head_rms_norm_ref(qk, R.qk_norm_weight(qn, kn, h, hkv), hd, qk_eps)
+    return torch.cat([R.rope_pairs_ref(qk, pos, cos, sin, hd), x[:, n_qk:]], 1).to(BF16)
+
+
+def eager_proj(y, w, ss, eps):
+    return (torch.mm(y, w.t()).float() * _rstd(ss, y.shape[1], eps)).to(BF16)
+
+
+def eager_ce(y, w, ss, eps, t):
+    logits = torch.mm(y, w.t()).float() * _rstd(ss, y.shape[1], eps)
+    return F.cross_entropy(logits, t)
+
+
+# -- the cases ----------------------------------------------------------------------------------------
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(BF16)
+
+
+def op_cases(m, seq):
+    """(name, fused fn, eager fn, args, shadow (M, N, K))."""
+    c, d, hd = CFG, CFG.dim, CFG.head_dim
+    y = rand(m, d)
+    ss = embedding_norm_stats(y)
+    cos, sin = R.rope_tables(seq, hd, c.rope_theta, "cuda")
+    pos = torch.arange(seq, device="cuda", dtype=torch.int32).repeat(m // seq)
+    n_qkv = (c.n_heads + 2 * c.n_kv_heads) * hd
+    w_qkv, eps = rand(n_qkv, d, scale=d ** -0.5), c.norm_eps
+    qkv = (y, w_qkv, ss, eps, pos, cos, sin, c.n_heads, c.n_kv_heads, hd)
+    qn, kn = 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1)
+    h = rand(m, c.ffn_dim)
+    t = torch.randint(0, c.vocab_size, (m,), device="cuda")
+    return [
+        ("qkv + rope", norm_rope_qkv, eager_qkv, qkv, (m, n_qkv, d)),
+        ("qkv + qk-norm + rope", norm_rope_qkv, eager_qkv, qkv + (qn, kn), (m, n_qkv, d)),
+        ("out-proj + residual + stats", residual_gemm_norm_stats, eager_residual,
+         (rand(m, c.n_heads * hd), rand(d, c.n_heads * hd, scale=d ** -0.5), y), (m, d, c.n_heads * hd)),
+        ("gate/up + swiglu", norm_swiglu, eager_swiglu, (y, rand(2 * c.ffn_dim, d, scale=d ** -0.5), ss, eps),
+         (m, 2 * c.ffn_dim, d)),
+        ("down-proj + residual + stats", residual_gemm_norm_stats, eager_residual,
+         (h, rand(d, c.ffn_dim, scale=c.ffn_dim ** -0.5), y), (m, d, c.ffn_dim)),
+        ("norm proj (d x d)", norm_proj, eager_proj, (y, rand(d, d, scale=d ** -0.5), ss, eps), (m, d, d)),
+        ("lm head + ce", lm_head_ce, eager_ce, (y, rand(c.vocab_size, d, scale=d ** -0.5), ss, eps, t),
+         (m, c.vocab_size, d)),
+    ]
+
+
+def shadow_ms(m, n, k):
+    a, b = rand(m, k), rand(n, k).t()
+    return bench_ms(lambda: torch.mm(a, b))
+
+
+def bench_ops(m, seq, compile_, rows):
+    for name, fused, eager, args, mnk in op_cases(m, seq):
+        row = {"kind": "op", "name": name, "mnk": mnk, "shadow_ms": shadow_ms(*mnk),
+               "fused_ms": bench_ms(lambda: fused(*args)), "eager_ms": bench_ms(lambda: eager(*args))}
+        if compile_:
+            fn = torch.compile(eager)
+            fn(*args)
+            row["compile_ms"] = bench_ms(lambda: fn(*args))
+        rows.append(row)
+
+
+def bench_block(bsz, seq, compile_, rows):
+    c, d, hd = CFG, CFG.dim, CFG.head_dim
+    m = bsz * seq
+    torch.manual_seed(0)
+    blk = CodaLlamaBlock(c, device="cuda")
+    hf = {k: v.contiguous() for k, v in blk.hf_state_dict().items()}
+    x = rand(bsz, seq, d)
+    ss = embedding_norm_stats(x.reshape(m, d))
+    cos, sin = R.rope_tables(seq, hd, c.rope_theta, "cuda")
+    pos = torch.arange(seq, device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        fused = bench_ms(lambda: blk(x, ss, pos, cos, sin))
+        q = rand(bsz, c.n_heads, seq, hd)
+        kv = rand(bsz, c.n_kv_heads, seq, hd)
+        attn = bench_ms(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True))
+        shapes = [(m, (c.n_heads + 2 * c.n_kv_heads) * hd, d), (m, d, c.n_heads * hd),
+                  (m, 2 * c.ffn_dim, d), (m, d, c.ffn_dim)]
+        gemms = sum(shadow_ms(*s) for s in shapes)
+
+        def plain(x):
+            return R.llama_block_ref(x, hf, pos, cos, sin, c.n_heads, c.n_kv_heads, hd, c.norm_eps)
+
+        row = {"kind": "block", "tokens": m, "fused_ms": fused, "attention_ms": attn, "gemms_ms": gemms,
+               "eager_ms": bench_ms(lambda: plain(x))}
+        if compile_:
+            fn = torch.compile(plain)
+            fn(x)
+            row["compile_ms"] = bench_ms(lambda: fn(x))
+        rows.append(row)
+        for name, w, g in (("qkv", blk.wqkv, blk.attn_norm), ("gate/up", blk.w_gu, blk.ffn_norm),
+                           ("lm head", rand(c.vocab_size, d), blk.ffn_norm)):
+            rows.append({"kind": "fold", "name": name, "shape": tuple(w.shape),
+                         "ms": bench_ms(lambda: w * g), "bytes": 2 * w.numel() * w.element_size()})
+
+
+def bench_ce_memory(m, rows):
+    c, d = CFG, CFG.dim
+    y, w = rand(m, d), rand(c.vocab_size, d, scale=d ** -0.5)
+    ss = embedding_norm_stats(y)
+    t = torch.randint(0, c.vocab_size, (m,), device="cuda")
+    fused = lambda y, w: lm_head_ce(y, w, ss, c.norm_eps, t)[0]  # noqa: E731
+    eager = lambda y, w: eager_ce(y, w, ss, c.norm_eps, t)  # noqa: E731
+    for name, fn in (("fused", fused), ("eager", eager)):
+        fwd = peak_beyond_inputs(lambda: fn(y, w))
+        yg, wg = y.clone().requires_grad_(), w.clone().requires_grad_()
+        both = peak_beyond_inputs(lambda: fn(yg, wg).backward())
+        del yg, wg
+        rows.append({"kind": "ce_memory", "name": name, "forward_bytes": fwd, "forward_backward_bytes": both})
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def _x(a, b):
+    return f"{a / b:.2f}x"
+
+
+def report(rows, console):
+    ops = Table(title="fused ops vs their shadow GEMM (ms; ratio to the shadow)")
+    for col in ("op", "M x N x K", "shadow", "fused", "fused/shadow", "eager", "eager/shadow",
+                "compile", "compile/shadow"):
+        ops.add_column(col, justify="right" if col not in ("op", "M x N x K") else "left")
+    for r in (r for r in rows if r["kind"] == "op"):
+        s, comp = r["shadow_ms"], r.get("compile_ms")
+        ops.add_row(r["name"], "x".join(map(str, r["mnk"])), f"{s:.3f}", f"{r['fused_ms']:.3f}",
+                    _x(r["fused_ms"], s), f"{r['eager_ms']:.3f}", _x(r["eager_ms"], s),
+                    "-" if comp is None else f"{comp:.3f}", "-" if comp is None else _x(comp, s))
+    console.print(ops)
+    for r in (r for r in rows if r["kind"] == "block"):
+        no_attn = r["fused_ms"] - r["attention_ms"]
+        console.print(
+            f"block forward, {r['tokens']} tokens: fused {r['fused_ms']:.3f} ms (attention "
+            f"{r['attention_ms']:.3f}, GEMMs {r['gemms_ms']:.3f}); (fused - attention) / GEMMs = "
+            f"{no_attn / r['gemms_ms']:.3f}; eager {r['eager_ms']:.3f} ms"
+            + (f", compiled {r['compile_ms']:.3f} ms" if "compile_ms" in r else ""))
+    for r in (r for r in rows if r["kind"] == "fold"):
+        console.print(f"gamma fold {r['name']:8s} {r['shape']}: {r['ms']:.3f} ms "
+                      f"({r['bytes'] / 2**20:.0f} MiB moved)")
+    for r in (r for r in rows if r["kind"] == "ce_memory"):
+        console.print(f"lm head + ce memory beyond inputs, {r['name']:5s}: forward "
+                      f"{r['forward_bytes'] / 2**30:.3f} GiB, forward+backward "
+                      f"{r['forward_backward_bytes'] / 2**30:.3f} GiB")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_block needs a CUDA GPU")
+    torch.manual_seed(0)
+    m = args.batch * args.seq
+    rows = []
+    bench_ops(m, args.seq, not args.no_compile, rows)
+    bench_block(args.batch, args.seq, not args.no_compile, rows)
+    bench_ce_memory(m, rows)
+    report(rows, Console(width=160))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
