@@ -353,9 +353,8 @@ def norm_rope_qkv_tree(n_qk: int, head_dim: int, qk_norm: bool) -> E.Epilogue:
     segment reduction over each head's head_dim columns), then the rotation of every adjacent
     pair by theta(pos, k):
 
-        out = x * cos + swap(x * sin),   swap(a, b) = (-b, a)   (one pairwise node)
-
-    i.e. (a cos - b sin, a sin + b cos). cos/sin come from the (max_pos, head_dim / 2) tables at
+        (a, b) -> (a cos - b sin, a sin + b cos)   (one pairwise node)
+ cos/sin come from the (max_pos, head_dim / 2) tables at
     (positions[m], k), k = (n mod head_dim) // 2 the pair index within the head. V columns pass
     through. ``qk_w`` is the QK-norm weight per column (q_norm_w over the Q heads, k_norm_w over
     the K heads).
@@ -366,7 +365,9 @@ def norm_rope_qkv_tree(n_qk: int, head_dim: int, qk_norm: bool) -> E.Epilogue:
         mean_sq = E.segment_reduce(x, "sumsq", head_dim) * (1.0 / head_dim)
         x = E.where(is_qk, x * E.rsqrt(mean_sq + E.scalar("qk_eps")) * E.col_vec("qk_w"), x)
     pos, k = E.row_vec("positions", "int32"), E.col_index() % head_dim // 2
-    rot = x * E.lookup("cos", pos, k) + E.pairwise(lambda a, b: (-b, a), x * E.lookup("sin", pos, k))
+    # The tables are read inside the pair's body: once per pair, next to their use.
+    cos, sin = E.lookup("cos", pos, k), E.lookup("sin", pos, k)
+    rot = E.pairwise(lambda a, b: (a * cos - b * sin, a * sin + b * cos), x)
     return E.Epilogue(E.store(E.where(is_qk, rot, x), "qkv", "bfloat16"))
 
 

@@ -190,10 +190,12 @@ class Emitter:
             x = node.children[0]
             pair = (_f(self.value(x, base)), _f(self.value(x, base + 1)))
             body = Emitter(self.ctx, pair)
-            # Leaves inside the body (rows, indices) are read at the even element.
-            if len(node.body) == 1:
-                return _f(body.value(node.body[0], base))
-            return _f(body.value(node.body[i % 2], base))
+            # Leaves inside the body (rows, indices, lookups) are read once, at the even element;
+            # both outputs of a pair come from that one evaluation.
+            outs = [_f(body.value(b, base)) for b in node.body]
+            if len(outs) == 2:
+                self.memo[(id(node), base + 1)] = outs[1]
+            return outs[0] if len(outs) == 1 else outs[i % 2]
         raise N.EpilogueError(f"no code for node kind {node.kind!r}")
 
 
