@@ -76,7 +76,9 @@ _BASE_CONFIGS = (
     (128, 128, "pingpong", 2, 1),
     (128, 192, "pingpong", 1, 2),  # 16-bit only: FP8 scale math spills next to 192 acc regs
     (64, 64, "pingpong", 1, 1),
+    (64, 64, "pingpong", 2, 1),  # small M: the two M tiles share B through multicast
     (64, 128, "pingpong", 1, 1),
+    (64, 128, "pingpong", 2, 1),
     (64, 192, "pingpong", 1, 1),
     (64, 256, "pingpong", 1, 1),
 )
