@@ -34,7 +34,7 @@ same shape (what the epilogue costs), for the plain GEMM layouts cuBLAS (how far
 
 from __future__ import annotations
 
-from . import model
+from . import coda_ops, model  # noqa: F401  (coda_ops: launches of the CODA block ops)
 from .devices import Ceilings, calibrate, datasheet, measured_ceilings
 from .measure import Record, estimate, measure
 from .model import OpCost
