@@ -9,8 +9,11 @@ serves every M, N, K and batch count with the same dtypes and layouts. Compilati
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -231,15 +234,101 @@ _cache: dict[KernelSpec, CompiledKernel] = {}
 
 
 def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
-    """The compiled kernel for ``spec``, compiling it on first use (cached for the process)."""
+    """The compiled kernel for ``spec``: from the process cache, else from the on-disk cache
+    (GPU machines only, see :func:`disk_cache_dir`), else compiled now (and written there)."""
     if isinstance(spec, GemmSpec):
         spec = spec.kernel_spec
     hit = _cache.get(spec)
     if hit is None:
-        hit = _cache[spec] = compile_gemm(spec)
+        hit = _load_cached(spec) or _compile_and_store(spec)
+        _cache[spec] = hit
     return hit
 
 
 def compiled_kernels() -> list[CompiledKernel]:
-    """Kernels compiled so far in this process, in compile order."""
+    """Kernels compiled (or loaded) so far in this process, in first-use order."""
     return list(_cache.values())
+
+
+# -- on-disk cache ----------------------------------------------------------------------------------
+def disk_cache_dir() -> str | None:
+    """Where compiled kernels are kept across processes (exported TVM-FFI objects, ~40 KB each),
+    or None when disabled. ``CODA_CUTE_CACHE_DIR`` overrides the location; ``0`` disables it. Only
+    used on a machine with a GPU of the kernel's arch: there the DSL's target matches the build,
+    which exporting needs."""
+    env = os.environ.get("CODA_CUTE_CACHE_DIR")
+    if env == "0":
+        return None
+    base = env or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                               "coda_cute", "kernels")
+    return base
+
+
+@functools.lru_cache(maxsize=None)
+def _build_digest() -> str:
+    """Everything a binary depends on besides its spec: our kernel sources, the DSL, Python."""
+    import cutlass
+
+    from . import kernels
+
+    h = hashlib.sha256()
+    paths = [os.path.abspath(__file__)] + sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(kernels.__path__[0]) for f in fs if f.endswith(".py"))
+    for path in paths:
+        with open(path, "rb") as fh:
+            h.update(os.path.basename(path).encode() + fh.read())
+    h.update(f"{cutlass.__version__}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()
+
+
+def _disk_path(spec: KernelSpec) -> tuple[str, str] | None:
+    base = disk_cache_dir()
+    if base is None or not _gpu_matches(spec.arch):
+        return None
+    key = repr((spec.a_dtype, spec.b_dtype, spec.a_major, spec.b_major, spec.config, spec.tree_key,
+                spec.arch, spec.num_sms))
+    digest = hashlib.sha256((key + _build_digest()).encode()).hexdigest()[:32]
+    return os.path.join(base, f"{digest}.o"), f"coda_{digest[:16]}"
+
+
+def _gpu_matches(arch: str) -> bool:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability()
+        return arch == f"sm_{major}{minor}a"
+    except Exception:  # no usable CUDA runtime: nothing to load on
+        return False
+
+
+def _load_cached(spec: KernelSpec) -> CompiledKernel | None:
+    where = _disk_path(spec)
+    if where is None or not os.path.exists(where[0]):
+        return None
+    import cutlass.cute as cute
+
+    try:
+        fn = cute.runtime.load_module(where[0], enable_tvm_ffi=True)[where[1]]
+    except Exception:  # stale or truncated: drop it and rebuild
+        os.remove(where[0])
+        return None
+    return CompiledKernel(spec, fn, 0.0)
+
+
+def _compile_and_store(spec: KernelSpec) -> CompiledKernel:
+    out = compile_gemm(spec)
+    where = _disk_path(spec)
+    if where is not None:
+        tmp = None
+        try:
+            os.makedirs(os.path.dirname(where[0]), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".o", dir=os.path.dirname(where[0]))
+            os.close(fd)
+            out.fn.export_to_c(tmp, where[1])
+            os.replace(tmp, where[0])  # atomic: a reader never sees a partial object
+        except Exception:  # a read-only or full disk only costs the next process a compile
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+    return out

@@ -9,6 +9,9 @@ for configs or archs the kernels do not support.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -260,3 +263,22 @@ def test_run_table_renders_results_and_failures():
     console.print(report.run_table(rows, "H200"))
     text = console.export_text()
     assert "2.00" in text and "2.10e-03" in text and "RuntimeError: launch failed" in text
+
+
+_DISK_CACHE_PROBE = """
+import os, sys
+import coda_cute.compiler as C
+C._gpu_matches = lambda arch: True  # as on a Hopper machine
+from coda_cute.kernels.common.config import GemmConfig
+k = C.get_gemm(C.GemmSpec("bfloat16", "bfloat16", "bfloat16", "k", "k", GemmConfig(128, 128, 64, "pingpong")))
+print("loaded" if k.compile_seconds == 0.0 else "compiled", len(os.listdir(os.environ["CODA_CUTE_CACHE_DIR"])))
+"""
+
+
+def test_disk_cache_round_trip(tmp_path):
+    """A kernel compiled in one process is loaded, not recompiled, by the next (the exported
+    object keeps the launcher's signature)."""
+    env = dict(os.environ, CODA_CUTE_CACHE_DIR=str(tmp_path), CUTE_DSL_ARCH="sm_90a")
+    runs = [subprocess.run([sys.executable, "-c", _DISK_CACHE_PROBE], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["compiled", "1"], ["loaded", "1"]], runs[0].stderr[-2000:]
