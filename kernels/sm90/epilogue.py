@@ -36,7 +36,9 @@ from ..epilogue.codegen import Emitter, fast_exp
 DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "int32": cutlass.Int32}
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}
-LOAD_STAGES = 2
+#: tile-input sub-tiles in flight: a TMA load takes several sub-tiles' worth of epilogue math,
+#: so the load warp runs this many sub-tiles ahead of the consumers.
+LOAD_STAGES = 4
 #: most distinct column values a thread keeps in registers for a whole tile.
 EAGER_COLS = 48
 _NEG_INF = -math.inf
@@ -71,15 +73,15 @@ class Sm90TreeEpilogue:
         for s in sinks:
             self.out_slots[s.name] = slot
             slot += 2 if isinstance(s, N.RowReduce) and s.op == "lse" else 1
-        self.load_stages = LOAD_STAGES
         self.subtiles = (tile_mn[0] // epi_tile[0]) * (tile_mn[1] // epi_tile[1])
+        self.load_stages = min(LOAD_STAGES, self.subtiles)
 
     # -- host side (pure Python) -------------------------------------------------------------------
     def smem_bytes(self) -> int:
         em, en = self.epi_tile
         b = sum(self.stages * em * en * BYTES[s.dtype] for s in self.full_stores)
         b += sum(self.stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores)
-        b += sum(LOAD_STAGES * em * en * BYTES[t.dtype] for t in self.tile_inputs)
+        b += sum(self.load_stages * em * en * BYTES[t.dtype] for t in self.tile_inputs)
         b += len(self.col_reds) * self.epi_warps * self.tile_mn[1] * 4
         # each buffer is 1024-byte aligned
         n_buffers = len(self.full_stores) + len(self.half_stores) + len(self.tile_inputs) + len(self.col_reds)
@@ -99,7 +101,8 @@ class Sm90TreeEpilogue:
             for _ in self.half_stores
         ]
         tile_layouts = [
-            sm90_utils.make_smem_layout_epi(DSL_TYPES[t.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile, LOAD_STAGES)
+            sm90_utils.make_smem_layout_epi(DSL_TYPES[t.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile,
+                                            self.load_stages)
             for t in self.tile_inputs
         ]
         store_atoms = []
@@ -136,11 +139,11 @@ class Sm90TreeEpilogue:
                    for _ in self.col_reds]
         load_pipe = None
         if const_expr(len(self.tile_inputs) > 0):
-            mbar = smem.allocate_array(cutlass.Int64, 2 * LOAD_STAGES, byte_alignment=8)
+            mbar = smem.allocate_array(cutlass.Int64, 2 * self.load_stages, byte_alignment=8)
             em, en = self.epi_tile
             tx = sum(em * en * BYTES[t.dtype] for t in self.tile_inputs)
             load_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar, num_stages=LOAD_STAGES,
+                barrier_storage=mbar, num_stages=self.load_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_warps),
                 tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True,
@@ -151,7 +154,7 @@ class Sm90TreeEpilogue:
     @cute.jit
     def produce_loads(self, load_atoms, load_tensors, tiles, load_pipe, sched):
         """Load warp: every tile input's sub-tiles, tile after tile, in the consumers' order."""
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, LOAD_STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.load_stages)
         work = sched.first
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
