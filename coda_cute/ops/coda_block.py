@@ -84,16 +84,22 @@ def check_eps(op: str, name: str, eps: float):
         raise ValueError(f"{op}: {name} must be a finite number >= 0, got {eps}")
 
 
+def check_linear(op: str, x_name: str, x, w):
+    """x (M, K) @ w.T with w stored like nn.Linear (N, K), both bf16. Returns (M, N, K)."""
+    check_tensor(op, x_name, x, 2, (BF16,))
+    check_tensor(op, "w", w, 2, (BF16,))
+    m, k = x.shape
+    n, kw = w.shape
+    if kw != k:
+        raise ValueError(f"{op}: w is {tuple(w.shape)} but {x_name} has {k} columns (w is stored "
+                         "like nn.Linear: out_features x in_features)")
+    return m, n, k
+
+
 def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True):
     """Rules shared by the ops that consume y with its norm statistics. Returns (M, N, d)."""
-    check_tensor(op, "y", y, 2, (BF16,))
-    check_tensor(op, "w", w, 2, (BF16,))
+    m, n, d = check_linear(op, "y", y, w)
     check_tensor(op, "ss", ss, 2, (F32,))
-    m, d = y.shape
-    n, k = w.shape
-    if k != d:
-        raise ValueError(f"{op}: w is {tuple(w.shape)} but y has {d} columns (w is stored like "
-                         "nn.Linear: out_features x in_features)")
     if ss.shape[0] != m or ss.shape[1] < 1:
         raise ValueError(f"{op}: ss must be the (M, T) norm-stat partials of y with M = {m}, got "
                          f"shape {tuple(ss.shape)}")
@@ -175,14 +181,8 @@ def residual_norm_stats_tree() -> E.Epilogue:
 
 def check_residual(a, w, residual):
     op = OP_RESIDUAL
-    check_tensor(op, "a", a, 2, (BF16,))
-    check_tensor(op, "w", w, 2, (BF16,))
+    m, n, k = check_linear(op, "a", a, w)
     check_tensor(op, "residual", residual, 2, (BF16,))
-    m, k = a.shape
-    n, kw = w.shape
-    if kw != k:
-        raise ValueError(f"{op}: w is {tuple(w.shape)} but a has {k} columns (w is stored like "
-                         "nn.Linear: out_features x in_features)")
     if tuple(residual.shape) != (m, n):
         raise ValueError(f"{op}: residual must be (M, N) = {(m, n)}, got {tuple(residual.shape)}")
     check_aligned(op, "the inner dimension (columns of a)", k)
