@@ -278,6 +278,25 @@ def test_row_sum_lookup_segment_reduce(acc):
         E.lookup("tab", E.acc(), E.col_index())
 
 
+@pytest.mark.parametrize("op", ["sum", "sumsq"])
+def test_segment_reduce_takes_row_factors_out(op, acc):
+    m, n = acc.shape
+    r, pos, c = torch.rand(m) + 0.5, torch.randint(1, 5, (m,), dtype=I32), torch.randn(n)
+    x = E.acc() * E.row_vec("r") * (E.col_vec("c") * E.row_vec("pos", "int32")) * E.scalar("s")
+    seg = E.segment_reduce(x, op, 8)
+    inner = [k for k in N.walk(seg) if isinstance(k, N.SegmentReduce)]
+    assert len(inner) == 1 and isinstance(inner[0].children[0], N.Binary)
+    assert {type(k) for k in N.walk(inner[0].children[0])} == {N.Binary, N.Acc, N.ColVec}
+    xs = acc * r[:, None] * c * pos[:, None] * 1.5
+    xs = xs * xs if op == "sumsq" else xs
+    want = torch.nn.functional.pad(xs, (0, -n % 8)).reshape(m, -1, 8).sum(-1).repeat_interleave(8, -1)[:, :n]
+    torch.testing.assert_close(ev(seg, acc, r=r, pos=pos, c=c, s=1.5), want, rtol=1e-5, atol=1e-5)
+    plain = E.segment_reduce(E.acc() * E.col_vec("c"), op, 8)  # nothing to take out
+    assert isinstance(plain, N.SegmentReduce)
+    with pytest.raises(N.EpilogueError, match="full-width"):
+        E.segment_reduce(E.row_vec("r") * 2.0, op, 8)
+
+
 @pytest.mark.parametrize("op", N.COMPARE_OPS)
 def test_compare_and_where(op, acc):
     c = torch.randn(NN)

@@ -567,7 +567,43 @@ def col_reduce(x: Node, op: str, name: str) -> Sink: return ColReduce(x, op, nam
 def gather(x: Node, index: Node, name: str) -> Sink: return Gather(x, index, name)
 def row_sum(name: str) -> Node: return RowSum(name)
 def lookup(name: str, row: Node, col: Node) -> Node: return Lookup(name, row, col)
-def segment_reduce(x: Node, op: str, width: int) -> Node: return SegmentReduce(x, op, width)
+
+
+def segment_reduce(x: Node, op: str, width: int) -> Node:
+    """Sum / sum of squares of ``x`` over each row's aligned ``width``-column segment.
+
+    Row-uniform factors of a product are taken out of the reduction,
+    sum_seg(f x) = f sum_seg(x) and sumsq_seg(f x) = f^2 sumsq_seg(x), so the first pass over
+    the tile reads only the accumulator part. Reducing ``acc * r`` directly lets the compiler
+    keep the products from that pass for the second one: a second accumulator-sized set of
+    live registers next to the accumulator itself, which spills.
+    """
+    whole = SegmentReduce(x, op, width)  # validates x: full-width, so never wholly row-uniform
+    rest, factors = _row_factors(x)
+    if not factors:
+        return whole
+    out = SegmentReduce(rest, op, width)
+    for f in factors:
+        f = Unary("to_float", f) if f.dtype == "int32" else f
+        out = out * (f * f if op == "sumsq" else f)
+    return out
+
+
+def is_row_uniform(node: Node) -> bool:
+    """Whether ``node`` has one value per row (reads no accumulator, columns, tiles or pairs)."""
+    return all(isinstance(n, (Const, Scalar, ScalarTensor, RowVec, RowSum, RowIndex))
+               or not isinstance(n, (Leaf, Pairwise, SegmentReduce)) for n in walk(node))
+
+
+def _row_factors(x: Node):
+    """x = rest * f_1 * ... * f_k with each f_i row-uniform: (rest or None, [f_1, ..., f_k])."""
+    if isinstance(x, Binary) and x.op == "mul":
+        (r0, f0), (r1, f1) = _row_factors(x.children[0]), _row_factors(x.children[1])
+        rest = r1 if r0 is None else (r0 if r1 is None else r0 * r1)
+        if not f0 + f1:
+            return x, []
+        return rest, f0 + f1
+    return (None, [x]) if is_row_uniform(x) else (x, [])
 
 
 def _unary(op):
