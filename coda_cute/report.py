@@ -7,9 +7,11 @@ Kernel families compiled (no GPU needed):
   * ``fp8``      - float8_e4m3fn A and B, K-major, row-wise fp32 scales, bf16 out, every config of
     ``dispatch.config_space(fp8=True)``;
   * ``training`` - bf16 with the other operand majors training needs, on the default bf16 config:
-    ``kn`` (dY @ W, dgrad), ``mn`` (dY.T @ X, wgrad) and ``mk``.
-``--configs default`` keeps one config per family: the one the heuristic picks for a large square
-problem on a 132-SM Hopper part.
+    ``kn`` (dY @ W, dgrad), ``mn`` (dY.T @ X, wgrad) and ``mk``;
+  * ``coda``     - the fused CODA block ops (``torch.ops.coda.*``): each op's epilogue tree on the
+    config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T).
+``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
+square problem on a 132-SM Hopper part.
 
 Per kernel: ptxas registers, spill stores/loads and stack frame; shared memory (A/B stage ring +
 epilogue ring + mbarriers, from ``kernels.common.config.smem_bytes``); compile seconds; and whether
@@ -43,8 +45,8 @@ from rich.table import Table
 
 from . import dispatch
 from .artifacts import PtxCensus, SassCensus, disassemble, find_nvdisasm, scan_ptx, scan_sass
-from .compiler import DTYPE_BYTES, FP8_DTYPES, CompiledKernel, GemmSpec, compile_gemm
-from .epilogue.runner import tree_smem_bytes
+from .compiler import DTYPE_BYTES, FP8_DTYPES, CompiledKernel, GemmSpec, KernelSpec, compile_gemm
+from .epilogue.runner import choose_config, tree_smem_bytes
 from .kernels.common.config import GemmConfig, pipeline_stages, smem_bytes
 
 ARCH = "sm_90a"
@@ -52,6 +54,7 @@ FAMILIES = {
     "bf16": "bf16 x @ W.T: A and B K-major, bf16 out",
     "fp8": "fp8 e4m3 x @ W.T: A and B K-major, row-wise fp32 scales, bf16 out",
     "training": "bf16 training layouts (A major, B major): kn = dY @ W (dgrad), mn = dY.T @ X (wgrad), mk",
+    "coda": "CODA block ops, bf16 x @ W.T, each at its Llama-3-8B layer (16384 tokens) on the heuristic's config",
 }
 TRAINING_LAYOUTS = (("k", "n"), ("m", "n"), ("m", "k"))
 _PTX_TYPE = {"bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -64,7 +67,7 @@ def default_config(fp8: bool) -> GemmConfig:
     return dispatch.select_config(8192, 8192, 8192, 1, fp8, False, 132)
 
 
-def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec]]:
+def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec | KernelSpec]]:
     """(family, spec) of every kernel the report builds; ``configs`` is ``"all"`` or ``"default"``."""
     if configs not in ("all", "default"):
         raise ValueError(f"configs must be 'all' or 'default', got {configs!r}")
@@ -78,24 +81,45 @@ def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec]]:
     cfg = default_config(False)
     out += [("training", GemmSpec("bfloat16", "bfloat16", "bfloat16", am, bm, cfg, arch=ARCH))
             for am, bm in TRAINING_LAYOUTS]
-    return out
+    return out + [("coda", spec) for spec in coda_op_specs()]
 
 
-def expected_wgmma(spec: GemmSpec) -> str:
+def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
+    """One kernel per CODA block op (labelled with the op): its tree on the config the op's
+    heuristic picks at the ``model`` layer it fuses into."""
+    from .ops import coda_block as cb
+    from .ops import lm_head_ce as lm
+    from .sol.shapes import LLAMA3, llama_block
+
+    c = LLAMA3[model]
+    layers = {s.layer: s.mnk for s in llama_block(c)}
+    n_qk = (c.n_heads + c.n_kv_heads) * c.head_dim
+    ops = (("residual_gemm_norm_stats", cb.residual_norm_stats_tree(), "down"),
+           ("norm_swiglu", cb.norm_swiglu_tree(), "gate_up"),
+           ("norm_rope_qkv", cb.norm_rope_qkv_tree(n_qk, c.head_dim, False), "qkv"),
+           ("norm_rope_qkv_qk_norm", cb.norm_rope_qkv_tree(n_qk, c.head_dim, True), "qkv"),
+           ("norm_proj", cb.norm_proj_tree(), "qkv"),
+           ("lm_head_ce", lm.lm_head_ce_tree(), "lm_head"))
+    return [KernelSpec.of("bfloat16", "bfloat16", "k", "k",
+                          choose_config(tree, *layers[layer], 1, False, False, sms), tree, ARCH, sms, label=op)
+            for op, tree, layer in ops]
+
+
+def expected_wgmma(spec: GemmSpec | KernelSpec) -> str:
     """PTX WGMMA suffix the kernel must issue: a 64-row warpgroup atom spanning the tile's whole
     N, 32 bytes of K (k16 for 16-bit, k32 for FP8), fp32 accumulation."""
     k = 32 if spec.a_dtype in FP8_DTYPES else 16
     return f"m64n{spec.config.tile_n}k{k}.f32.{_PTX_TYPE[spec.a_dtype]}.{_PTX_TYPE[spec.b_dtype]}"
 
 
-def expected_gmma(spec: GemmSpec) -> str:
+def expected_gmma(spec: GemmSpec | KernelSpec) -> str:
     """SASS opcode prefix of that WGMMA: HGMMA for 16-bit inputs, QGMMA for FP8."""
     fp8 = spec.a_dtype in FP8_DTYPES
     return f"{'QGMMA' if fp8 else 'HGMMA'}.64x{spec.config.tile_n}x{32 if fp8 else 16}.F32"
 
 
 @functools.lru_cache(maxsize=None)
-def inspect_kernel(spec: GemmSpec) -> tuple[CompiledKernel, PtxCensus, SassCensus | None]:
+def inspect_kernel(spec: GemmSpec | KernelSpec) -> tuple[CompiledKernel, PtxCensus, SassCensus | None]:
     """Compile ``spec`` with its artifacts and census its PTX and SASS (once per process; the
     CPU tests share this cache). SASS is None when ``nvdisasm`` is not installed."""
     kernel = compile_gemm(spec, keep_artifacts=True)
@@ -106,7 +130,7 @@ def inspect_kernel(spec: GemmSpec) -> tuple[CompiledKernel, PtxCensus, SassCensu
 @dataclass
 class KernelReport:
     family: str
-    spec: GemmSpec
+    spec: GemmSpec | KernelSpec
     kernel: CompiledKernel | None = None
     ptx: PtxCensus | None = None
     sass: SassCensus | None = None  # None: no nvdisasm (or the compile failed)
@@ -117,8 +141,26 @@ class KernelReport:
         return self.spec.config.cluster_m * self.spec.config.cluster_n > 1
 
     @property
+    def tree(self):
+        return (self.spec.kernel_spec if isinstance(self.spec, GemmSpec) else self.spec).tree
+
+    @property
+    def label(self) -> str:
+        """The row's first column: the operand majors of a GEMM, the op of a fused kernel."""
+        layout = self.spec.a_major + self.spec.b_major
+        return layout if isinstance(self.spec, GemmSpec) else self.spec.label
+
+    @property
+    def store_expected(self) -> bool:
+        return any(o.kind == "store" for o in self.tree.outputs)
+
+    def expected(self, what: str) -> bool:
+        """Whether an instruction class of :meth:`presence` belongs in this kernel."""
+        return {"multicast": self.multicast_expected, "tma_store": self.store_expected}.get(what, True)
+
+    @property
     def epi_bytes(self) -> int:
-        return tree_smem_bytes(self.spec.kernel_spec.tree, self.spec.config)
+        return tree_smem_bytes(self.tree, self.spec.config)
 
     @property
     def smem_bytes(self) -> int:
@@ -156,7 +198,7 @@ class KernelReport:
         if self.ptx.target != self.spec.arch:
             out.append(f"PTX target {self.ptx.target}, expected {self.spec.arch}")
         for what, (in_ptx, in_sass) in self.presence().items():
-            want = self.multicast_expected if what == "multicast" else True
+            want = self.expected(what)
             if in_ptx != want or in_sass not in (None, want):
                 out.append(f"{what} {'missing' if want else 'unexpected'}")
         stats = self.kernel.stats
@@ -171,12 +213,15 @@ class KernelReport:
         spec = self.spec
         rec = {
             "kind": "kernel", "name": spec.name, "family": self.family, "arch": spec.arch,
-            "a_dtype": spec.a_dtype, "b_dtype": spec.b_dtype, "d_dtype": spec.d_dtype,
-            "layout": spec.a_major + spec.b_major, "scale_a": spec.scale_a, "scale_b": spec.scale_b,
+            "a_dtype": spec.a_dtype, "b_dtype": spec.b_dtype, "layout": spec.a_major + spec.b_major,
             "config_name": spec.config.name, "config": dataclasses.asdict(spec.config),
             "multicast_expected": self.multicast_expected,
             "problems": self.problems(), "ok": not self.problems(), "error": self.error,
         }
+        if isinstance(spec, GemmSpec):
+            rec.update({"d_dtype": spec.d_dtype, "scale_a": spec.scale_a, "scale_b": spec.scale_b})
+        else:
+            rec.update({"op": spec.label, "outputs": [dataclasses.asdict(o) for o in self.tree.outputs]})
         if self.error:
             return rec
         stats = self.kernel.stats
@@ -209,7 +254,7 @@ def build_reports(specs: list[tuple[str, GemmSpec]], log: Console | None = None)
         out.append(rep)
         if log is not None:
             status = "[green]ok[/]" if not rep.problems() else f"[red]{'; '.join(rep.problems())[:200]}[/]"
-            log.print(f"[{i:>2}/{len(specs)}] {family:<8} {spec.a_major}{spec.b_major} "
+            log.print(f"[{i:>2}/{len(specs)}] {family:<8} {rep.label:<22} "
                       f"{spec.config.name:<34} {time.perf_counter() - t0:5.2f} s  {status}",
                       highlight=False)
     return out
@@ -230,12 +275,12 @@ def _mark(present: bool | None, want: bool) -> str:
 
 def family_table(family: str, reports: list[KernelReport]) -> Table:
     t = Table(title=FAMILIES[family], title_justify="left")
-    for col in ("layout", "config", "regs", "spill B", "stack B", "smem B", "stages", "compile s",
+    for col in ("kernel", "config", "regs", "spill B", "stack B", "smem B", "stages", "compile s",
                 "WGMMA", "TMA ld", "TMA st", "mcast", "ok"):
-        left = col in ("layout", "config", "WGMMA")
+        left = col in ("kernel", "config", "WGMMA")
         t.add_column(col, justify="left" if left else "right", no_wrap=left)
     for r in reports:
-        head = [r.spec.a_major + r.spec.b_major, r.spec.config.name]
+        head = [r.label, r.spec.config.name]
         if r.error:
             t.add_row(*head, *[""] * 10, "[bold red]compile failed[/]")
             continue
@@ -243,7 +288,7 @@ def family_table(family: str, reports: list[KernelReport]) -> Table:
         pres = r.presence()
         marks = []
         for what in ("tma_load", "tma_store", "multicast"):
-            want = r.multicast_expected if what == "multicast" else True
+            want = r.expected(what)
             marks.append("/".join(_mark(p, want) for p in pres[what]))
         wg_ok = not r.wgmma_problems()
         wg_text = ", ".join(r.sass.gmma) if r.sass is not None else f"{', '.join(r.ptx.wgmma)} (SASS ?)"
@@ -384,7 +429,7 @@ def run(args) -> int:
     if find_nvdisasm() is None:
         log.print("[yellow]nvdisasm not found: SASS columns show ?. Install it with "
                   "pip install 'nvidia-cutlass-dsl-libs-base[sass]'.")
-    log.print(f"compiling {len(specs)} GEMM kernels for {ARCH} ...")
+    log.print(f"compiling {len(specs)} kernels for {ARCH} ...")
     t0 = time.perf_counter()
     reports = build_reports(specs, log)
     wall = time.perf_counter() - t0
