@@ -96,6 +96,9 @@ FIXED = {
     "lse_gather": lambda: E.Epilogue(E.row_reduce(E.acc() * E.scalar("t"), "lse", "lse"),
                                      E.row_reduce(E.acc(), "max", "mx"),
                                      E.gather(E.acc() * E.scalar("t"), E.row_vec("target", "int32"), "tgt")),
+    "int_floordiv_mod": lambda: E.Epilogue(E.store(  # negative operands: floor semantics
+        E.to_float((E.col_index() - E.row_index()) % 7) + E.to_float((E.col_index() - E.row_index()) // 5)
+        + E.to_float(E.row_vec("shift", "int32") % 3) + 0.0 * E.acc(), "out", "float32")),
     "select_cast_indices": lambda: E.Epilogue(E.store(
         E.where(E.acc() > E.scalar_tensor("thr"), E.cast(E.acc(), "bfloat16"),
                 E.to_float(E.col_index() - E.row_index()) / 64.0), "out", "float16")),

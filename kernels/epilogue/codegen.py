@@ -106,7 +106,9 @@ def _binary(op: str, x, y, as_int: bool):
     if op == "floordiv":
         return x // y
     if op == "mod":
-        return x % y
+        # The DSL's % truncates (C); the tree's mod is Python's / torch.remainder's, which pairs
+        # with the flooring // so that x == (x // y) * y + x % y also for negative x.
+        return x - (x // y) * y
     return cutlass.min(x, y)
 
 
