@@ -25,6 +25,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import cutlass_arith
 
 from . import nodes as N
 
@@ -88,6 +89,14 @@ def _unary(op: str, x):
     if op == "square":
         return x * x
     raise N.EpilogueError(f"no code for unary op {op!r}")
+
+
+def _plain_int(coord):
+    """A coordinate as a plain signed Int32. CuTe's coordinate integers divide with the layout
+    algebra's truncating ``tuple_div``; the tree's ``//`` and ``%`` floor (like torch)."""
+    if isinstance(coord, int):
+        return Int32(coord)
+    return Int32(cutlass_arith.ArithValue(Int32(coord).ir_value(), True))
 
 
 def _binary(op: str, x, y, as_int: bool):
@@ -164,9 +173,9 @@ class Emitter:
         if isinstance(node, N.Tile):
             return ctx.tile(node.name, i)
         if isinstance(node, N.RowIndex):
-            return ctx.row_index(i)
+            return _plain_int(ctx.row_index(i))
         if isinstance(node, N.ColIndex):
-            return ctx.col_index(i)
+            return _plain_int(ctx.col_index(i))
         if isinstance(node, N.PairArg):
             return self.binding[node.which]
         if isinstance(node, N.Unary):
