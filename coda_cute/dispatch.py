@@ -117,6 +117,8 @@ _RATES_16 = {
     ("pingpong", 128, 192, 1, 2): 655, ("pingpong", 64, 256, 1, 1): 360,
     ("pingpong", 64, 192, 1, 1): 340, ("pingpong", 64, 128, 1, 1): 330,
     ("pingpong", 64, 64, 1, 1): 315,
+    # M = 128 sweep: 1.15x (64x128) and 1.02-1.03x (64x64) their 1x1 cluster's time
+    ("pingpong", 64, 128, 2, 1): 378, ("pingpong", 64, 64, 2, 1): 322,
 }
 _RATES_FP8 = {
     ("cooperative", 128, 192, 2, 1): 1110, ("cooperative", 128, 160, 2, 1): 1095,

@@ -90,12 +90,18 @@ def norm_swiglu_ref(y, w_gu, ss, eps: float):
     return z.to(y.dtype), h.to(y.dtype)
 
 
-def rope_pairs_ref(x, positions, cos, sin, head_dim: int):
-    """Rotate adjacent pairs (2k, 2k+1) of every head of x (M, heads * head_dim) by theta(pos, k):
-    a' = a cos - b sin, b' = a sin + b cos, with cos/sin tables (max_pos, head_dim / 2)."""
+def rope_cos_sin(positions, inv_freq, dtype):
+    """cos and sin of theta[m, k] = positions[m] * inv_freq[k] (the product in fp32, as HF and
+    the kernel form it; cos / sin evaluated in float64), (M, head_dim / 2) in ``dtype``."""
+    theta = (positions.to(torch.float32).unsqueeze(1) * inv_freq.to(torch.float32)).double()
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+def rope_pairs_ref(x, positions, inv_freq, head_dim: int):
+    """Rotate adjacent pairs (2k, 2k+1) of every head of x (M, heads * head_dim) by
+    theta = positions[m] * inv_freq[k]: a' = a cos - b sin, b' = a sin + b cos."""
     m = x.shape[0]
-    c = cos.to(x.dtype)[positions.long()].unsqueeze(1)
-    s = sin.to(x.dtype)[positions.long()].unsqueeze(1)
+    c, s = (t.unsqueeze(1) for t in rope_cos_sin(positions, inv_freq, x.dtype))
     pairs = x.reshape(m, -1, head_dim // 2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
     return torch.stack((a * c - b * s, a * s + b * c), dim=-1).reshape(x.shape)
@@ -114,7 +120,7 @@ def qk_norm_weight(q_norm_w, k_norm_w, n_heads: int, n_kv_heads: int):
     return torch.cat([_wide(q_norm_w).expand(n_heads, -1), _wide(k_norm_w).expand(n_kv_heads, -1)])
 
 
-def norm_rope_qkv_ref(y, w_qkv, ss, eps: float, positions, cos, sin, n_heads: int, n_kv_heads: int,
+def norm_rope_qkv_ref(y, w_qkv, ss, eps: float, positions, inv_freq, n_heads: int, n_kv_heads: int,
                       head_dim: int, q_norm_w=None, k_norm_w=None, qk_eps: float = 1e-6):
     """x = r * (y @ w_qkv.T) with columns [Q heads | K heads | V heads]; on the Q and K columns an
     optional per-head RMSNorm (times q_norm_w / k_norm_w), then the adjacent-pair rotation; V as
@@ -124,7 +130,7 @@ def norm_rope_qkv_ref(y, w_qkv, ss, eps: float, positions, cos, sin, n_heads: in
     qk = x[:, :n_qk]
     if q_norm_w is not None:
         qk = head_rms_norm_ref(qk, qk_norm_weight(q_norm_w, k_norm_w, n_heads, n_kv_heads), head_dim, qk_eps)
-    qk = rope_pairs_ref(qk, positions, cos, sin, head_dim)
+    qk = rope_pairs_ref(qk, positions, inv_freq, head_dim)
     return torch.cat([qk, x[:, n_qk:]], dim=1).to(y.dtype)
 
 
@@ -167,17 +173,16 @@ def rms_norm_ref(x, weight, eps: float):
     return weight * h.to(x.dtype)
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float, device=None):
-    """cos/sin of theta(pos, k) = pos * theta^(-2k / head_dim): two (max_pos, head_dim / 2) fp32 tables."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    ang = torch.arange(max_pos, device=device, dtype=torch.float64).unsqueeze(1) * inv_freq
-    return ang.cos().float(), ang.sin().float()
+def rope_inv_freq(head_dim: int, theta: float, device=None):
+    """The unscaled rotary frequencies theta^(-2k / head_dim), k < head_dim / 2, fp32 (as HF)."""
+    return (theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)).float()
 
 
-def rope_rotate_half_ref(x, positions, cos, sin):
-    """HF rotate-half RoPE on x (B, heads, S, head_dim): element k pairs with k + head_dim / 2."""
-    c = torch.cat([cos, cos], -1)[positions.long()].to(x.dtype)
-    s = torch.cat([sin, sin], -1)[positions.long()].to(x.dtype)
+def rope_rotate_half_ref(x, positions, inv_freq):
+    """HF rotate-half RoPE on x (B, heads, S, head_dim): element k pairs with k + head_dim / 2;
+    cos / sin rounded to x's dtype first, as HF does."""
+    c, s = rope_cos_sin(positions, inv_freq, x.dtype)
+    c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * c + torch.cat([-x2, x1], dim=-1) * s
 
@@ -189,13 +194,13 @@ def gate_up_weight(p: dict) -> torch.Tensor:
     return torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
 
 
-def llama_block_ref(x, p: dict, positions, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int,
+def llama_block_ref(x, p: dict, positions, inv_freq, n_heads: int, n_kv_heads: int, head_dim: int,
                     eps: float, qk_eps: float = 1e-6):
     """One pre-norm Llama decoder block on x (B, S, d), the standard unfused way.
 
     ``p`` holds HF names relative to the layer ("self_attn.q_proj.weight", ...; gate/up separate
     or as "mlp.gate_up_proj.weight"; optional "self_attn.q_norm.weight" / "k_norm" for QK-norm,
-    applied per head before RoPE). ``positions`` (S,) index the (max_pos, head_dim / 2) tables.
+    applied per head before RoPE). RoPE angles positions[s] * inv_freq[k], positions (S,).
     """
     bsz, seq, _ = x.shape
     h = rms_norm_ref(x, p["input_layernorm.weight"], eps)
@@ -209,8 +214,8 @@ def llama_block_ref(x, p: dict, positions, cos, sin, n_heads: int, n_kv_heads: i
     if "self_attn.q_norm.weight" in p:
         q = rms_norm_ref(q, p["self_attn.q_norm.weight"], qk_eps)
         k = rms_norm_ref(k, p["self_attn.k_norm.weight"], qk_eps)
-    q = rope_rotate_half_ref(q.transpose(1, 2), positions, cos, sin)
-    k = rope_rotate_half_ref(k.transpose(1, 2), positions, cos, sin)
+    q = rope_rotate_half_ref(q.transpose(1, 2), positions, inv_freq)
+    k = rope_rotate_half_ref(k.transpose(1, 2), positions, inv_freq)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
                                                          enable_gqa=True)
     x = x + o.transpose(1, 2).reshape(bsz, seq, -1) @ p["self_attn.o_proj.weight"].t()

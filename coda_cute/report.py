@@ -160,7 +160,7 @@ class KernelReport:
 
     @property
     def epi_bytes(self) -> int:
-        return tree_smem_bytes(self.tree, self.spec.config)
+        return tree_smem_bytes(self.tree, self.spec.config, DTYPE_BYTES[self.spec.a_dtype])
 
     @property
     def smem_bytes(self) -> int:

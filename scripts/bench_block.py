@@ -72,13 +72,13 @@ def eager_swiglu(y, w, ss, eps):
     return z.to(BF16), (F.silu(z[:, 0::2]) * z[:, 1::2]).to(BF16)
 
 
-def eager_qkv(y, w, ss, eps, pos, cos, sin, h, hkv, hd, qn=None, kn=None, qk_eps=1e-6):
+def eager_qkv(y, w, ss, eps, pos, inv_freq, h, hkv, hd, qn=None, kn=None, qk_eps=1e-6):
     x = torch.mm(y, w.t()).float() * _rstd(ss, y.shape[1], eps)
     n_qk = (h + hkv) * hd
     qk = x[:, :n_qk]
     if qn is not None:
         qk = R.head_rms_norm_ref(qk, R.qk_norm_weight(qn, kn, h, hkv), hd, qk_eps)
-    return torch.cat([R.rope_pairs_ref(qk, pos, cos, sin, hd), x[:, n_qk:]], 1).to(BF16)
+    return torch.cat([R.rope_pairs_ref(qk, pos, inv_freq, hd), x[:, n_qk:]], 1).to(BF16)
 
 
 def eager_proj(y, w, ss, eps):
@@ -100,11 +100,11 @@ def op_cases(m, seq):
     c, d, hd = CFG, CFG.dim, CFG.head_dim
     y = rand(m, d)
     ss = embedding_norm_stats(y)
-    cos, sin = R.rope_tables(seq, hd, c.rope_theta, "cuda")
+    inv_freq = R.rope_inv_freq(hd, c.rope_theta, "cuda")
     pos = torch.arange(seq, device="cuda", dtype=torch.int32).repeat(m // seq)
     n_qkv = (c.n_heads + 2 * c.n_kv_heads) * hd
     w_qkv, eps = rand(n_qkv, d, scale=d ** -0.5), c.norm_eps
-    qkv = (y, w_qkv, ss, eps, pos, cos, sin, c.n_heads, c.n_kv_heads, hd)
+    qkv = (y, w_qkv, ss, eps, pos, inv_freq, c.n_heads, c.n_kv_heads, hd)
     qn, kn = 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1)
     h = rand(m, c.ffn_dim)
     t = torch.randint(0, c.vocab_size, (m,), device="cuda")
@@ -123,14 +123,14 @@ def op_cases(m, seq):
     ]
 
 
-def shadow_ms(m, n, k):
-    a, b = rand(m, k), rand(n, k).t()
-    return bench_ms(lambda: torch.mm(a, b))
+def shadow_ms(a, w):
+    """The plain cuBLAS GEMM a @ w.T on the op's own operands."""
+    return bench_ms(lambda: torch.mm(a, w.t()))
 
 
 def bench_ops(m, seq, compile_, rows):
     for name, fused, eager, args, mnk in op_cases(m, seq):
-        row = {"kind": "op", "name": name, "mnk": mnk, "shadow_ms": shadow_ms(*mnk),
+        row = {"kind": "op", "name": name, "mnk": mnk, "shadow_ms": shadow_ms(args[0], args[1]),
                "fused_ms": bench_ms(lambda: fused(*args)), "eager_ms": bench_ms(lambda: eager(*args))}
         if compile_:
             fn = torch.compile(eager)
@@ -147,19 +147,18 @@ def bench_block(bsz, seq, compile_, rows):
     hf = {k: v.contiguous() for k, v in blk.hf_state_dict().items()}
     x = rand(bsz, seq, d)
     ss = embedding_norm_stats(x.reshape(m, d))
-    cos, sin = R.rope_tables(seq, hd, c.rope_theta, "cuda")
+    inv_freq = R.rope_inv_freq(hd, c.rope_theta, "cuda")
     pos = torch.arange(seq, device="cuda", dtype=torch.int32)
     with torch.no_grad():
-        fused = bench_ms(lambda: blk(x, ss, pos, cos, sin))
+        fused = bench_ms(lambda: blk(x, ss, pos, inv_freq))
         q = rand(bsz, c.n_heads, seq, hd)
         kv = rand(bsz, c.n_kv_heads, seq, hd)
         attn = bench_ms(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True))
-        shapes = [(m, (c.n_heads + 2 * c.n_kv_heads) * hd, d), (m, d, c.n_heads * hd),
-                  (m, 2 * c.ffn_dim, d), (m, d, c.ffn_dim)]
-        gemms = sum(shadow_ms(*s) for s in shapes)
+        # the block's four GEMMs on its own weights
+        gemms = sum(shadow_ms(rand(m, w.shape[1]), w) for w in (blk.wqkv, blk.wo, blk.w_gu, blk.w_down))
 
         def plain(x):
-            return R.llama_block_ref(x, hf, pos, cos, sin, c.n_heads, c.n_kv_heads, hd, c.norm_eps)
+            return R.llama_block_ref(x, hf, pos, inv_freq, c.n_heads, c.n_kv_heads, hd, c.norm_eps)
 
         row = {"kind": "block", "tokens": m, "fused_ms": fused, "attention_ms": attn, "gemms_ms": gemms,
                "eager_ms": bench_ms(lambda: plain(x))}

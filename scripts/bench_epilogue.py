@@ -42,18 +42,43 @@ def trees():
             E.store(acc + E.tile("residual"), "out"),
             E.row_reduce(acc + E.tile("residual"), "sumsq", "ss")),
         "lse partials (no store)": E.Epilogue(E.row_reduce(acc, "lse", "lse")),
+        # gamma placement option A of coda.residual_gemm_norm_stats: also store y * gamma
+        "residual + stats + y*gamma": E.Epilogue(
+            E.store(acc + E.tile("residual"), "out"),
+            E.store((acc + E.tile("residual")) * E.col_vec("gamma"), "y_gamma"),
+            E.row_reduce(acc + E.tile("residual"), "sumsq", "ss")),
     }
 
 
-def inputs(tree, m, n):
+def coda_trees(n):
+    """The CODA block ops' trees (coda_cute.ops) at an N of this shape (Q and K: 5/6 of N)."""
+    from coda_cute.ops import coda_block, lm_head_ce
+
+    n_qk = n // 6 * 5 // 128 * 128
+    return {
+        "coda qkv + rope": coda_block.norm_rope_qkv_tree(n_qk, 128, False),
+        "coda qkv + qk-norm + rope": coda_block.norm_rope_qkv_tree(n_qk, 128, True),
+        "coda lm head + ce": lm_head_ce.lm_head_ce_tree(),
+    }
+
+
+def inputs(tree, m, n, k):
     out = {}
     for i in tree.inputs:
         if i.kind == "col_vec":
             out[i.name] = torch.randn(n, device="cuda")
         elif i.kind == "tile":
             out[i.name] = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        elif i.kind == "row_vec" and i.dtype == "int32":  # positions, targets
+            out[i.name] = torch.randint(0, min(n, 8192), (m,), device="cuda", dtype=torch.int32)
         elif i.kind == "row_vec":
             out[i.name] = torch.randn(m, device="cuda")
+        elif i.kind == "row_sum":  # norm-stat partials of rows of unit RMS
+            out[i.name] = torch.rand(m, 4, device="cuda") * (k / 2)
+        elif i.kind == "lookup":  # RoPE's inv_freq (1, head_dim / 2)
+            out[i.name] = 10000.0 ** -torch.linspace(0, 1, 64, device="cuda").reshape(1, -1)
+        elif i.kind == "scalar":
+            out[i.name] = 1.0 / k
     return out
 
 
@@ -67,6 +92,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs=3, type=int, default=(16384, 28672, 4096), metavar=("M", "N", "K"))
     ap.add_argument("--json")
+    ap.add_argument("--trees", nargs="+", metavar="SUBSTR",
+                    help="only the trees whose name contains one of these (plain always runs)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_epilogue needs a CUDA GPU")
@@ -74,11 +101,14 @@ def main(argv=None):
     m, n, k = args.shape
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-    cublas = bench_ms(lambda: torch.mm(a, b))
+    cublas_first = bench_ms(lambda: torch.mm(a, b))
     console = Console(width=150)
     rows = []
-    for name, tree in trees().items():
-        ins = inputs(tree, m, n)
+    todo = {**trees(), **coda_trees(n)}
+    todo = {name: t for name, t in todo.items()
+            if name == "plain" or not args.trees or any(x in name for x in args.trees)}
+    for name, tree in todo.items():
+        ins = inputs(tree, m, n, k)
         times = {}
         for cfg in [None] + SWEEP:
             try:
@@ -89,6 +119,8 @@ def main(argv=None):
             times[cfg.name if cfg else "heuristic"] = bench_ms(lambda cfg=cfg: E.run(tree, a, b, ins, config=cfg))
         rows.append(dict(tree=name, times=times))
         console.log(f"{name}: " + ", ".join(f"{c} {t:.3f} ms" for c, t in times.items()))
+    # cuBLAS timed first and last (clocks drift as the GPU heats): its faster time is the baseline
+    cublas = min(cublas_first, bench_ms(lambda: torch.mm(a, b)))
     plain = min(rows[0]["times"].values())
     t = Table(title=f"epilogue trees at {m}x{n}x{k} bf16 (cuBLAS {cublas:.3f} ms, our plain GEMM {plain:.3f} ms)")
     for col in ("tree", "best config", "ms", "vs our plain GEMM", "vs cuBLAS", "heuristic ms"):

@@ -40,7 +40,7 @@ def block_errors(cfg: LlamaConfig, bsz: int, seq: int, ref_dtype, device="cpu"):
     the HF layout (the conversions are permutations, so they commute with the gradient)."""
     torch.manual_seed(0)
     p = hf_block(cfg, device=device)
-    cos, sin = R.rope_tables(seq, cfg.head_dim, cfg.rope_theta, device)
+    inv_freq = R.rope_inv_freq(cfg.head_dim, cfg.rope_theta, device)
     x = rand(bsz, seq, cfg.dim, device=device)
     pos = torch.arange(seq, dtype=torch.int32, device=device)
     cot = rand(bsz, seq, cfg.dim, dtype=torch.float32, device=device)
@@ -49,7 +49,7 @@ def block_errors(cfg: LlamaConfig, bsz: int, seq: int, ref_dtype, device="cpu"):
     def plain(dtype):
         pp = {k: v.to(dtype).requires_grad_() for k, v in p.items()}
         xx = x.to(dtype).requires_grad_()
-        out = R.llama_block_ref(xx, pp, pos, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, qk_eps)
+        out = R.llama_block_ref(xx, pp, pos, inv_freq, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, qk_eps)
         (out.float() * cot).sum().backward()
         return out.detach(), xx.grad, {k: v.grad for k, v in pp.items()}
 
@@ -58,7 +58,7 @@ def block_errors(cfg: LlamaConfig, bsz: int, seq: int, ref_dtype, device="cpu"):
         blk.load_hf(p)
         xx = x.clone().requires_grad_()
         with coda_cute.reference_on_cpu():
-            out, _ = blk(xx, embedding_norm_stats(xx.reshape(-1, cfg.dim)), pos, cos, sin)
+            out, _ = blk(xx, embedding_norm_stats(xx.reshape(-1, cfg.dim)), pos, inv_freq)
             (out.float() * cot).sum().backward()
         grads = C.block_to_hf({n: t.grad for n, t in blk.named_parameters()}, cfg.n_heads,
                               cfg.n_kv_heads, cfg.head_dim)
@@ -81,13 +81,13 @@ def print_ratios(errs):
 
 def plain_model_loss(cfg: LlamaConfig, sd: dict, tokens, targets, dtype):
     """The HF-convention Llama (embedding, blocks, final norm + LM head + CE) in ``dtype``."""
-    cos, sin = R.rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, tokens.device)
+    inv_freq = R.rope_inv_freq(cfg.head_dim, cfg.rope_theta, tokens.device)
     x = sd["model.embed_tokens.weight"].to(dtype)[tokens]
     pos = torch.arange(tokens.shape[1], device=tokens.device)
     for i in range(cfg.n_layers):
         pre = f"model.layers.{i}."
         p = {k[len(pre):]: v.to(dtype) for k, v in sd.items() if k.startswith(pre)}
-        x = R.llama_block_ref(x, p, pos, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+        x = R.llama_block_ref(x, p, pos, inv_freq, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               cfg.norm_eps, cfg.qk_norm_eps)
     return R.llama_head_ce_ref(x, sd["model.norm.weight"].to(dtype), sd["lm_head.weight"].to(dtype),
                                targets, cfg.norm_eps)

@@ -30,7 +30,7 @@ from helpers import rel_err
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 H, HKV, HD, D, EPS, QK_EPS = 4, 2, 16, 64, 1e-5, 1e-6
 NQKV = (H + 2 * HKV) * HD
-COS, SIN = R.rope_tables(64, HD, 10000.0)
+INV_FREQ = R.rope_inv_freq(HD, 10000.0)
 NEW_NODES = all(hasattr(E, n) for n in ("row_sum", "lookup", "segment_reduce"))
 CFG = LlamaConfig(D, 1, H, HKV, 96, 128, norm_eps=EPS, qk_norm_eps=QK_EPS, rope_theta=10000.0,
                   max_seq_len=64)
@@ -48,10 +48,10 @@ def norm_args(m=37, n=96, dtype=BF16, tile_n=32):
 
 def qkv_args(m=37, dtype=BF16, qk_norm=True):
     y, w, ss = norm_args(m, NQKV, dtype)
-    pos = torch.randint(0, COS.shape[0], (m,))
+    pos = torch.randint(0, 64, (m,))
     qn = (torch.rand(HD, dtype=F64) + 0.5).to(dtype) if qk_norm else None
     kn = (torch.rand(HD, dtype=F64) + 0.5).to(dtype) if qk_norm else None
-    return (y, w, ss, EPS, pos, COS, SIN, H, HKV, HD, qn, kn, QK_EPS)
+    return (y, w, ss, EPS, pos, INV_FREQ, H, HKV, HD, qn, kn, QK_EPS)
 
 
 def ce_args(m=37, v=50, dtype=BF16, reduction="mean"):
@@ -73,15 +73,16 @@ def to_pairs_cols(x, heads):
 # -- references: the spec's math, and equal to the unfused formulation ----------------------------
 def test_rope_sign_convention():
     # theta = pi/2 turns the pair (1, 0) into (0, 1): a' = a cos - b sin, b' = a sin + b cos.
-    cos, sin = torch.tensor([[0.0]]), torch.tensor([[1.0]])
-    out = R.rope_pairs_ref(torch.tensor([[1.0, 0.0]]), torch.tensor([0]), cos, sin, 2)
-    assert out.tolist() == [[0.0, 1.0]]
+    out = R.rope_pairs_ref(torch.tensor([[1.0, 0.0]]), torch.tensor([1]), torch.tensor([math.pi / 2]), 2)
+    assert torch.allclose(out, torch.tensor([[0.0, 1.0]]), atol=1e-7)
 
 
-def test_rope_tables():
-    cos, sin = R.rope_tables(8, 4, 100.0)
-    assert cos.shape == (8, 2) and cos.dtype == F32
-    assert torch.allclose(sin[3, 1], torch.tensor(math.sin(3 * 100.0 ** -0.5)))
+def test_rope_inv_freq_and_angles():
+    inv = R.rope_inv_freq(4, 100.0)
+    assert inv.shape == (2,) and inv.dtype == F32
+    assert inv[1].item() == pytest.approx(100.0 ** -0.5)
+    c, s = R.rope_cos_sin(torch.tensor([3]), inv, F64)
+    assert s[0, 1].item() == pytest.approx(math.sin(3 * 100.0 ** -0.5), rel=1e-7)
 
 
 def test_residual_ref_equals_tree_evaluator():
@@ -118,7 +119,7 @@ def test_qkv_ref_equals_rotate_half_on_hf_weights(qk_norm):
     pos = torch.randint(0, 64, (m,))
     c = C.block_from_hf(p, H, HKV, HD)
     ss = R.norm_stats_partials_ref(y, 16)
-    got = R.norm_rope_qkv_ref(y, c["wqkv"] * c["attn_norm"], ss, EPS, pos, COS, SIN, H, HKV, HD,
+    got = R.norm_rope_qkv_ref(y, c["wqkv"] * c["attn_norm"], ss, EPS, pos, INV_FREQ, H, HKV, HD,
                               c.get("q_norm"), c.get("k_norm"), QK_EPS)
     u = R.rms_norm_ref(y, p["input_layernorm.weight"], EPS)
     q = (u @ p["self_attn.q_proj.weight"].t()).reshape(1, m, H, HD)
@@ -127,8 +128,8 @@ def test_qkv_ref_equals_rotate_half_on_hf_weights(qk_norm):
         q = R.rms_norm_ref(q, p["self_attn.q_norm.weight"], QK_EPS)
         k = R.rms_norm_ref(k, p["self_attn.k_norm.weight"], QK_EPS)
     # rope_rotate_half_ref indexes positions along dim -2: lay the tokens out as the sequence.
-    q = R.rope_rotate_half_ref(q.transpose(1, 2), pos, COS, SIN).transpose(1, 2).reshape(m, -1)
-    k = R.rope_rotate_half_ref(k.transpose(1, 2), pos, COS, SIN).transpose(1, 2).reshape(m, -1)
+    q = R.rope_rotate_half_ref(q.transpose(1, 2), pos, INV_FREQ).transpose(1, 2).reshape(m, -1)
+    k = R.rope_rotate_half_ref(k.transpose(1, 2), pos, INV_FREQ).transpose(1, 2).reshape(m, -1)
     v = u @ p["self_attn.v_proj.weight"].t()
     want = torch.cat([to_pairs_cols(q, H), to_pairs_cols(k, HKV), v], 1)
     assert rel_err(got, want) < 1e-12
@@ -195,12 +196,12 @@ def fake_cuda_cases(m=16384, d=4096):
         return torch.empty(*shape, dtype=dtype, device="cuda")
 
     y, ss, pos = t(m, d), t(m, 16, dtype=F32), t(m, dtype=torch.int32)
-    cos = t(8192, 64, dtype=F32)
+    inv_freq = t(64, dtype=F32)
     yield ("residual", torch.ops.coda.residual_gemm_norm_stats, (t(m, 14336), t(d, 14336), y),
            [((m, d), BF16), ((m, None), F32)])
     yield ("swiglu", torch.ops.coda.norm_swiglu, (y, t(2 * 14336, d), ss, EPS),
            [((m, 2 * 14336), BF16), ((m, 14336), BF16)])
-    yield ("qkv", torch.ops.coda.norm_rope_qkv, (y, t(6144, d), ss, EPS, pos, cos, cos, 32, 8, 128,
+    yield ("qkv", torch.ops.coda.norm_rope_qkv, (y, t(6144, d), ss, EPS, pos, inv_freq, 32, 8, 128,
                                                  t(128, dtype=F32), t(128, dtype=F32)),
            [((m, 6144), BF16)])
     yield ("proj", torch.ops.coda.norm_proj, (y, t(4096, d), ss, EPS), [((m, 4096), BF16)])
@@ -229,7 +230,7 @@ OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "tes
 def test_opcheck(case):
     name, args, kwargs = case
     args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                 and a is not COS and a is not SIN else a for a in args)
+                 and a is not INV_FREQ else a for a in args)
     with coda_cute.reference_on_cpu():
         result = torch.library.opcheck(op_of(name).default, args, kwargs, test_utils=OPCHECKS)
     assert all(v == "SUCCESS" for v in result.values()), result
@@ -275,7 +276,7 @@ def test_swiglu_and_proj_backward_formulas():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_backward_formula(qk_norm):
     args = qkv_args(dtype=F64, qk_norm=qk_norm)
-    idx = [0, 1, 2, 10, 11] if qk_norm else [0, 1, 2]
+    idx = [0, 1, 2, 9, 10] if qk_norm else [0, 1, 2]
     _, (dout,), want = autograd_of(R.norm_rope_qkv_ref, args, idx)
     got = CB.norm_rope_qkv_backward(*args, dout)
     assert_grads([g for g in got if g is not None], want)
@@ -298,7 +299,7 @@ def test_op_autograd_bf16(case):
     name, args, _ = case
     ref = REFS[base(name)]
     idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
-           and a is not COS and a is not SIN]
+           and a is not INV_FREQ]
     inputs = [a.detach().clone().requires_grad_() if i in idx else a for i, a in enumerate(args)]
     with coda_cute.reference_on_cpu():
         out = op_of(name)(*inputs)
@@ -353,10 +354,10 @@ def test_rope_outputs_equal_after_conversion():
 
     def half(w, heads):
         q = (x @ w.t()).reshape(1, m, heads, HD).transpose(1, 2)
-        return R.rope_rotate_half_ref(q, pos, COS, SIN).transpose(1, 2).reshape(m, -1)
+        return R.rope_rotate_half_ref(q, pos, INV_FREQ).transpose(1, 2).reshape(m, -1)
 
     def pairs(w, heads):
-        return R.rope_pairs_ref(x @ C.rotate_half_to_pairs(w, heads, HD).t(), pos, COS, SIN, HD)
+        return R.rope_pairs_ref(x @ C.rotate_half_to_pairs(w, heads, HD).t(), pos, INV_FREQ, HD)
 
     assert rel_err(pairs(wq, H), to_pairs_cols(half(wq, H), H)) < 1e-13
     scores = [(q.reshape(m, H, HD)[:, 0] @ k.reshape(m, HKV, HD)[:, 0].t())
@@ -423,20 +424,20 @@ def _bad_cases():
     q = list(qkv_args())
 
     def qkv(**kw):
-        names = ["y", "w", "ss", "eps", "pos", "cos", "sin", "h", "hkv", "hd", "qn", "kn", "qk_eps"]
+        names = ["y", "w", "ss", "eps", "pos", "inv_freq", "h", "hkv", "hd", "qn", "kn", "qk_eps"]
         args = dict(zip(names, q), **kw)
         return lambda: torch.ops.coda.norm_rope_qkv(*args.values())
 
     yield "qkv heads", qkv(h=3), ValueError, "multiple of n_kv_heads"
     yield "qkv head_dim", qkv(hd=12), ValueError, "head_dim must be"
     yield "qkv rows", qkv(w=q[1][:-8]), ValueError, "rows"
-    yield "qkv table", qkv(cos=COS[:, :4].contiguous()), ValueError, "table"
+    yield "qkv inv_freq length", qkv(inv_freq=INV_FREQ[:4]), ValueError, "inv_freq must be"
+    yield "qkv inv_freq dtype", qkv(inv_freq=INV_FREQ.double()), TypeError, "inv_freq"
     yield "qkv one norm", qkv(kn=None), ValueError, "both"
-    yield "qkv positions range", qkv(pos=torch.full_like(q[4], 64)), ValueError, "positions must lie"
     yield "qkv positions dtype", qkv(pos=q[4].float()), TypeError, "positions"
     yield "qkv segment width", lambda: torch.ops.coda.norm_rope_qkv(
         rand(8, D), rand(4 * 56, D), torch.ones(8, 1), EPS, torch.zeros(8, dtype=torch.int32),
-        torch.ones(4, 28), torch.ones(4, 28), 2, 1, 56, torch.ones(56), torch.ones(56)), ValueError, "tile width"
+        torch.ones(28), 2, 1, 56, torch.ones(56), torch.ones(56)), ValueError, "tile width"
     yc, wc, ssc, eps, t, ig, _ = ce_args()
     ce = torch.ops.coda.lm_head_ce
     yield "ce target range", lambda: ce(yc, wc, ssc, eps, torch.full_like(t, 50)), ValueError, r"\[0, 50\)"
@@ -478,9 +479,9 @@ needs_nodes = pytest.mark.skipif(not NEW_NODES, reason="E.row_sum / E.lookup / E
 def test_qkv_tree_evaluates_to_reference(qk_norm):
     torch.manual_seed(0)
     args = qkv_args(qk_norm=qk_norm)
-    y, w, ss, eps, pos, cos, sin, h, hkv, hd, qn, kn, qk_eps = args
+    y, w, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps = args
     tree = CB.norm_rope_qkv_tree((h + hkv) * hd, hd, qk_norm)
-    inputs = CB.qkv_tree_inputs(y, ss, eps, pos, cos, sin, h, hkv, hd, qn, kn, qk_eps)
+    inputs = CB.qkv_tree_inputs(y, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps)
     got = E.evaluate(tree, y.float() @ w.float().t(), inputs, (128, 64))["qkv"]
     assert rel_err(got, R.norm_rope_qkv_ref(*args)) < 1e-2
 

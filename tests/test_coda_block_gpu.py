@@ -39,11 +39,11 @@ def norm_args(m, n, d=CFG.dim):
 def qkv_args(m, qk_norm):
     c, hd = CFG, CFG.head_dim
     y, w, ss = norm_args(m, (c.n_heads + 2 * c.n_kv_heads) * hd)
-    cos, sin = R.rope_tables(c.max_seq_len, hd, c.rope_theta, "cuda")
+    inv_freq = R.rope_inv_freq(hd, c.rope_theta, "cuda")
     pos = torch.randint(0, c.max_seq_len, (m,), device="cuda", dtype=torch.int32)
     qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
-    return (y, w, ss, CFG.norm_eps, pos, cos, sin, c.n_heads, c.n_kv_heads, hd, qn, kn, 1e-6)
+    return (y, w, ss, CFG.norm_eps, pos, inv_freq, c.n_heads, c.n_kv_heads, hd, qn, kn, 1e-6)
 
 
 def ce_args(m, reduction="mean"):
@@ -98,7 +98,7 @@ def test_op_matches_reference(name, m):
 @pytest.mark.parametrize("name", NAMES)
 def test_op_backward_matches_autograd_of_reference(name):
     _, op, args = get_case(name, 1000)
-    tables = {5, 6} if name.startswith("qkv") else set()  # cos, sin: constants
+    tables = {5} if name.startswith("qkv") else set()  # inv_freq: a constant
     idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
            and i not in tables]
     ins = [a.detach().clone().requires_grad_() if i in idx else a for i, a in enumerate(args)]
@@ -153,10 +153,10 @@ def test_compiled_block_matches_eager():
     blk = CodaLlamaBlock(CFG, device="cuda")
     x = cuda(2, 256, CFG.dim)
     ss = embedding_norm_stats(x.reshape(-1, CFG.dim))
-    cos, sin = R.rope_tables(256, CFG.head_dim, CFG.rope_theta, "cuda")
+    inv_freq = R.rope_inv_freq(CFG.head_dim, CFG.rope_theta, "cuda")
     pos = torch.arange(256, device="cuda", dtype=torch.int32)
-    want = blk(x, ss, pos, cos, sin)
-    got = torch.compile(blk, fullgraph=True)(x, ss, pos, cos, sin)
+    want = blk(x, ss, pos, inv_freq)
+    got = torch.compile(blk, fullgraph=True)(x, ss, pos, inv_freq)
     assert all(rel_err(g, w) < 1e-3 for g, w in zip(got, want))
 
 

@@ -187,4 +187,4 @@ def test_register_op_and_bad_inputs():
     with pytest.raises(TypeError, match="residual"):
         E.run(tree, a, b, {"bias": ins["bias"], "residual": ins["residual"].float()})
     with pytest.raises(ValueError, match="even N"):
-        E.run(swiglu_tree(), *operands(64, 130, 64), {"r": torch.randn(64, device="cuda")})
+        E.run(swiglu_tree(), *operands(64, 131, 64), {"r": torch.randn(64, device="cuda")})

@@ -11,7 +11,7 @@ from coda_cute import sol
 from coda_cute.cli import main as cli_main
 from coda_cute.sol import devices
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timing]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,10 +24,11 @@ _MAX_PLANS = 4096
 _plans: dict = {}
 
 
-def tree_smem_bytes(tree: N.Epilogue, cfg: GemmConfig) -> int:
+def tree_smem_bytes(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int = 2) -> int:
+    """Shared memory of the tree's epilogue buffers on ``cfg`` (A/B elements of ``ab_bytes``)."""
     from ..kernels.sm90.epilogue import Sm90TreeEpilogue
 
-    return Sm90TreeEpilogue(tree, (cfg.tile_m, cfg.tile_n), cfg.epi_tile, cfg.schedule == "pingpong").smem_bytes()
+    return Sm90TreeEpilogue(tree, cfg, ab_bytes).smem_bytes()
 
 
 def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
@@ -36,7 +37,7 @@ def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
     if any(cfg.tile_n % w for w in segment_widths(tree)):
         return False
     try:
-        return pipeline_stages(cfg.with_(stages=0), ab_bytes, tree_smem_bytes(tree, cfg)) >= 2
+        return pipeline_stages(cfg.with_(stages=0), ab_bytes, tree_smem_bytes(tree, cfg, ab_bytes)) >= 2
     except ValueError:
         return False
 
@@ -45,13 +46,31 @@ def segment_widths(tree: N.Epilogue) -> set:
     return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
 
+#: Relative extra time of a cooperative config per tile input of the tree. Cooperative warpgroups
+#: run the epilogue after their mainloop with the tensor cores idle, so the tile input's stream
+#: from memory adds to the tile's time; under ping-pong the other warpgroup's mainloop covers it.
+#: Measured (scripts/bench_epilogue.py, 16384x28672x4096 bf16, four trees with one tile input):
+#: ping-pong 128x128 2x1 beat cooperative 128x256 2x1 by 2.6-6 %, against 1-2 % the other way
+#: for the plain GEMM.
+COOP_TILE_INPUT_COST = 0.05
+
+
+def _epilogue_factor(tree, cfg: GemmConfig) -> float:
+    if cfg.schedule != "cooperative":
+        return 1.0
+    return 1.0 + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
+
+
 def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
-    """The heuristic's config among those whose shared memory the tree leaves room for."""
+    """The heuristic's config among those whose shared memory the tree leaves room for: the
+    GEMM's predicted time (``dispatch.predicted_time``), cooperative configs charged for the
+    tree's tile inputs (``COOP_TILE_INPUT_COST``)."""
     cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
              and fits(tree, c, 1 if fp8 else 2)]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
-    return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8))
+    return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
+               * _epilogue_factor(tree, c))
 
 
 class Plan:

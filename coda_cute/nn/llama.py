@@ -28,7 +28,7 @@ from torch import nn
 
 from ..ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
 from ..ops.lm_head_ce import lm_head_ce
-from ..reference import rope_tables
+from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf
 
 
@@ -90,16 +90,16 @@ class CodaLlamaBlock(nn.Module):
         self.k_norm = _norm(hd, **kw) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor):
+                inv_freq: torch.Tensor):
         """x: (B, S, d) bf16 residual stream; ss: (B*S, T) fp32 its norm-stat partials;
-        positions: (S,) int32 into the (max_pos, hd/2) fp32 cos/sin tables.
+        positions: (S,) int32; inv_freq: (hd/2,) fp32 rotary frequencies (angle = position * inv_freq).
         Returns the next residual stream (B, S, d) and its partials."""
         c = self.cfg
         b, s, d = x.shape
         h, hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         flat = x.reshape(b * s, d)
         qkv = norm_rope_qkv(flat, self.wqkv * self.attn_norm, ss, c.norm_eps, positions.repeat(b),
-                            cos, sin, h, hkv, hd, self.q_norm, self.k_norm, c.qk_norm_eps)
+                            inv_freq, h, hkv, hd, self.q_norm, self.k_norm, c.qk_norm_eps)
         q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([h * hd, hkv * hd, hkv * hd], 1))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y1, ss1 = residual_gemm_norm_stats(o.transpose(1, 2).reshape(b * s, h * hd), self.wo, flat)
@@ -150,9 +150,8 @@ class CodaLlama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype) for _ in range(cfg.n_layers))
         self.head = CodaLlamaHead(cfg, device, dtype)
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, device),
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 ignore_index: int = -100, reduction: str = "mean"):
@@ -162,7 +161,7 @@ class CodaLlama(nn.Module):
         ss = embedding_norm_stats(x.reshape(b * s, -1))
         positions = torch.arange(s, device=tokens.device, dtype=torch.int32)
         for layer in self.layers:
-            x, ss = layer(x, ss, positions, self.rope_cos, self.rope_sin)
+            x, ss = layer(x, ss, positions, self.rope_inv_freq)
         if targets is None:
             return self.head.logits(x, ss)
         return self.head(x, ss, targets, ignore_index, reduction)

@@ -25,6 +25,7 @@ from ..reference import lm_head_ce_ref, reduce_loss, rms_rstd_ref
 from .coda_block import (
     F32,
     INDEX_DTYPES,
+    PendingIndexCheck,
     check_index_range,
     check_norm_input,
     check_tensor,
@@ -79,16 +80,19 @@ def lm_head_ce(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float
     ignore_index. d a multiple of 8; V any. Returns (loss, LSE): loss fp32 () for "mean" (over
     rows whose target is not ignore_index; NaN if none, as torch) and "sum", (M,) for "none"
     (0 on ignored rows); LSE (M,) fp32 (kept for the backward). Targets out of range raise
-    ValueError before launch: one reduction and a host sync per call, small next to this GEMM
-    (~6 ms at 16k tokens x 32k vocab), but it rules out CUDA-graph capture of the op. (Unchecked,
-    the kernel's gather would leave the target logit at 0, i.e. loss = LSE.)
+    ValueError before the op returns: their check is queued ahead of the GEMM and read back
+    while the GEMM runs (``PendingIndexCheck``), so the GPU never waits for the host; the wait
+    rules out CUDA-graph capture of the op. (The kernel's gather skips an out-of-range target,
+    so the GEMM that ran meanwhile wrote nothing out of bounds.)
     """
     check_lm_head(y, w_lm, ss, eps, targets, reduction)
-    check_index_range(OP, "targets", targets, w_lm.shape[0], ignore_index)
+    target_check = PendingIndexCheck(OP, "targets", targets, w_lm.shape[0], ignore_index)
     inputs = dict(norm_inputs(y, ss, eps), targets=targets.to(torch.int32))
     out = E.run(lm_head_ce_tree(), y, w_lm.t(), inputs, op=OP)
     lse = E.finalize_lse(*out["lse"])
-    return finalize_ce(lse, out["target_logit"], targets, ignore_index, reduction), lse
+    loss = finalize_ce(lse, out["target_logit"], targets, ignore_index, reduction)
+    target_check.wait()
+    return loss, lse
 
 
 @lm_head_ce.register_fake

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import rope_tables
+from ..reference import rope_inv_freq
 from .registry import register_op
 from .shapes import Shape
 
@@ -54,8 +54,8 @@ def build_scaled_rope(shape: Shape, dtype: str, device):
     y, ss = _norm_input(m, k, device)
     w = _rand(n, k, device=device, scale=k ** -0.5)
     positions = (torch.arange(m, device=device) % 8192).to(torch.int32)
-    cos, sin = rope_tables(8192, c.head_dim, 500000.0, device=device)
-    return lambda: torch.ops.coda.norm_rope_qkv(y, w, ss, EPS, positions, cos, sin, c.n_heads,
+    inv_freq = rope_inv_freq(c.head_dim, 500000.0, device=device)
+    return lambda: torch.ops.coda.norm_rope_qkv(y, w, ss, EPS, positions, inv_freq, c.n_heads,
                                                 c.n_kv_heads, c.head_dim)
 
 

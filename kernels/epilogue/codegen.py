@@ -9,13 +9,15 @@ every leaf is fetched through a *context* supplied by the architecture's epilogu
     ctx.tile(name, i)     a tile input's value at element i
     ctx.scalar(name)      a runtime scalar
     ctx.lookup(name, r, c)  a 2-D table read at int32 indices
+    ctx.ahead             values read before the sub-tile's math: {(id(lookup node), i): value}
     ctx.segment(node, i)  a segment_reduce node's value for element i (computed in a prepass)
     ctx.row_index(i), ctx.col_index(i)   element i's global m and n (Int32)
 
 Elements 2j and 2j+1 of a sub-tile are adjacent output columns of the same row (the WGMMA
 accumulator layout keeps column pairs in one thread), which is what ``pairwise`` relies on.
-Transcendentals use the fast hardware paths (ex2/lg2/rsqrt approximations, ~1e-6 relative),
-well inside the bf16 output rounding.
+Transcendentals use the fast hardware paths (ex2/lg2/rsqrt/sin/cos approximations, ~1e-6
+relative; sin and cos after reducing the angle into [-pi, pi]), well inside the bf16 output
+rounding.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def _unary(op: str, x):
     if op == "recip":
         return 1.0 / x
     if op == "sin":
-        return cute.math.sin(x)
+        return cute.math.sin(_reduce_angle(x), fastmath=True)
     if op == "cos":
-        return cute.math.cos(x)
+        return cute.math.cos(_reduce_angle(x), fastmath=True)
     if op == "tanh":
         return cute.math.tanh(x, fastmath=True)
     if op == "sigmoid":
@@ -89,6 +91,19 @@ def _unary(op: str, x):
     if op == "square":
         return x * x
     raise N.EpilogueError(f"no code for unary op {op!r}")
+
+
+# 2 pi = _TWO_PI_HI + _TWO_PI_LO, _TWO_PI_HI with 8 significant bits: n * _TWO_PI_HI is exact in
+# fp32 for |n| < 2^16, i.e. angles up to ~4e5.
+_TWO_PI_HI = 6.28125
+_TWO_PI_LO = 2.0 * math.pi - 6.28125
+
+
+def _reduce_angle(x):
+    """x - 2 pi n in [-pi, pi] (Cody-Waite), where the hardware sin/cos approximations are
+    accurate to ~1e-6 absolute; outside that range their error grows with |x|."""
+    n = cute.math.roundeven(x * (0.5 / math.pi))
+    return cute.math.fma(-n, Float32(_TWO_PI_LO), cute.math.fma(-n, Float32(_TWO_PI_HI), x))
 
 
 def _plain_int(coord):
@@ -135,6 +150,47 @@ def _compare(op: str, x, y):
     return x != y
 
 
+def lookups_ahead(tree: N.Epilogue) -> list:
+    """The tree's lookups that can be read a sub-tile ahead of their use, each with the element
+    stride the Emitter reads it at: (node, 2) if it is only used inside pairwise bodies (read once
+    per pair, at the even element), else (node, 1).
+
+    A lookup qualifies when its indices depend only on row/column indices, vectors and scalars
+    (not on the accumulator, tiles, pairs or other lookups). Its table lives in global memory, so
+    a read issued next to its use stalls the sub-tile for an L2 round trip; issued one sub-tile
+    early it overlaps that sub-tile's math, stores and barriers.
+    """
+    stride, seen = {}, set()
+
+    def visit(n, in_body):
+        if (id(n), in_body) in seen:
+            return
+        seen.add((id(n), in_body))
+        if isinstance(n, N.Lookup):
+            stride[id(n)] = (n, min(stride.get(id(n), (n, 2))[1], 2 if in_body else 1))
+        for c in n.children:
+            visit(c, in_body)
+        if isinstance(n, N.Pairwise):
+            for b in n.body:
+                visit(b, True)
+
+    for sink in tree.sinks:
+        visit(sink.x, False)
+    not_ahead = (N.Acc, N.Tile, N.PairArg, N.SegmentReduce, N.Lookup)
+    return [(n, k) for n, k in stride.values()
+            if not any(isinstance(d, not_ahead) for c in n.children for d in N.walk(c))]
+
+
+def read_lookups_ahead(ctx, lookups: list, n_frag: int) -> dict:
+    """Issue the reads of ``lookups`` (from :func:`lookups_ahead`) for ctx's sub-tile."""
+    emit, out = Emitter(ctx), {}
+    for node, step in lookups:
+        for i in range(0, n_frag, step):
+            r, c = (emit.value(ch, i) for ch in node.children)
+            out[(id(node), i)] = ctx.lookup(node.name, r, c)
+    return out
+
+
 _DSL = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
@@ -164,6 +220,9 @@ class Emitter:
         if isinstance(node, (N.RowVec, N.RowSum)):
             return ctx.row(node.name, i)
         if isinstance(node, N.Lookup):
+            early = ctx.ahead.get((id(node), i))
+            if early is not None:
+                return early
             r, c = (self.value(ch, i) for ch in node.children)
             return ctx.lookup(node.name, r, c)
         if isinstance(node, N.SegmentReduce):

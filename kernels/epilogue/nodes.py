@@ -548,7 +548,7 @@ def _output_spec(s: Sink) -> OutputSpec:
 
 # -- the public vocabulary (functions) --------------------------------------------------------------
 def acc() -> Node: return Acc()
-def const(v: float) -> Node: return Const(v)
+def const(v, dtype: str = "float32") -> Node: return Const(v, dtype)
 def scalar(name: str) -> Node: return Scalar(name)
 def scalar_tensor(name: str) -> Node: return ScalarTensor(name)
 def row_vec(name: str, dtype: str = "float32") -> Node: return RowVec(name, dtype)

@@ -30,15 +30,18 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.config import GemmConfig, pipeline_stages
 from ..epilogue import nodes as N
-from ..epilogue.codegen import Emitter, fast_exp
+from ..epilogue.codegen import Emitter, fast_exp, lookups_ahead, read_lookups_ahead
 
 DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "int32": cutlass.Int32}
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}
 #: tile-input sub-tiles in flight: a TMA load takes several sub-tiles' worth of epilogue math,
-#: so the load warp runs this many sub-tiles ahead of the consumers.
+#: so the load warp runs up to this many sub-tiles ahead of the consumers ...
 LOAD_STAGES = 4
+#: ... but no fewer than this, and a deeper ring only where it costs no A/B stage.
+MIN_LOAD_STAGES = 2
 #: most distinct column values a thread keeps in registers for a whole tile.
 EAGER_COLS = 48
 _NEG_INF = -math.inf
@@ -51,12 +54,13 @@ def epi_stage_count(tile_n: int) -> int:
 class Sm90TreeEpilogue:
     """The epilogue of one (tree, config) kernel: smem rings, TMA atoms and the per-tile loop."""
 
-    def __init__(self, tree: N.Epilogue, tile_mn, epi_tile, pingpong: bool):
+    def __init__(self, tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int):
+        """``ab_bytes``: bytes per A/B element (the shared-memory budget the epilogue shares)."""
         self.tree = tree
-        self.tile_mn = tile_mn
-        self.epi_tile = epi_tile
+        self.tile_mn = tile_mn = (cfg.tile_m, cfg.tile_n)
+        self.epi_tile = epi_tile = cfg.epi_tile
         self.stages = epi_stage_count(tile_mn[1])
-        self.pingpong = pingpong
+        self.pingpong = pingpong = cfg.schedule == "pingpong"
         self.epi_warps = 4 if pingpong else 8
         sinks = tree.sinks
         self.full_stores = [s for s in sinks if isinstance(s, N.Store) and not s.half]
@@ -74,18 +78,40 @@ class Sm90TreeEpilogue:
             self.out_slots[s.name] = slot
             slot += 2 if isinstance(s, N.RowReduce) and s.op == "lse" else 1
         self.subtiles = (tile_mn[0] // epi_tile[0]) * (tile_mn[1] // epi_tile[1])
-        self.load_stages = min(LOAD_STAGES, self.subtiles)
+        self.load_stages = self._load_ring_depth(cfg, ab_bytes)
+        self.lookups_ahead = lookups_ahead(tree)
 
     # -- host side (pure Python) -------------------------------------------------------------------
-    def smem_bytes(self) -> int:
+    def _load_ring_depth(self, cfg: GemmConfig, ab_bytes: int) -> int:
+        deepest = min(LOAD_STAGES, self.subtiles)
+        if not self.tile_inputs:
+            return deepest
+        depths = range(deepest, min(MIN_LOAD_STAGES, deepest) - 1, -1)
+        if cfg.stages:
+            return next((d for d in depths if self._fits(cfg, ab_bytes, d)), depths[-1])
+        # A/B stages keep the tensor cores fed in every k-step; the load ring only covers the
+        # epilogue's wait for its first sub-tiles: it never takes a stage from the mainloop.
+        ab_stages = {d: pipeline_stages(cfg, ab_bytes, self.smem_bytes(d)) for d in depths}
+        return next(d for d in depths if ab_stages[d] == ab_stages[depths[-1]])
+
+    def _fits(self, cfg: GemmConfig, ab_bytes: int, depth: int) -> bool:
+        try:
+            pipeline_stages(cfg, ab_bytes, self.smem_bytes(depth))
+        except ValueError:
+            return False
+        return True
+
+    def smem_bytes(self, load_stages: int | None = None) -> int:
+        """Exactly what :meth:`allocate` carves out: 1024-byte aligned buffers in a row, then the
+        load ring's mbarriers (the mainloop's struct before them is in ``SMEM_RESERVED``)."""
         em, en = self.epi_tile
-        b = sum(self.stages * em * en * BYTES[s.dtype] for s in self.full_stores)
-        b += sum(self.stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores)
-        b += sum(self.load_stages * em * en * BYTES[t.dtype] for t in self.tile_inputs)
-        b += len(self.col_reds) * self.epi_warps * self.tile_mn[1] * 4
-        # each buffer is 1024-byte aligned
-        n_buffers = len(self.full_stores) + len(self.half_stores) + len(self.tile_inputs) + len(self.col_reds)
-        return b + 1024 * n_buffers + (64 if self.tile_inputs else 0)
+        ring = self.load_stages if load_stages is None else load_stages
+        sizes = [self.stages * em * en * BYTES[s.dtype] for s in self.full_stores]
+        sizes += [self.stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
+        sizes += [ring * em * en * BYTES[t.dtype] for t in self.tile_inputs]
+        sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
+        mbarriers = 2 * ring * 8 if self.tile_inputs else 0
+        return sum(-(-b // 1024) * 1024 for b in sizes) + mbarriers
 
     # -- host side (inside the @cute.jit launcher) -------------------------------------------------
     def make_atoms(self, ins: tuple, outs: tuple):
@@ -227,8 +253,11 @@ class Sm90TreeEpilogue:
         segments = self._segment_prepass(acc, frag, state, acc_coords, tile_coords, n_frag, order,
                                          problem_mnl)
         row_acc = [self._row_init(r) for r in self.row_reds]
+        ahead_args = (frag, state, acc_coords, tile_coords, segments, order, n_frag, n_epi)
+        ahead = self._read_ahead(0, *ahead_args)
         for e in cutlass.range_constexpr(n_epi):
             emc, enc = order.get_hier_coord(e)
+            current, ahead = ahead, self._read_ahead(e + 1, *ahead_args)
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc[e * n_frag + v]
             tile_vals = []
@@ -238,7 +267,7 @@ class Sm90TreeEpilogue:
                     cute.copy(tiled_s2r, tSR_s[(None, None, None, load_state.index)], tSR_r)
                     tile_vals.append(vals)
             ctx = _Ctx(self, frag, state, acc_coords, tile_vals, e * n_frag, tile_coords,
-                       emc * em, enc * en, segments)
+                       emc * em, enc * en, segments, current)
             emit = Emitter(ctx)
             buf = (buffer_base + e) % self.stages
             for k, s in enumerate(self.full_stores):
@@ -281,6 +310,16 @@ class Sm90TreeEpilogue:
                 self._col_finish(c, scratch[k], outs[self.out_slots[c.name]], tidx, tn, tm, tl, problem_mnl)
             barrier.arrive_and_wait()
         return buffer_base + n_epi, load_state
+
+    def _read_ahead(self, e: int, frag, state, acc_coords, tile_coords, segments, order, n_frag,
+                    n_epi) -> dict:
+        """The lookups of sub-tile ``e``, read while sub-tile ``e - 1`` is evaluated."""
+        if e >= n_epi or not self.lookups_ahead:
+            return {}
+        emc, enc = order.get_hier_coord(e)
+        ctx = _Ctx(self, frag, state, acc_coords, None, e * n_frag, tile_coords,
+                   emc * self.epi_tile[0], enc * self.epi_tile[1], segments)
+        return read_lookups_ahead(ctx, self.lookups_ahead, n_frag)
 
     def _segment_prepass(self, acc, frag, state, acc_coords, tile_coords, n_frag, order, problem_mnl):
         """Values of the tree's ``segment_reduce`` nodes: for each row this thread holds and each
@@ -490,7 +529,7 @@ class _Ctx:
     """What the tree's leaves read for sub-tile element ``i`` (see ``codegen``)."""
 
     def __init__(self, epi, frag, state, acc_coords, tiles, offset, tile_coords, sub_m0, sub_n0,
-                 segments):
+                 segments, ahead=None):
         self.epi = epi
         self.frag = frag
         self.state = state
@@ -500,6 +539,7 @@ class _Ctx:
         self.offset = offset
         self.sub0 = (sub_m0, sub_n0)
         self.segments = segments
+        self.ahead = ahead or {}  # lookups read a sub-tile early (codegen.lookups_ahead)
 
     def acc(self, i):
         return self.frag[i]

@@ -84,7 +84,7 @@ class Sm90Gemm:
         self.consumer_warps = 4 if self.pingpong else 8
         self.epi_threads = _THREADS_PER_WG if self.pingpong else 2 * _THREADS_PER_WG
         self.max_clusters = num_sms // (cfg.cluster_m * cfg.cluster_n)
-        self.epilogue = Sm90TreeEpilogue(tree, self.tile_mnk[:2], cfg.epi_tile, self.pingpong)
+        self.epilogue = Sm90TreeEpilogue(tree, cfg, a_dtype.width // 8)
         self.stages = pipeline_stages(cfg, a_dtype.width // 8, self.epilogue.smem_bytes())
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
