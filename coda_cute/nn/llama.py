@@ -13,8 +13,8 @@ torch multiply, so autograd produces d gamma = sum_n dW' * W); see
 ``coda_cute.ops.coda_block.residual_gemm_norm_stats`` for why gamma is not stored with y.
 Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
 ``from_hf`` / ``hf_state_dict`` convert from and to standard HF weights. Keep the model's
-parameters in bf16 (the ops' dtype) and the RoPE tables in fp32: move it with ``.to(device)``,
-not ``.to(dtype)``.
+parameters in bf16 (the ops' dtype) and the RoPE frequencies (``rope_inv_freq``) in fp32: move
+it with ``.to(device)``, not ``.to(dtype)``.
 """
 
 from __future__ import annotations
