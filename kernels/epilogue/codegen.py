@@ -151,14 +151,14 @@ def _compare(op: str, x, y):
 
 
 def lookups_ahead(tree: N.Epilogue) -> list:
-    """The tree's lookups that can be read a sub-tile ahead of their use, each with the element
-    stride the Emitter reads it at: (node, 2) if it is only used inside pairwise bodies (read once
-    per pair, at the even element), else (node, 1).
+    """The tree's lookups with the element stride the Emitter reads each at: (node, 2) if it is
+    only used inside pairwise bodies (read once per pair, at the even element), else (node, 1).
 
-    A lookup qualifies when its indices depend only on row/column indices, vectors and scalars
-    (not on the accumulator, tiles, pairs or other lookups). Its table lives in global memory, so
-    a read issued next to its use stalls the sub-tile for an L2 round trip; issued one sub-tile
-    early it overlaps that sub-tile's math, stores and barriers.
+    Every lookup can be read a sub-tile ahead of its use: its indices are int32 expressions, and
+    int32 values come only from row/column indices, int32 vectors and constants, never from the
+    accumulator, tiles or other lookups. Its table lives in global memory, so a read issued next
+    to its use stalls the sub-tile for an L2 round trip; issued one sub-tile early it overlaps
+    that sub-tile's math, stores and barriers.
     """
     stride, seen = {}, set()
 
@@ -176,9 +176,7 @@ def lookups_ahead(tree: N.Epilogue) -> list:
 
     for sink in tree.sinks:
         visit(sink.x, False)
-    not_ahead = (N.Acc, N.Tile, N.PairArg, N.SegmentReduce, N.Lookup)
-    return [(n, k) for n, k in stride.values()
-            if not any(isinstance(d, not_ahead) for c in n.children for d in N.walk(c))]
+    return list(stride.values())
 
 
 def read_lookups_ahead(ctx, lookups: list, n_frag: int) -> dict:
