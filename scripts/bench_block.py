@@ -1,16 +1,17 @@
 """Benchmark the CODA Llama-block ops and the block forward (issue 4) on one GPU.
 
 bf16, d = 4096, ffn = 14336, 32 heads / 8 KV heads, head_dim 128, vocab 32768, 16384 tokens
-(batch x seq = 4 x 4096 by default), random data. Times are triton.testing.do_bench medians after
-warm-up. Each fused op is compared with
+(batch x seq = 4 x 4096 by default), random data. Times are CUDA-event medians after warm-up with
+L2 flushed, and every comparison is timed in turns (coda_cute.sol.timing.interleaved_medians: the
+GPU's clocks drift by several percent under sustained load). Each fused op is compared with
 
-  (a) the shadow: the plain cuBLAS GEMM of the same shape alone (torch.mm), the ratio target is
+  (a) the shadow: the plain cuBLAS GEMM on the op's own operands (torch.mm), the ratio target is
       fused / shadow <= 1.00;
   (b) eager PyTorch computing the op's outputs (bf16 GEMM, then the epilogue math in fp32);
   (c) torch.compile of (b).
 
-The block forward (CodaLlamaBlock, gamma folds included) is compared with the sum of its four
-shadow GEMMs plus attention (SDPA alone), and with the plain HF-convention block
+The block forward (CodaLlamaBlock, gamma folds included) is compared with its four shadow GEMMs
+run back to back plus attention (SDPA alone), and with the plain HF-convention block
 (coda_cute.reference.llama_block_ref) eager and compiled; the target is
 (block - attention) / sum of GEMMs <= 1.00. "gamma fold" rows time W * gamma for each consumer
 weight (the cost of option B, see coda.residual_gemm_norm_stats). Last, the LM head + CE peak
@@ -35,16 +36,11 @@ from coda_cute import reference as R
 from coda_cute.nn import CodaLlamaBlock, LlamaConfig, embedding_norm_stats
 from coda_cute.ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
 from coda_cute.ops.lm_head_ce import lm_head_ce
+from coda_cute.sol.timing import bench_ms, interleaved_medians
 
 BF16 = torch.bfloat16
 CFG = LlamaConfig(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
                   rope_theta=500000.0)
-
-
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def peak_beyond_inputs(fn) -> int:
@@ -127,20 +123,18 @@ def op_cases(m, seq):
     ]
 
 
-def shadow_ms(a, w):
-    """The plain cuBLAS GEMM a @ w.T on the op's own operands."""
-    return bench_ms(lambda: torch.mm(a, w.t()))
-
-
 def bench_ops(m, seq, compile_, rows):
+    """Per op, the shadow (the plain cuBLAS GEMM a @ w.T on the op's own operands), the fused op,
+    eager and compiled torch, timed in turns."""
     for name, fused, eager, args, mnk in op_cases(m, seq):
-        row = {"kind": "op", "name": name, "mnk": mnk, "shadow_ms": shadow_ms(args[0], args[1]),
-               "fused_ms": bench_ms(lambda: fused(*args)), "eager_ms": bench_ms(lambda: eager(*args))}
+        a, w = args[0], args[1]
+        fns = {"shadow": lambda: torch.mm(a, w.t()), "fused": lambda: fused(*args),
+               "eager": lambda: eager(*args)}
         if compile_:
-            fn = torch.compile(eager)
-            fn(*args)
-            row["compile_ms"] = bench_ms(lambda: fn(*args))
-        rows.append(row)
+            compiled = torch.compile(eager)
+            fns["compile"] = lambda: compiled(*args)
+        times = interleaved_medians(fns)
+        rows.append({"kind": "op", "name": name, "mnk": mnk, **{f"{k}_ms": v for k, v in times.items()}})
 
 
 def bench_block(bsz, seq, compile_, rows):
@@ -154,26 +148,25 @@ def bench_block(bsz, seq, compile_, rows):
     inv_freq = R.rope_inv_freq(hd, c.rope_theta, "cuda")
     pos = torch.arange(seq, device="cuda", dtype=torch.int32)
     with torch.no_grad():
-        fused = bench_ms(lambda: blk(x, ss, pos, inv_freq))
         q = rand(bsz, c.n_heads, seq, hd)
         kv = rand(bsz, c.n_kv_heads, seq, hd)
-        attn = bench_ms(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True))
         # the block's four GEMMs on its own weights, back to back like the block's own kernels (a
         # sustained sequence runs at the clocks the block sees, not those of one GEMM between idles)
         ws = (blk.wqkv, blk.wo, blk.w_gu, blk.w_down)
         acts = [rand(m, w.shape[1]) for w in ws]
-        gemms = bench_ms(lambda: [torch.mm(a, w.t()) for a, w in zip(acts, ws)])
 
         def plain(x):
             return R.llama_block_ref(x, hf, pos, inv_freq, c.n_heads, c.n_kv_heads, hd, c.norm_eps)
 
-        row = {"kind": "block", "tokens": m, "fused_ms": fused, "attention_ms": attn, "gemms_ms": gemms,
-               "eager_ms": bench_ms(lambda: plain(x))}
+        fns = {"fused": lambda: blk(x, ss, pos, inv_freq),
+               "attention": lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True),
+               "gemms": lambda: [torch.mm(a, w.t()) for a, w in zip(acts, ws)],
+               "eager": lambda: plain(x)}
         if compile_:
-            fn = torch.compile(plain)
-            fn(x)
-            row["compile_ms"] = bench_ms(lambda: fn(x))
-        rows.append(row)
+            compiled = torch.compile(plain)
+            fns["compile"] = lambda: compiled(x)
+        times = interleaved_medians(fns, rounds=20)
+        rows.append({"kind": "block", "tokens": m, **{f"{k}_ms": v for k, v in times.items()}})
         for name, w, g in (("qkv", blk.wqkv, blk.attn_norm), ("gate/up", blk.w_gu, blk.ffn_norm),
                            ("lm head", rand(c.vocab_size, d), blk.ffn_norm)):
             rows.append({"kind": "fold", "name": name, "shape": tuple(w.shape),

@@ -1,11 +1,12 @@
 """Benchmark epilogue trees against our plain GEMM and the plain cuBLAS GEMM of the same shape.
 
-One run, random data, CUDA-event medians after warm-up (triton.testing.do_bench). Default shape
+One run, random data, CUDA-event medians after warm-up with L2 flushed. Default shape
 M = 16384, N = 28672, K = 4096, bf16 (the Llama-8B gate/up projection at 16k tokens). For each
-tree: the time of the heuristic's config and of the schedules we sweep, the ratio to our plain
-GEMM (same config family, best of the sweep) and to cuBLAS.
+tree: the time of the heuristic's config and of the schedules we sweep, timed in turns with
+cuBLAS and our plain GEMM on the heuristic's config (coda_cute.sol.timing.interleaved_medians),
+and the best config's ratio to each.
 
-    python scripts/bench_epilogue.py [--shape M N K] [--json out.json]
+    python scripts/bench_epilogue.py [--shape M N K] [--trees SUBSTR ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.table import Table
 
 from coda_cute import epilogue as E
 from coda_cute.kernels.common.config import GemmConfig
+from coda_cute.sol.timing import interleaved_medians
 
 SWEEP = [
     GemmConfig(128, 256, 64, "cooperative", 2, 1),
@@ -82,18 +84,12 @@ def inputs(tree, m, n, k):
     return out
 
 
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs=3, type=int, default=(16384, 28672, 4096), metavar=("M", "N", "K"))
     ap.add_argument("--json")
     ap.add_argument("--trees", nargs="+", metavar="SUBSTR",
-                    help="only the trees whose name contains one of these (plain always runs)")
+                    help="only the trees whose name contains one of these")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_epilogue needs a CUDA GPU")
@@ -101,40 +97,44 @@ def main(argv=None):
     m, n, k = args.shape
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-    cublas_first = bench_ms(lambda: torch.mm(a, b))
     console = Console(width=150)
-    rows = []
+    plain_tree = trees()["plain"]
     todo = {**trees(), **coda_trees(n)}
     todo = {name: t for name, t in todo.items()
-            if name == "plain" or not args.trees or any(x in name for x in args.trees)}
+            if name != "plain" and (not args.trees or any(x in name for x in args.trees))}
+    rows = []
     for name, tree in todo.items():
         ins = inputs(tree, m, n, k)
-        times = {}
+        # each tree timed in turns with cuBLAS and our plain GEMM: the GPU's clocks drift by
+        # several percent under sustained load, ratios of back-to-back timings would carry it
+        fns = {"cuBLAS": lambda: torch.mm(a, b), "plain": lambda: E.run(plain_tree, a, b, {})}
         for cfg in [None] + SWEEP:
             try:
                 E.run(tree, a, b, ins, config=cfg)
             except E.EpilogueError as err:  # the tree does not fit this config's shared memory
                 console.log(f"{name} {cfg.name if cfg else 'heuristic'}: {err}")
                 continue
-            times[cfg.name if cfg else "heuristic"] = bench_ms(lambda cfg=cfg: E.run(tree, a, b, ins, config=cfg))
-        rows.append(dict(tree=name, times=times))
-        console.log(f"{name}: " + ", ".join(f"{c} {t:.3f} ms" for c, t in times.items()))
-    # cuBLAS timed first and last (clocks drift as the GPU heats): its faster time is the baseline
-    cublas = min(cublas_first, bench_ms(lambda: torch.mm(a, b)))
-    plain = min(rows[0]["times"].values())
-    t = Table(title=f"epilogue trees at {m}x{n}x{k} bf16 (cuBLAS {cublas:.3f} ms, our plain GEMM {plain:.3f} ms)")
-    for col in ("tree", "best config", "ms", "vs our plain GEMM", "vs cuBLAS", "heuristic ms"):
+            fns[cfg.name if cfg else "heuristic"] = lambda cfg=cfg, tree=tree, ins=ins: E.run(tree, a, b, ins, config=cfg)
+        times = interleaved_medians(fns)
+        cublas, plain = times.pop("cuBLAS"), times.pop("plain")
+        rows.append(dict(tree=name, times=times, cublas_ms=cublas, plain_ms=plain))
+        console.log(f"{name}: cuBLAS {cublas:.3f} ms, plain {plain:.3f} ms, "
+                    + ", ".join(f"{c} {t:.3f} ms" for c, t in times.items()))
+    t = Table(title=f"epilogue trees at {m}x{n}x{k} bf16, each timed in turns with cuBLAS and our "
+                    "plain GEMM (heuristic config)")
+    for col in ("tree", "best config", "ms", "vs our plain GEMM", "vs cuBLAS", "heuristic ms",
+                "plain vs cuBLAS"):
         t.add_column(col, justify="right")
     for r in rows:
         best = min(r["times"], key=r["times"].get)
         ms = r["times"][best]
-        r.update(best=best, ms=ms, vs_plain=ms / plain, vs_cublas=ms / cublas)
-        t.add_row(r["tree"], best, f"{ms:.3f}", f"{ms / plain:.3f}", f"{ms / cublas:.3f}",
-                  f"{r['times'].get('heuristic', float('nan')):.3f}")
+        r.update(best=best, ms=ms, vs_plain=ms / r["plain_ms"], vs_cublas=ms / r["cublas_ms"])
+        t.add_row(r["tree"], best, f"{ms:.3f}", f"{r['vs_plain']:.3f}", f"{r['vs_cublas']:.3f}",
+                  f"{r['times'].get('heuristic', float('nan')):.3f}", f"{r['plain_ms'] / r['cublas_ms']:.3f}")
     console.print(t)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": [m, n, k], "cublas_ms": cublas, "plain_ms": plain, "rows": rows}, fh, indent=1)
+            json.dump({"shape": [m, n, k], "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """GPU timing: median CUDA-event time of a launch, after warm-up, with L2 flushed between runs.
 
+:func:`interleaved_medians` times several launches round-robin, for ratios between them.
+
 Uses ``triton.testing.do_bench`` when Triton is installed (as ``scripts/bench_gemm.py`` does);
 otherwise the same procedure with ``torch.cuda.Event``: estimate one call, warm up for
 ``warmup_ms``, then time each of ``rep_ms`` worth of calls between two events, zeroing a buffer
@@ -53,3 +55,28 @@ def event_median_ms(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, rep_
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3) -> dict:
+    """Median milliseconds of each ``fns[name]()``, timed round-robin: every round runs each fn
+    once (L2 flushed before each, CUDA events around it). An H200 under sustained load drifts by
+    several percent in clock speed; fns timed one after another would carry that drift into their
+    ratio, fns timed in turns share it."""
+    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    runs = []
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+            runs.append((name, start, end))
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for name, start, end in runs:
+        times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
