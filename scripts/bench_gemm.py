@@ -1,7 +1,8 @@
 """Benchmark coda.gemm against cuBLAS (torch.mm) and torch._scaled_mm (FP8 row-wise scales).
 
-One run, random data, CUDA-event medians after warm-up (triton.testing.do_bench, which also
-flushes L2 between repetitions). Prints TFLOP/s per shape, the ratio to the torch baseline and the
+One run, random data, CUDA-event medians after warm-up with L2 flushed between runs, the torch
+baseline and our configs of a shape timed in turns (coda_cute.sol.timing.interleaved_medians).
+Prints TFLOP/s per shape, the ratio to the torch baseline and the
 geomean; ``--sweep`` also times every config of the config space (ping-pong vs cooperative, tiles,
 clusters); ``--json`` writes all numbers.
 
@@ -23,17 +24,12 @@ from rich.table import Table
 from coda_cute import dispatch
 from coda_cute.compiler import compiled_kernels
 from coda_cute.ops.gemm import gemm_impl
+from coda_cute.sol.timing import interleaved_medians
 
 LLAMA_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (32768, 4096)]
 SHAPES = [(16384, n, k) for n, k in LLAMA_NK] + [(8192, 8192, 8192)] + [
     (m, n, k) for m in (128, 1024) for n, k in LLAMA_NK
 ]
-
-
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
 def tflops(m, n, k, ms):
@@ -51,27 +47,28 @@ def fp8_inputs(m, n, k):
 
 
 def run_shape(m, n, k, dtype, sweep, rows, sms):
+    """Time torch's GEMM(s) and ours (heuristic config, and with ``sweep`` every config) on one
+    shape, all in turns (``interleaved_medians``): the GPU's clocks drift by several percent under
+    sustained load, and back-to-back timings would carry that into the ratios."""
     if dtype == "bf16":
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
-        base = {"cuBLAS": bench_ms(lambda: torch.mm(a, b))}
+        base = {"cuBLAS": lambda: torch.mm(a, b)}
         variants = {"coda": lambda cfg=None: gemm_impl(a, b, config=cfg)}
         fp8 = False
     else:
         a, b, sa, sb = fp8_inputs(m, n, k)
         base = {
-            "_scaled_mm": bench_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)),
-            "_scaled_mm fast": bench_ms(lambda: torch._scaled_mm(
-                a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)),
+            "_scaled_mm": lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+            "_scaled_mm fast": lambda: torch._scaled_mm(
+                a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
         }
         variants = {
             "coda": lambda cfg=None: gemm_impl(a, b, sa, sb, config=cfg),
             "coda fast": lambda cfg=None: gemm_impl(a, b, sa, sb, use_fast_accum=True, config=cfg),
         }
         fp8 = True
-    for label, ms in base.items():
-        rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=label, config="", ms=ms, tflops=tflops(m, n, k, ms)))
-    ref_ms = next(iter(base.values()))
+    fns, ours = dict(base), {}
     for label, fn in variants.items():
         fast = label.endswith("fast")
         cfgs = [None]
@@ -79,13 +76,18 @@ def run_shape(m, n, k, dtype, sweep, rows, sms):
             cfgs += [c for c in dispatch.config_space(fp8) if c.fp8_fast_accum == fast or not fp8]
         for cfg in cfgs:
             chosen = cfg or dispatch.select_config(m, n, k, 1, fp8, fast, sms)
-            fn(cfg)  # compile + warm
-            torch.cuda.synchronize()
-            ms = bench_ms(lambda: fn(cfg))
-            base_ms = base["_scaled_mm fast"] if (fp8 and fast) else ref_ms
-            rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=label if cfg is None else "sweep",
-                             config=chosen.name, ms=ms, tflops=tflops(m, n, k, ms),
-                             ratio=base_ms / ms))
+            key = f"{label} {cfg.name if cfg else 'heuristic'}"
+            fns[key] = lambda fn=fn, cfg=cfg: fn(cfg)
+            ours[key] = (label if cfg is None else "sweep", chosen.name,
+                         "_scaled_mm fast" if (fp8 and fast) else next(iter(base)))
+    times = interleaved_medians(fns)
+    for label in base:
+        ms = times[label]
+        rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=label, config="", ms=ms, tflops=tflops(m, n, k, ms)))
+    for key, (impl, config, ref) in ours.items():
+        ms = times[key]
+        rows.append(dict(dtype=dtype, m=m, n=n, k=k, impl=impl, config=config, ms=ms,
+                         tflops=tflops(m, n, k, ms), ratio=times[ref] / ms))
 
 
 def main(argv=None):
