@@ -4,7 +4,7 @@ One run, random data, CUDA-event medians after warm-up with L2 flushed between r
 baseline and our configs of a shape timed in turns (coda_cute.sol.timing.interleaved_medians).
 Prints TFLOP/s per shape, the ratio to the torch baseline and the
 geomean; ``--sweep`` also times every config of the config space (ping-pong vs cooperative, tiles,
-clusters); ``--json`` writes all numbers.
+clusters) and, for 16-bit inputs, split-K by 2, 3, 4 and 8; ``--json`` writes all numbers.
 
     python scripts/bench_gemm.py [--dtype bf16 fp8] [--sweep] [--json out.json]
 """
@@ -30,6 +30,9 @@ LLAMA_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (32768, 40
 SHAPES = [(16384, n, k) for n, k in LLAMA_NK] + [(8192, 8192, 8192)] + [
     (m, n, k) for m in (128, 1024) for n, k in LLAMA_NK
 ]
+
+
+SPLITS = (2, 3, 4, 8)
 
 
 def tflops(m, n, k, ms):
@@ -80,6 +83,13 @@ def run_shape(m, n, k, dtype, sweep, rows, sms):
             fns[key] = lambda fn=fn, cfg=cfg: fn(cfg)
             ours[key] = (label if cfg is None else "sweep", chosen.name,
                          "_scaled_mm fast" if (fp8 and fast) else next(iter(base)))
+    if sweep and not fp8:  # split-K (16-bit only): K slices as one batched launch + a torch sum
+        for split in SPLITS:
+            if k % (split * 64) == 0:
+                chosen = dispatch.select_config(m, n, k // split, split, False, False, sms)
+                key = f"coda split_k={split}"
+                fns[key] = lambda split=split: gemm_impl(a, b, split_k=split)
+                ours[key] = ("sweep", f"{chosen.name}+split_k{split}", "cuBLAS")
     times = interleaved_medians(fns)
     for label in base:
         ms = times[label]

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import coda_cute
 from coda_cute import dispatch
 from coda_cute.epilogue import runner as run_mod
+from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.ops import gemm as gemm_mod
 from coda_cute.reference import gemm_ref
 from helpers import rel_err
@@ -366,3 +367,45 @@ def test_fp8_has_no_autograd():
     a = _fp8(16, 32).requires_grad_()
     with coda_cute.reference_on_cpu(), pytest.raises(NotImplementedError, match="FP8 inputs have no autograd"):
         coda_cute.gemm(a, _fp8(16, 32).t(), scale_a=torch.ones(1), scale_b=torch.ones(1))
+
+
+# -- split-K: the K-slice views and the rules (the launch itself is a GPU test) -----------------------
+@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("k", "n"), ("m", "k"), ("m", "n")])
+def test_split_k_views_sum_to_the_product(a_major, b_major):
+    m, n, k, split = 5, 7, 24, 3
+    a = torch.randn(m, k, dtype=torch.float64) if a_major == "k" else torch.randn(k, m, dtype=torch.float64).t()
+    b = torch.randn(n, k, dtype=torch.float64).t() if b_major == "k" else torch.randn(k, n, dtype=torch.float64)
+    a_s, b_s = gemm_mod.split_k_views(a, b, split)
+    assert a_s.shape == (split, m, k // split) and b_s.shape == (split, k // split, n)
+    assert a_s.data_ptr() == a.data_ptr() and b_s.data_ptr() == b.data_ptr()  # views, no copies
+    assert torch.allclose(torch.bmm(a_s, b_s).sum(0), a @ b)
+    assert torch.equal(a_s[1], a[:, k // split: 2 * k // split])
+
+
+def test_split_k_rules():
+    a, b = torch.empty(128, 4096, dtype=torch.bfloat16), torch.empty(4096, 64, dtype=torch.bfloat16)
+    gemm_mod.check_split_k(a, b, 4, None)
+    gemm_mod.check_split_k(a, b, 8, GemmConfig(128, 128, 64, "pingpong"))
+    with pytest.raises(ValueError, match=r"multiple of split_k x tile_k = 192 .*K=4096"):
+        gemm_mod.check_split_k(a, b, 3, None)
+    with pytest.raises(ValueError, match="positive int"):
+        gemm_mod.check_split_k(a, b, 0, None)
+    with pytest.raises(ValueError, match="16-bit"):
+        gemm_mod.check_split_k(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), 2, None)
+    with pytest.raises(ValueError, match="2-D"):
+        gemm_mod.check_split_k(a[None], b[None], 2, None)
+
+
+@pytest.mark.parametrize("majors", ["kk", "kn", "mk", "mn"])
+def test_split_k_is_one_batched_launch_on_the_slices(majors, hopper_host):
+    m, n, k, split = 128, 64, 1024, 4
+    a = _bf16(m, k) if majors[0] == "k" else _bf16(k, m).t()
+    b = _bf16(n, k).t() if majors[1] == "k" else _bf16(k, n)
+    gemm_mod.gemm_impl(a, b, split_k=split)
+    (spec, av, bv, dv, sa, sb), = hopper_host
+    assert (spec.a_major, spec.b_major, spec.d_dtype) == (majors[0], majors[1], "float32")
+    assert spec.config == dispatch.select_config(m, n, k // split, split, False, False, 132)
+    assert (av.shape, bv.shape, dv.shape) == ((m, k // split, split), (n, k // split, split), (m, n, split))
+    assert av.data_ptr() == a.data_ptr() and bv.data_ptr() == b.data_ptr()  # views, not copies
+    # slice s of the kernel's a is columns [s K/split, (s+1) K/split) of a
+    assert torch.equal(av[:, :, 2], a[:, 2 * k // split: 3 * k // split])

@@ -91,6 +91,25 @@ def test_gemm16_out_dtypes_batched(cfg, out_dtype):
     assert rel_err(out, gemm_ref(a, b, round_output=False)) < 1e-2
 
 
+@pytest.mark.parametrize("layout", ["kk", "kn", "mk", "mn"])
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k(layout, split):
+    """K split into slices run as one batched launch and summed: ragged M and N, K = split x 1024
+    + 0 (whole k-tiles per slice), poisoned output in every out dtype."""
+    for m, n, out_dtype in [(1, 264, torch.bfloat16), (128, 1000, torch.float32), (333, 4096, torch.bfloat16)]:
+        k = split * 1024
+        a = make_a(m, k, torch.bfloat16, layout[0])
+        b = make_b(k, n, torch.bfloat16, layout[1])
+        if (layout[0] == "m" and m > 1 and not aligned(m, torch.bfloat16)) or \
+                (layout[1] == "n" and not aligned(n, torch.bfloat16)):
+            continue
+        out = poisoned((m, n), out_dtype)
+        gemm_impl(a, b, out_dtype=out_dtype, out=out, split_k=split)
+        assert rel_err(out, gemm_ref(a, b, round_output=False)) < 1e-2, (m, n, layout)
+        fresh = gemm_impl(a, b, split_k=split, config=PP64x64)
+        assert fresh.dtype == torch.bfloat16 and rel_err(fresh, gemm_ref(a, b, round_output=False)) < 1e-2
+
+
 def fp8_operands(m, n, k, a_dt, b_dt, scale_kind, batch=None):
     lead = () if batch is None else (batch,)
     a32 = torch.randn(*lead, m, k, device="cuda")

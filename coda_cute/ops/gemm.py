@@ -109,10 +109,11 @@ def _meta(t):
 
 
 def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False,
-              config: Optional[GemmConfig] = None, out: Optional[torch.Tensor] = None):
+              config: Optional[GemmConfig] = None, out: Optional[torch.Tensor] = None,
+              split_k: int = 1):
     """The op's CUDA implementation: :func:`gemm_tree` on the epilogue-tree runner. ``config``
     overrides the heuristic (benchmarks, tuner); ``out`` is a preallocated contiguous result
-    (tests poison it to catch unwritten tiles)."""
+    (tests poison it to catch unwritten tiles); ``split_k`` > 1 splits K (:func:`split_k_gemm`)."""
     key = (_meta(a), _meta(b), _meta(scale_a), _meta(scale_b), out_dtype)
     prep = _prepared.get(key)
     if prep is None:
@@ -125,11 +126,56 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
         shape = (batch, a.shape[-2], b.shape[-1]) if a.dim() == 3 else (a.shape[-2], b.shape[-1])
         od = tree.outputs[0].dtype
         return out.zero_() if out is not None else a.new_zeros(shape, dtype=getattr(torch, od))
+    if split_k != 1:
+        return split_k_gemm(a, b, split_k, getattr(torch, tree.outputs[0].dtype), config, out)
     inputs = {}
     if scale_a is not None:
         inputs = {"scale_a": _as_vector(scale_a, batch), "scale_b": _as_vector(scale_b, batch)}
     return run(tree, a, b, inputs, config=config, use_fast_accum=use_fast_accum,
                outputs=None if out is None else {"out": out}, op="coda.gemm")["out"]
+
+
+def check_split_k(a, b, split_k: int, config: Optional[GemmConfig]):
+    """Rules of :func:`split_k_gemm`, before any launch."""
+    if not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"coda.gemm: split_k must be a positive int, got {split_k!r}")
+    if a.dim() != 2 or a.dtype in FP8:
+        raise ValueError("coda.gemm: split_k applies to 2-D 16-bit operands (torch.mm shapes, "
+                         f"bf16 / fp16); got a {a.dim()}-D {a.dtype} operand")
+    k = a.shape[1]
+    step = split_k * (config.tile_k if config is not None else 64)
+    if k % step:
+        raise ValueError(f"coda.gemm: split_k={split_k} needs K to be a multiple of split_k x "
+                         f"tile_k = {step} (every split a whole number of k-tiles); got K={k}")
+
+
+def split_k_views(a, b, split_k: int):
+    """(split_k, M, K / split_k) and (split_k, K / split_k, N) views of a (M, K) and b (K, N),
+    any strides: slice s of each is its s-th K range (no copies)."""
+    (m, k), n = a.shape, b.shape[1]
+    kc = k // split_k
+    return (a.as_strided((split_k, m, kc), (kc * a.stride(1), a.stride(0), a.stride(1))),
+            b.as_strided((split_k, kc, n), (kc * b.stride(0), b.stride(0), b.stride(1))))
+
+
+def split_k_gemm(a, b, split_k: int, out_dtype, config: Optional[GemmConfig] = None,
+                 out: Optional[torch.Tensor] = None):
+    """a @ b as ``split_k`` GEMMs over K slices, summed in fp32:
+
+        out = sum_s a[:, K_s] @ b[K_s, :]      K_s = [s K / split_k, (s + 1) K / split_k)
+
+    The slices are strided views that the kernel runs as the batch of one launch, writing fp32
+    partials (split_k, M, N); one torch reduction sums them (deterministic: no atomics) and
+    rounds once to ``out_dtype``. For small M, where too few output tiles exist to fill the GPU
+    with long K loops (e.g. M = 128, N = 4096, K = 14336: 32 tiles of 128 x 128 on 132 SMs).
+    """
+    check_split_k(a, b, split_k, config)
+    a_s, b_s = split_k_views(a, b, split_k)
+    partials = run(gemm_tree("none", "none", "float32"), a_s, b_s, {}, config=config,
+                   op="coda.gemm")["out"]
+    if out is not None:
+        return torch.sum(partials, 0, out=out) if out.dtype == torch.float32 else out.copy_(partials.sum(0))
+    return partials.sum(0).to(out_dtype)
 
 
 def _as_vector(s, batch):
