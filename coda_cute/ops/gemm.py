@@ -173,9 +173,8 @@ def split_k_gemm(a, b, split_k: int, out_dtype, config: Optional[GemmConfig] = N
     a_s, b_s = split_k_views(a, b, split_k)
     partials = run(gemm_tree("none", "none", "float32"), a_s, b_s, {}, config=config,
                    op="coda.gemm")["out"]
-    if out is not None:
-        return torch.sum(partials, 0, out=out) if out.dtype == torch.float32 else out.copy_(partials.sum(0))
-    return partials.sum(0).to(out_dtype)
+    total = partials.sum(0)
+    return out.copy_(total) if out is not None else total.to(out_dtype)
 
 
 def _as_vector(s, batch):
