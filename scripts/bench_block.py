@@ -34,7 +34,8 @@ from rich.table import Table
 
 from coda_cute import reference as R
 from coda_cute.nn import CodaLlamaBlock, LlamaConfig, embedding_norm_stats
-from coda_cute.ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
+from coda_cute.ops.coda_block import (norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats,
+                                      stats_tile_n)
 from coda_cute.ops.lm_head_ce import lm_head_ce
 from coda_cute.sol.timing import bench_ms, interleaved_medians
 
@@ -99,14 +100,17 @@ def op_cases(m, seq):
     """(name, fused fn, eager fn, args, shadow (M, N, K))."""
     c, d, hd = CFG, CFG.dim, CFG.head_dim
     y = rand(m, d)
-    ss = embedding_norm_stats(y)
+    h, w_down = rand(m, c.ffn_dim), rand(d, c.ffn_dim, scale=c.ffn_dim ** -0.5)
+    # In the block every norm-scaled GEMM reads its ss as the residual op left it: one partial
+    # per column tile of that op, summed by each of the consumer's tiles.
+    tn = stats_tile_n(h, w_down)
+    ss = y.float().square().reshape(m, d // tn, tn).sum(-1)
     inv_freq = R.rope_inv_freq(hd, c.rope_theta, "cuda")
     pos = torch.arange(seq, device="cuda", dtype=torch.int32).repeat(m // seq)
     n_qkv = (c.n_heads + 2 * c.n_kv_heads) * hd
     w_qkv, eps = rand(n_qkv, d, scale=d ** -0.5), c.norm_eps
     qkv = (y, w_qkv, ss, eps, pos, inv_freq, c.n_heads, c.n_kv_heads, hd)
     qn, kn = 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1)
-    h = rand(m, c.ffn_dim)
     t = torch.randint(0, c.vocab_size, (m,), device="cuda")
     return [
         ("qkv + rope", norm_rope_qkv, eager_qkv, qkv, (m, n_qkv, d)),
@@ -116,7 +120,7 @@ def op_cases(m, seq):
         ("gate/up + swiglu", norm_swiglu, eager_swiglu, (y, rand(2 * c.ffn_dim, d, scale=d ** -0.5), ss, eps),
          (m, 2 * c.ffn_dim, d)),
         ("down-proj + residual + stats", residual_gemm_norm_stats, eager_residual,
-         (h, rand(d, c.ffn_dim, scale=c.ffn_dim ** -0.5), y), (m, d, c.ffn_dim)),
+         (h, w_down, y), (m, d, c.ffn_dim)),
         ("norm proj (d x d)", norm_proj, eager_proj, (y, rand(d, d, scale=d ** -0.5), ss, eps), (m, d, d)),
         ("lm head + ce", lm_head_ce, eager_ce, (y, rand(c.vocab_size, d, scale=d ** -0.5), ss, eps, t),
          (m, c.vocab_size, d)),

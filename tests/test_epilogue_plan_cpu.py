@@ -5,7 +5,9 @@ config the heuristic picks for trees with tile inputs."""
 import pytest
 
 from coda_cute import epilogue as E
-from coda_cute.epilogue.runner import COOP_TILE_INPUT_COST, choose_config, tree_smem_bytes
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TREE_COST, _epilogue_factor,
+                                       choose_config, crowded, epilogue_registers,
+                                       is_plain_store, row_state, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import lookups_ahead
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
@@ -63,10 +65,29 @@ def test_smem_bytes_are_the_buffers_without_padding():
     assert tree_smem_bytes(residual_norm_stats_tree(), COOP) == 2 * 8192 + 2 * 8192 + 2 * 2 * 8
 
 
-def test_heuristic_charges_cooperative_configs_for_tile_inputs():
-    assert COOP_TILE_INPUT_COST > 0
-    shape = (16384, 28672, 4096, 1, False, False, 132)
+def test_heuristic_charges_cooperative_configs_for_epilogue_work():
+    assert COOP_TREE_COST > 0 and COOP_TILE_INPUT_COST > 0
     plain = E.Epilogue(E.store(E.acc(), "out"))
-    assert choose_config(plain, *shape).schedule == "cooperative"
-    assert choose_config(norm_swiglu_tree(), *shape).schedule == "cooperative"  # no tile input
-    assert choose_config(residual_norm_stats_tree(), *shape).schedule == "pingpong"
+    assert is_plain_store(plain) and not is_plain_store(norm_swiglu_tree())
+    assert _epilogue_factor(plain, COOP) == 1.0
+    assert _epilogue_factor(norm_swiglu_tree(), COOP) == 1.0 + COOP_TREE_COST  # math, no tile input
+    assert _epilogue_factor(residual_norm_stats_tree(), COOP) == 1.0 + COOP_TREE_COST + COOP_TILE_INPUT_COST
+    assert _epilogue_factor(residual_norm_stats_tree(), PP) == 1.0
+    shape = (16384, 28672, 4096, 1, False, False, 132)
+    for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
+        assert choose_config(tree, *shape).schedule == "pingpong"
+
+
+def test_heuristic_keeps_per_row_state_off_crowded_configs():
+    from coda_cute.ops.lm_head_ce import lm_head_ce_tree
+
+    lm = lm_head_ce_tree()  # row sum, targets, lse (2), gather (2)
+    assert row_state(lm) == 6 and row_state(E.Epilogue(E.store(E.acc(), "out"))) == 0
+    assert epilogue_registers(lm, PP) == 128 + 4 * 6 and crowded(lm, PP)
+    assert epilogue_registers(lm, COOP) == 128 + 2 * 6 and not crowded(lm, COOP)
+    qk_norm = norm_rope_qkv_tree(1536, 128, True)  # + the per-head sum of squares
+    assert row_state(qk_norm) == row_state(norm_rope_qkv_tree(1536, 128, False)) + 1
+    shape = (16384, 32768, 4096, 1, False, False, 132)
+    for tree in (lm, qk_norm):
+        assert not crowded(tree, choose_config(tree, *shape))
+    assert choose_config(norm_swiglu_tree(), *shape) == PP  # 1 value per row fits next to 128

@@ -46,27 +46,65 @@ def segment_widths(tree: N.Epilogue) -> set:
     return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
 
-#: Relative extra time of a cooperative config per tile input of the tree. Cooperative warpgroups
-#: run the epilogue after their mainloop with the tensor cores idle, so the tile input's stream
-#: from memory adds to the tile's time; under ping-pong the other warpgroup's mainloop covers it.
-#: Measured (scripts/bench_epilogue.py, 16384x28672x4096 bf16, four trees with one tile input):
-#: ping-pong 128x128 2x1 beat cooperative 128x256 2x1 by 2.6-6 %, against 1-2 % the other way
-#: for the plain GEMM.
+#: Relative extra time of a cooperative config for an epilogue that computes anything beyond
+#: storing the accumulator, and for each tile input on top. Cooperative warpgroups run the
+#: epilogue after their mainloop with the tensor cores idle, so its math and its tile reads add
+#: to the tile's time; under ping-pong the other warpgroup's mainloop covers them. Measured on
+#: the H200 (scripts/bench_epilogue.py, 16384x28672x4096 bf16, all timed in turns), cooperative
+#: 128x256 2x1 against ping-pong 128x128 2x1: +4 to +7 % on the five trees without a tile input
+#: (SwiGLU, LSE partials, QKV + RoPE, + QK-norm, LM head + CE), +10 to +16 % on the four with
+#: one, against -2 % for the plain GEMM (cooperative's predicted rate advantage).
+COOP_TREE_COST = 0.05
 COOP_TILE_INPUT_COST = 0.05
 
 
+def is_plain_store(tree: N.Epilogue) -> bool:
+    """The tree only stores the accumulator: no inputs, no math, no reductions."""
+    return not tree.inputs and all(isinstance(s, N.Store) and isinstance(s.x, N.Acc) for s in tree.sinks)
+
+
 def _epilogue_factor(tree, cfg: GemmConfig) -> float:
-    if cfg.schedule != "cooperative":
+    if cfg.schedule != "cooperative" or is_plain_store(tree):
         return 1.0
-    return 1.0 + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
+    return 1.0 + COOP_TREE_COST + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
+
+
+#: Most accumulator + per-row epilogue registers (:func:`epilogue_registers`) the heuristic puts
+#: on one consumer thread, per schedule (a ping-pong warpgroup also carries its ordering state).
+#: Calibrated on the sm_90a builds: on 128-row ping-pong tiles QK-norm + RoPE (128 + 4 rows x 3)
+#: spills 24 bytes and LM head + CE (128 + 4 x 6) 48, QKV + RoPE (128 + 4 x 2) none; on cooperative
+#: 128x256, LM head + CE (128 + 2 x 6) none.
+MAX_EPILOGUE_REGISTERS = {"pingpong": 136, "cooperative": 140}
+
+
+def row_state(tree: N.Epilogue) -> int:
+    """Values the epilogue keeps per accumulator row for the whole tile: row vectors and row sums
+    read up front, row reductions' running states (two for log-sum-exp), segment reductions'
+    sums, gathers' index and value."""
+    sinks = tree.sinks
+    segments = {id(n) for s in sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
+    return (sum(i.kind in ("row_vec", "row_sum") for i in tree.inputs) + len(segments)
+            + sum(2 if s.op == "lse" else 1 for s in sinks if isinstance(s, N.RowReduce))
+            + 2 * sum(isinstance(s, N.Gather) for s in sinks))
+
+
+def epilogue_registers(tree: N.Epilogue, cfg: GemmConfig) -> int:
+    """Accumulator registers per consumer thread plus the tree's per-row state: a thread holds two
+    rows of every 64-row WGMMA atom of its warpgroup's tile."""
+    return cfg.acc_registers + 2 * (cfg.wg_tile_m // 64) * row_state(tree)
+
+
+def crowded(tree: N.Epilogue, cfg: GemmConfig) -> bool:
+    return bool(row_state(tree)) and epilogue_registers(tree, cfg) > MAX_EPILOGUE_REGISTERS[cfg.schedule]
 
 
 def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
-    """The heuristic's config among those whose shared memory the tree leaves room for: the
+    """The heuristic's config among those whose shared memory the tree leaves room for and whose
+    registers it does not crowd (``MAX_EPILOGUE_REGISTERS``, trees with per-row state only): the
     GEMM's predicted time (``dispatch.predicted_time``), cooperative configs charged for the
-    tree's tile inputs (``COOP_TILE_INPUT_COST``)."""
+    tree's math and tile inputs (``COOP_TREE_COST``, ``COOP_TILE_INPUT_COST``)."""
     cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
-             and fits(tree, c, 1 if fp8 else 2)]
+             and fits(tree, c, 1 if fp8 else 2) and not crowded(tree, c)]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)

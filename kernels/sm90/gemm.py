@@ -257,12 +257,18 @@ class Sm90Gemm:
             def on_last_issue():
                 if const_expr(self.pingpong):
                     self._order_arrive(_BAR_MMA_ORDER, 1 - wg_idx)
-                # Per-tile epilogue loads overlap the last k-tile's WGMMAs.
+                    return None
+                # Cooperative: per-tile epilogue loads overlap the last k-tile's WGMMAs.
                 return self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
 
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger)
             if const_expr(self.pingpong):
+                # Only once the last A/B stage is released: until then the producer cannot refill
+                # it and the other warpgroup's mainloop starves after the stages already loaded,
+                # so a per-tile read waiting on memory (row sums over T partials) would stall the
+                # tensor cores. Here its latency runs under the other warpgroup's mainloop.
+                epi_state = self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
                 self._order_wait(_BAR_EPI_ORDER, wg_idx)
             epi_count, load_state = self.epilogue.store_tile(
                 acc, epi_state, tCcD, tCcT, tiled_mma, mma_tidx, warp_in_epi, epi_bufs, epi_tiles,
