@@ -5,9 +5,9 @@ config the heuristic picks for trees with tile inputs."""
 import pytest
 
 from coda_cute import epilogue as E
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TREE_COST, _epilogue_factor,
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor,
                                        choose_config, crowded, epilogue_registers,
-                                       is_plain_store, row_state, tree_smem_bytes)
+                                       row_state, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import lookups_ahead
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
@@ -65,13 +65,11 @@ def test_smem_bytes_are_the_buffers_without_padding():
     assert tree_smem_bytes(residual_norm_stats_tree(), COOP) == 2 * 8192 + 2 * 8192 + 2 * 2 * 8
 
 
-def test_heuristic_charges_cooperative_configs_for_epilogue_work():
-    assert COOP_TREE_COST > 0 and COOP_TILE_INPUT_COST > 0
+def test_heuristic_charges_cooperative_configs_for_tile_inputs():
+    assert COOP_TILE_INPUT_COST > 0
     plain = E.Epilogue(E.store(E.acc(), "out"))
-    assert is_plain_store(plain) and not is_plain_store(norm_swiglu_tree())
-    assert _epilogue_factor(plain, COOP) == 1.0
-    assert _epilogue_factor(norm_swiglu_tree(), COOP) == 1.0 + COOP_TREE_COST  # math, no tile input
-    assert _epilogue_factor(residual_norm_stats_tree(), COOP) == 1.0 + COOP_TREE_COST + COOP_TILE_INPUT_COST
+    assert _epilogue_factor(plain, COOP) == _epilogue_factor(norm_swiglu_tree(), COOP) == 1.0
+    assert _epilogue_factor(residual_norm_stats_tree(), COOP) == 1.0 + COOP_TILE_INPUT_COST
     assert _epilogue_factor(residual_norm_stats_tree(), PP) == 1.0
     shape = (16384, 28672, 4096, 1, False, False, 132)
     for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
