@@ -41,6 +41,8 @@ def inputs_for(tree, m, n, batch=None):
             out[i.name] = torch.randn(*lead, n, device="cuda").to(getattr(torch, i.dtype))
         elif i.kind == "tile":
             out[i.name] = torch.randn(*lead, m, n, device="cuda").to(getattr(torch, i.dtype))
+        elif i.kind == "row_sum":  # 7 partials per row: not a multiple of the 4 threads sharing it
+            out[i.name] = torch.rand(*lead, m, 7, device="cuda") + 0.1
         elif i.kind == "scalar":
             out[i.name] = random.uniform(0.5, 1.5)
         else:
@@ -96,6 +98,7 @@ FIXED = {
     "lse_gather": lambda: E.Epilogue(E.row_reduce(E.acc() * E.scalar("t"), "lse", "lse"),
                                      E.row_reduce(E.acc(), "max", "mx"),
                                      E.gather(E.acc() * E.scalar("t"), E.row_vec("target", "int32"), "tgt")),
+    "row_sum_rstd": lambda: E.Epilogue(E.store(E.acc() * E.rsqrt(E.row_sum("ss") + 1.0), "out", "float32")),
     "int_floordiv_mod": lambda: E.Epilogue(E.store(  # negative operands: floor semantics
         E.to_float((E.col_index() - E.row_index()) % 7) + E.to_float((E.col_index() - E.row_index()) // 5)
         + E.to_float(E.row_vec("shift", "int32") % 3) + 0.0 * E.acc(), "out", "float32")),

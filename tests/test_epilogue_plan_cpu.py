@@ -4,6 +4,7 @@ config the heuristic picks for trees with tile inputs."""
 
 import pytest
 
+from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor,
                                        choose_config, crowded, epilogue_registers,
@@ -89,3 +90,13 @@ def test_heuristic_keeps_per_row_state_off_crowded_configs():
     for tree in (lm, qk_norm):
         assert not crowded(tree, choose_config(tree, *shape))
     assert choose_config(norm_swiglu_tree(), *shape) == PP  # 1 value per row fits next to 128
+
+
+def test_crowding_is_a_preference_not_a_rule():
+    x = E.acc()
+    for i in range(60):  # 60 row vectors: crowded on every config of the space
+        x = x * E.row_vec(f"r{i}")
+    tree = E.Epilogue(E.store(x, "out"))
+    shape = (4096, 4096, 4096, 1, False, False, 132)
+    assert all(crowded(tree, c) for c in dispatch.config_space(False))
+    assert choose_config(tree, *shape) in dispatch.config_space(False)

@@ -91,14 +91,15 @@ def crowded(tree: N.Epilogue, cfg: GemmConfig) -> bool:
 
 
 def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
-    """The heuristic's config among those whose shared memory the tree leaves room for and whose
-    registers it does not crowd (``MAX_EPILOGUE_REGISTERS``, trees with per-row state only): the
-    GEMM's predicted time (``dispatch.predicted_time``), cooperative configs charged for the
-    tree's tile inputs (``COOP_TILE_INPUT_COST``)."""
+    """The heuristic's config among those whose shared memory the tree leaves room for, preferring
+    those whose registers it does not crowd (``MAX_EPILOGUE_REGISTERS``, trees with per-row state
+    only): the GEMM's predicted time (``dispatch.predicted_time``), cooperative configs charged
+    for the tree's tile inputs (``COOP_TILE_INPUT_COST``)."""
     cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
-             and fits(tree, c, 1 if fp8 else 2) and not crowded(tree, c)]
+             and fits(tree, c, 1 if fp8 else 2)]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
+    cands = [c for c in cands if not crowded(tree, c)] or cands
     return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
                * _epilogue_factor(tree, c))
 
