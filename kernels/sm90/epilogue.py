@@ -43,7 +43,7 @@ LOAD_STAGES = 4
 #: ... but no fewer than this, and a deeper ring only where it costs no A/B stage.
 MIN_LOAD_STAGES = 2
 #: most distinct column values a thread keeps in registers for a whole tile.
-EAGER_COLS = 48
+EAGER_COLS = 16
 _NEG_INF = -math.inf
 
 
