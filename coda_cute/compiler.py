@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
@@ -198,8 +199,8 @@ _compile_lock = threading.Lock()
 
 
 def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> CompiledKernel:
-    """Compile one kernel (no GPU needed). ``keep_artifacts`` also returns PTX, cubin and ptxas
-    statistics."""
+    """Compile one kernel (no GPU needed), with its ptxas statistics (registers, spills, stack).
+    ``keep_artifacts`` also returns PTX and cubin."""
     if isinstance(spec, GemmSpec):
         spec = spec.kernel_spec
     if spec.arch not in SUPPORTED_ARCHS:
@@ -215,8 +216,9 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
     opts = f"--gpu-arch {spec.arch} --enable-tvm-ffi"
     with _compile_lock, tempfile.TemporaryDirectory(prefix="coda_cute_") as tmp:
         remarks = os.path.join(tmp, "remarks.yaml")
+        opts += f" remarks{{ptx}} --remark-output {remarks}"
         if keep_artifacts:
-            opts += f" --keep-ptx --keep-cubin --dump-dir {tmp} remarks{{ptx}} --remark-output {remarks}"
+            opts += f" --keep-ptx --keep-cubin --dump-dir {tmp}"
         t0 = time.perf_counter()
         fn = cute.compile(kernel, *args, stream, options=opts)
         seconds = time.perf_counter() - t0
@@ -224,10 +226,18 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
         if keep_artifacts:
             out.ptx = fn.__ptx__
             out.cubin = fn.__cubin__
-            if os.path.exists(remarks):
-                with open(remarks) as fh:
-                    out.stats = parse_ptxas_remarks(fh.read())
+        if os.path.exists(remarks):
+            with open(remarks) as fh:
+                out.stats = parse_ptxas_remarks(fh.read())
     return out
+
+
+def spill_bytes(kernel: CompiledKernel) -> int:
+    """Bytes ptxas spilled (stores + loads) in ``kernel``; -1 where no statistics were reported."""
+    s = kernel.stats
+    if "spill_stores" not in s and "spill_loads" not in s:
+        return -1
+    return s.get("spill_stores", 0) + s.get("spill_loads", 0)
 
 
 _cache: dict[KernelSpec, CompiledKernel] = {}
@@ -304,17 +314,24 @@ def _gpu_matches(arch: str) -> bool:
 
 
 def _load_cached(spec: KernelSpec) -> CompiledKernel | None:
+    """The kernel and its ptxas statistics (a JSON file next to the object) from the disk cache."""
     where = _disk_path(spec)
     if where is None or not os.path.exists(where[0]):
         return None
     import cutlass.cute as cute
 
     try:
+        with open(_stats_path(where[0])) as fh:
+            stats = json.load(fh)
         fn = cute.runtime.load_module(where[0], enable_tvm_ffi=True)[where[1]]
-    except Exception:  # stale or truncated: drop it and rebuild
+    except Exception:  # stale, truncated or without statistics: drop it and rebuild
         os.remove(where[0])
         return None
-    return CompiledKernel(spec, fn, 0.0)
+    return CompiledKernel(spec, fn, 0.0, stats=stats)
+
+
+def _stats_path(obj_path: str) -> str:
+    return obj_path[:-2] + ".json"
 
 
 def _compile_and_store(spec: KernelSpec) -> CompiledKernel:
@@ -324,6 +341,11 @@ def _compile_and_store(spec: KernelSpec) -> CompiledKernel:
         tmp = None
         try:
             os.makedirs(os.path.dirname(where[0]), exist_ok=True)
+            # The statistics first: a reader that finds the object finds them too.
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(where[0]))
+            with os.fdopen(fd, "w") as fh:
+                json.dump(out.stats, fh)
+            os.replace(tmp, _stats_path(where[0]))
             fd, tmp = tempfile.mkstemp(suffix=".o", dir=os.path.dirname(where[0]))
             os.close(fd)
             out.fn.export_to_c(tmp, where[1])

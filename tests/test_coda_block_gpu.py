@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from coda_cute import reference as R
+from coda_cute.epilogue.runner import choose_config
 from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.ops import coda_block as CB
+from coda_cute.ops.lm_head_ce import lm_head_ce_tree
 from coda_block_helpers import block_errors, model_state_dict, plain_model_loss, print_ratios, rand
 from helpers import rel_err
 
@@ -131,7 +133,12 @@ def test_lm_head_memory_is_lean():
     both = torch.cuda.max_memory_allocated() - base
     grads = (m * d + v * d) * 2
     print(f"forward {fwd / 2**20:.1f} MiB, forward+backward {both / 2**20:.1f} MiB (grads {grads / 2**20:.0f} MiB)")
-    assert fwd < 32 * 2**20
+    # the (max, sum-of-exp) partials per row and column tile, and the finalize's temporaries of
+    # their size; the whole forward is 0.063 GiB at 16384 x 32768 (bench_block.py)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile_n = choose_config(lm_head_ce_tree(), m, v, d, 1, False, False, sms).tile_n
+    partials = 2 * m * -(-v // tile_n) * 4
+    assert fwd < 2 * partials + 2 * 2**20
     assert both < grads + 160 * 2**20
 
 

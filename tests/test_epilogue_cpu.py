@@ -520,7 +520,7 @@ def hopper(monkeypatch):
 
     def get_gemm(spec):
         rec.specs.append(spec)
-        return types.SimpleNamespace(fn=lambda *args: rec.launches.append(args))
+        return types.SimpleNamespace(fn=lambda *args: rec.launches.append(args), stats={})
 
     monkeypatch.setattr(dispatch, "arch_of", lambda device: "sm_90a")
     monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
@@ -661,7 +661,8 @@ def test_plans_are_reused_per_signature(hopper):
     a, b, ins = host_call()
     for _ in range(3):
         E.gemm_epilogue(HOST_TREE, a, b, **ins)
-    assert len(run_mod._plans) == 1 and len(hopper.specs) == 1 and len(hopper.launches) == 3
+    # one kernel (the heuristic's spill check asks for the same one first)
+    assert len(run_mod._plans) == 1 and len(set(hopper.specs)) == 1 and len(hopper.launches) == 3
     E.gemm_epilogue(HOST_TREE, a, b, **dict(ins, alpha=2.0))  # scalar values are not part of it
     assert len(run_mod._plans) == 1 and hopper.launches[-1][-1] == (2.0,)
     a2, b2, ins2 = host_call()

@@ -6,9 +6,9 @@ import pytest
 
 from coda_cute import dispatch
 from coda_cute import epilogue as E
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor,
-                                       choose_config, crowded, epilogue_registers,
-                                       row_state, tree_smem_bytes)
+from coda_cute.epilogue import runner
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor, choose_config,
+                                       ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import lookups_ahead
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
@@ -77,26 +77,29 @@ def test_heuristic_charges_cooperative_configs_for_tile_inputs():
         assert choose_config(tree, *shape).schedule == "pingpong"
 
 
-def test_heuristic_keeps_per_row_state_off_crowded_configs():
+def test_choose_config_takes_the_first_candidate_that_does_not_spill(monkeypatch):
+    tree = norm_swiglu_tree()
+    shape = (16384, 28672, 4096, 1, False, False, 132)
+    ranked = ranked_configs(tree, *shape)
+    asked = []
+
+    def fake_spills(t, cfg, fp8, sms):
+        asked.append(cfg)
+        return cfg in ranked[:2]
+
+    monkeypatch.setattr(runner, "spills", fake_spills)
+    assert choose_config(tree, *shape) == ranked[2] and asked == ranked[:3]
+    monkeypatch.setattr(runner, "spills", lambda *a: True)  # spills everywhere: still a config
+    assert choose_config(tree, *shape) == ranked[0]
+
+
+def test_lm_head_and_qk_norm_picks_build_without_spills():
+    """The two trees with the most per-row state, on the Llama shapes' configs (real sm_90a
+    builds; these spilled on ping-pong 128x128 before the scheduler stopped holding registers)."""
     from coda_cute.ops.lm_head_ce import lm_head_ce_tree
 
-    lm = lm_head_ce_tree()  # row sum, targets, lse (2), gather (2)
-    assert row_state(lm) == 6 and row_state(E.Epilogue(E.store(E.acc(), "out"))) == 0
-    assert epilogue_registers(lm, PP) == 128 + 4 * 6 and crowded(lm, PP)
-    assert epilogue_registers(lm, COOP) == 128 + 2 * 6 and not crowded(lm, COOP)
-    qk_norm = norm_rope_qkv_tree(1536, 128, True)  # + the per-head sum of squares
-    assert row_state(qk_norm) == row_state(norm_rope_qkv_tree(1536, 128, False)) + 1
-    shape = (16384, 32768, 4096, 1, False, False, 132)
-    for tree in (lm, qk_norm):
-        assert not crowded(tree, choose_config(tree, *shape))
-    assert choose_config(norm_swiglu_tree(), *shape) == PP  # 1 value per row fits next to 128
-
-
-def test_crowding_is_a_preference_not_a_rule():
-    x = E.acc()
-    for i in range(60):  # 60 row vectors: crowded on every config of the space
-        x = x * E.row_vec(f"r{i}")
-    tree = E.Epilogue(E.store(x, "out"))
-    shape = (4096, 4096, 4096, 1, False, False, 132)
-    assert all(crowded(tree, c) for c in dispatch.config_space(False))
-    assert choose_config(tree, *shape) in dispatch.config_space(False)
+    for tree, shape in ((lm_head_ce_tree(), (16384, 32768, 4096)),
+                        (norm_rope_qkv_tree(6144, 128, True), (16384, 6144, 4096))):
+        cfg = choose_config(tree, *shape, 1, False, False, 132)
+        assert not spills(tree, cfg, False, 132)
+        assert cfg in ranked_configs(tree, *shape, 1, False, False, 132)[:runner.SPILL_CHECKS]

@@ -180,7 +180,7 @@ def hopper_host(monkeypatch):
 
         def launch(a, b, ins, outs, scalars):
             launches.append((desc, a, b, outs[0], *(ins or (None, None))))
-        return types.SimpleNamespace(fn=launch)
+        return types.SimpleNamespace(fn=launch, stats={})
 
     monkeypatch.setattr(gemm_mod, "check_device", lambda *args: "sm_90a")
     monkeypatch.setattr(run_mod, "_check_devices", lambda *args: "sm_90a")

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..compiler import KernelSpec, get_gemm
+from ..compiler import KernelSpec, get_gemm, spill_bytes
 from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, dtype_name, mn_view, operand_view, tma_view
@@ -61,47 +61,42 @@ def _epilogue_factor(tree, cfg: GemmConfig) -> float:
     return 1.0 + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
 
 
-#: Most accumulator + per-row epilogue registers (:func:`epilogue_registers`) the heuristic puts
-#: on one consumer thread, per schedule (a ping-pong warpgroup also carries its ordering state).
-#: Calibrated on the sm_90a builds: on 128-row ping-pong tiles QK-norm + RoPE (128 + 4 rows x 3)
-#: spills 24 bytes and LM head + CE (128 + 4 x 6) 48, QKV + RoPE (128 + 4 x 2) none; on cooperative
-#: 128x256, LM head + CE (128 + 2 x 6) none.
-MAX_EPILOGUE_REGISTERS = {"pingpong": 136, "cooperative": 140}
+#: Candidates, in the heuristic's order, whose builds :func:`choose_config` inspects for spills.
+SPILL_CHECKS = 4
 
 
-def row_state(tree: N.Epilogue) -> int:
-    """Values the epilogue keeps per accumulator row for the whole tile: row vectors and row sums
-    read up front, row reductions' running states (two for log-sum-exp), segment reductions'
-    sums, gathers' index and value."""
-    sinks = tree.sinks
-    segments = {id(n) for s in sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
-    return (sum(i.kind in ("row_vec", "row_sum") for i in tree.inputs) + len(segments)
-            + sum(2 if s.op == "lse" else 1 for s in sinks if isinstance(s, N.RowReduce))
-            + 2 * sum(isinstance(s, N.Gather) for s in sinks))
-
-
-def epilogue_registers(tree: N.Epilogue, cfg: GemmConfig) -> int:
-    """Accumulator registers per consumer thread plus the tree's per-row state: a thread holds two
-    rows of every 64-row WGMMA atom of its warpgroup's tile."""
-    return cfg.acc_registers + 2 * (cfg.wg_tile_m // 64) * row_state(tree)
-
-
-def crowded(tree: N.Epilogue, cfg: GemmConfig) -> bool:
-    return bool(row_state(tree)) and epilogue_registers(tree, cfg) > MAX_EPILOGUE_REGISTERS[cfg.schedule]
-
-
-def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
-    """The heuristic's config among those whose shared memory the tree leaves room for, preferring
-    those whose registers it does not crowd (``MAX_EPILOGUE_REGISTERS``, trees with per-row state
-    only): the GEMM's predicted time (``dispatch.predicted_time``), cooperative configs charged
-    for the tree's tile inputs (``COOP_TILE_INPUT_COST``)."""
+def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms) -> list:
+    """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
+    predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's tile
+    inputs (``COOP_TILE_INPUT_COST``)."""
     cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
              and fits(tree, c, 1 if fp8 else 2)]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
-    cands = [c for c in cands if not crowded(tree, c)] or cands
-    return min(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
-               * _epilogue_factor(tree, c))
+    return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
+                  * _epilogue_factor(tree, c))
+
+
+def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int) -> bool:
+    """Whether ptxas spills registers in the tree's build on ``cfg`` (K-major bf16 or e4m3
+    operands: the consumers' code, where the tree runs, does not depend on majors or on which
+    16-bit or 8-bit type). Compiles the kernel, or takes it from the compiler's caches."""
+    dt = "float8_e4m3fn" if fp8 else "bfloat16"
+    return spill_bytes(get_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, "sm_90a", sms))) > 0
+
+
+def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
+    """The heuristic's config for the tree: the first of :func:`ranked_configs` whose build does
+    not spill (among the first ``SPILL_CHECKS``), else the first. Spills follow no register count
+    the heuristic could predict (an accumulator plus a few values per row spills on some tile
+    shapes and not on larger ones), so the builds themselves are asked. Deterministic for a given
+    build of the kernels, which the fake implementations rely on: they call this to size per-tile
+    outputs."""
+    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms)
+    for c in ranked[:SPILL_CHECKS]:
+        if not spills(tree, c, fp8, sms):
+            return c
+    return ranked[0]
 
 
 class Plan:
