@@ -186,12 +186,16 @@ _PTXAS_RE = {
 
 
 def parse_ptxas_remarks(text: str) -> dict:
-    """Registers / spills / stack reported by ptxas (summed spills, max registers over kernels)."""
+    """Registers / spills / stack reported by ptxas (summed spills, max registers over kernels),
+    and whether ptxas serialized the kernel's WGMMAs (its C7514 performance warning: registers of
+    an in-flight WGMMA touched by other instructions)."""
     out = {}
     for key, rx in _PTXAS_RE.items():
         vals = [int(v) for v in rx.findall(text)]
         if vals:
             out[key] = max(vals) if key == "registers" else sum(vals)
+    if out:
+        out["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in text
     return out
 
 

@@ -17,7 +17,8 @@ Per kernel: ptxas registers, spill stores/loads and stack frame; shared memory (
 epilogue ring + mbarriers, from ``kernels.common.config.smem_bytes``); compile seconds; and whether
 the intended instructions are in the PTX and in the SASS (``nvdisasm``; shown as ``?`` if absent):
 WGMMA of the expected shape (HGMMA / QGMMA in SASS), TMA loads and stores, and TMA multicast exactly
-when the cluster has two CTAs. A kernel is *ok* when all of that holds and nothing spills.
+when the cluster has two CTAs. A kernel is *ok* when all of that holds, nothing spills and ptxas
+kept the WGMMAs asynchronous.
 
 With a GPU each op runs once on random data at ``--shape`` (bf16 x @ W.T, dgrad, wgrad; fp16;
 fp8 with row-wise and per-tensor scales): relative Frobenius error against
@@ -206,6 +207,8 @@ class KernelReport:
             out.append("no ptxas statistics")
         elif stats.get("spill_stores", 0) or stats.get("spill_loads", 0):
             out.append(f"spills {stats.get('spill_stores', 0)} B stores / {stats.get('spill_loads', 0)} B loads")
+        if stats.get("wgmma_serialized"):
+            out.append("ptxas serialized the WGMMAs (C7514)")
         return out
 
     def record(self) -> dict:
@@ -230,7 +233,7 @@ class KernelReport:
             "smem_bytes": self.smem_bytes, "stages": self.stages,
             "registers": stats.get("registers"),
             "spills": {"stores": stats.get("spill_stores"), "loads": stats.get("spill_loads")},
-            "stack_frame": stats.get("stack_frame"),
+            "stack_frame": stats.get("stack_frame"), "wgmma_serialized": stats.get("wgmma_serialized"),
             "compile_seconds": round(self.kernel.compile_seconds, 3),
             "has_wgmma": has["wgmma"], "has_tma": has["tma_load"],
             "has_tma_store": has["tma_store"], "has_multicast": has["multicast"],

@@ -17,7 +17,7 @@ import pytest
 
 from coda_cute import cli, dispatch, report
 from coda_cute.artifacts import find_nvdisasm, scan_ptx, scan_sass
-from coda_cute.compiler import GemmSpec, compile_gemm
+from coda_cute.compiler import GemmSpec, compile_gemm, parse_ptxas_remarks
 from coda_cute.epilogue.runner import tree_smem_bytes
 from coda_cute.ops.gemm import gemm_tree
 from coda_cute.kernels.common.config import (
@@ -102,6 +102,17 @@ def test_no_spills(fam, spec):
     stats = kernel.stats
     assert stats["registers"] <= 255
     assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, stats
+    assert not stats["wgmma_serialized"], stats
+
+
+def test_serialized_wgmma_warning_is_recognized():
+    text = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+            "serialized due to non wgmma instructions reading accumulator registers\n"
+            "ptxas info    : Used 168 registers, used 8 barriers\n"
+            "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert parse_ptxas_remarks(text) == {"registers": 168, "spill_stores": 0, "spill_loads": 0,
+                                         "stack_frame": 0, "wgmma_serialized": True}
+    assert not parse_ptxas_remarks(text.split("\n", 1)[1])["wgmma_serialized"]
 
 
 def test_default_configs_have_the_documented_instructions():

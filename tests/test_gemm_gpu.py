@@ -33,6 +33,9 @@ FP8_CONFIGS = [
     GemmConfig(128, 128, 128, "pingpong", 1, 1, fp8_fast_accum=True),
     GemmConfig(64, 192, 128, "pingpong", 1, 1),
     GemmConfig(64, 64, 128, "pingpong", 1, 1),
+    # two-level with paired k-tiles (three accumulators fit): both schedules, odd and even k-tiles
+    GemmConfig(128, 128, 128, "cooperative", 1, 1),
+    GemmConfig(64, 128, 128, "pingpong", 2, 1),
 ]
 
 

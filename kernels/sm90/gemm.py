@@ -29,7 +29,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.config import GemmConfig, pipeline_stages
+from ..common.config import MAX_ACC_REGISTERS, GemmConfig, pipeline_stages
 from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
@@ -89,6 +89,7 @@ class Sm90Gemm:
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
+            paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS,
         )
 
     # ------------------------------------------------------------------------------------------

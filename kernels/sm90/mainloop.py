@@ -12,9 +12,13 @@ Accumulation modes:
     K loop; one k-tile of WGMMAs stays in flight while the next is issued.
   * two-level (FP8 default): every k-tile's products go to a temporary that is then added into
     the fp32 accumulator (the tensor core's FP8 accumulation keeps too few mantissa bits for long
-    K). ptxas serializes all WGMMAs of a kernel if accumulator registers are read while any WGMMA
-    is in flight, so each promotion waits for the k-tile to retire; the cooperative schedule
-    staggers its two warpgroups by half a k-tile so one's WGMMAs cover the other's promotion.
+    K). Where three accumulators fit the registers (``paired``), k-tiles go in pairs: the second
+    is issued into its own temporary before the first is promoted, so only every other promotion
+    waits for the tensor cores to drain. Otherwise each promotion waits for its k-tile. The
+    temporaries are created inside the loop body: a WGMMA result carried across loop iterations
+    becomes a register copy that ptxas answers by serializing every WGMMA of the kernel. The
+    cooperative schedule staggers its two warpgroups by half a k-tile so one's WGMMAs cover the
+    other's promotion.
 """
 
 from __future__ import annotations
@@ -66,12 +70,13 @@ class Sm90Mainloop:
     """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
 
     def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
-                 two_level: bool):
+                 two_level: bool, paired: bool = False):
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
         self.atom_layout_mnk = atom_layout_mnk
         self.tile_mnk = tile_mnk
         self.two_level = two_level
+        self.paired = paired
 
     def tiled_mma(self, tile_n: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -130,16 +135,42 @@ class Sm90Mainloop:
             acc.fill(0.0)
             if const_expr(stagger is not None):
                 stagger.wait_turn()
-            for k in cutlass.range(k_tiles, unroll=1):
+            release_state = read_state.clone()
+            singles = k_tiles
+            if const_expr(self.paired):
+                singles = k_tiles % 2
+                for j in cutlass.range(k_tiles // 2, unroll=1):
+                    first = cute.make_rmem_tensor(tmp.layout, cutlass.Float32)
+                    second = cute.make_rmem_tensor(tmp.layout, cutlass.Float32)
+                    ab_pipe.consumer_wait(read_state)
+                    self._issue(tiled_mma.op, first, frags, read_state.index, False)
+                    read_state.advance()
+                    if const_expr(stagger is not None):
+                        if j == 0:
+                            stagger.pass_turn()
+                    ab_pipe.consumer_wait(read_state)
+                    self._issue(tiled_mma.op, second, frags, read_state.index, False)
+                    read_state.advance()
+                    warpgroup.wait_group(1)
+                    acc.store(acc.load() + first.load())
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                    warpgroup.wait_group(0)
+                    acc.store(acc.load() + second.load())
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+            for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
+                read_state.advance()
                 if const_expr(stagger is not None):
-                    if k == 0:
+                    # once per tile, after its first issue (a paired loop has passed it already)
+                    if k == 0 and (k_tiles < 2 or not self.paired):
                         stagger.pass_turn()
                 warpgroup.wait_group(0)
                 acc.store(acc.load() + tmp.load())
-                ab_pipe.consumer_release(read_state)
-                read_state.advance()
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
             extra = on_last_issue()
         return read_state, extra
 
