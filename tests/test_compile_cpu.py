@@ -172,8 +172,10 @@ def test_config_space_fits_shared_memory(fp8):
 def test_smem_bytes_formula():
     cfg = GemmConfig(128, 256, 64, "cooperative")
     epi = tree_smem_bytes(gemm_tree("none", "none", "bfloat16"), cfg)
-    # 2 epilogue buffers of 128 x 32 bf16 (a 1 KiB multiple: no alignment padding)
-    assert epi == 2 * 128 * 32 * 2
+    # 2 epilogue buffers of 128 x 64 bf16 (a 1 KiB multiple: no alignment padding): an
+    # element-wise tree on a cooperative tile gets sub-tiles wider than 32 columns where its
+    # registers allow (128 accumulator + 48 staged per thread)
+    assert epi == 2 * 128 * 64 * 2
     # 4 stages of (128 + 256) x 64 bf16 + the epilogue + 1 KiB reserved
     assert smem_bytes(cfg, 2, epi) == 4 * 384 * 64 * 2 + epi + 1024
 

@@ -103,3 +103,16 @@ def test_lm_head_and_qk_norm_picks_build_without_spills():
         cfg = choose_config(tree, *shape, 1, False, False, 132)
         assert not spills(tree, cfg, False, 132)
         assert cfg in ranked_configs(tree, *shape, 1, False, False, 132)[:runner.SPILL_CHECKS]
+
+
+def test_cooperative_elementwise_trees_get_wider_sub_tiles():
+    from coda_cute.ops.gemm import gemm_tree
+
+    plain = gemm_tree("row", "row", "bfloat16")
+    fp8_coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
+    assert Sm90TreeEpilogue(plain, fp8_coop, 1).epi_tile == (128, 128)
+    assert Sm90TreeEpilogue(plain, COOP, 2).epi_tile == (128, 64)  # 128 accumulator registers
+    assert Sm90TreeEpilogue(plain, GemmConfig(128, 192, 128, "cooperative", 2, 1), 1).epi_tile == (128, 64)
+    assert Sm90TreeEpilogue(plain, PP, 2).epi_tile == (64, 32)  # ping-pong hides its epilogue
+    # trees with tile inputs or reductions keep the narrow sub-tiles their rings are sized for
+    assert Sm90TreeEpilogue(residual_norm_stats_tree(), fp8_coop, 1).epi_tile == (128, 32)
