@@ -198,6 +198,7 @@ def test_heuristic_picks_from_the_config_space(fp8, fast, mnkl):
     (dict(cluster_m=2, cluster_n=2), "cluster shape"),
     (dict(tile_n=136 + 1), "tile_n"),
     (dict(tile_k=32), "tile_k"),
+    (dict(stages=1), "stages"),
 ])
 def test_invalid_config_rejected(kw, match):
     with pytest.raises(ValueError, match=match):

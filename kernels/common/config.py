@@ -62,6 +62,9 @@ class GemmConfig:
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
         if self.raster_group < 1:
             raise ValueError("raster_group must be >= 1")
+        if self.stages == 1 or self.stages < 0:
+            # consumers keep one k-tile's stage (two-level: two) while they wait for the next
+            raise ValueError(f"stages must be 0 (as many as fit) or at least 2, got {self.stages}")
 
     # -- derived quantities ------------------------------------------------------------------
     @property
