@@ -114,5 +114,9 @@ def test_cooperative_elementwise_trees_get_wider_sub_tiles():
     assert Sm90TreeEpilogue(plain, COOP, 2).epi_tile == (128, 64)  # 128 accumulator registers
     assert Sm90TreeEpilogue(plain, GemmConfig(128, 192, 128, "cooperative", 2, 1), 1).epi_tile == (128, 64)
     assert Sm90TreeEpilogue(plain, PP, 2).epi_tile == (64, 32)  # ping-pong hides its epilogue
+    # an explicit stage count is kept: the sub-tile narrows until it fits next to 6 stages
+    six = Sm90TreeEpilogue(plain, fp8_coop.with_(stages=6), 1)
+    assert six.epi_tile == (128, 64)
+    assert pipeline_stages(fp8_coop.with_(stages=6), 1, six.smem_bytes()) == 6
     # trees with tile inputs or reductions keep the narrow sub-tiles their rings are sized for
     assert Sm90TreeEpilogue(residual_norm_stats_tree(), fp8_coop, 1).epi_tile == (128, 32)

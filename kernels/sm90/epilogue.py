@@ -63,7 +63,6 @@ class Sm90TreeEpilogue:
         """``ab_bytes``: bytes per A/B element (the shared-memory budget the epilogue shares)."""
         self.tree = tree
         self.tile_mn = tile_mn = (cfg.tile_m, cfg.tile_n)
-        self.epi_tile = cfg.epi_tile
         self.stages = epi_stage_count(tile_mn[1])
         self.pingpong = pingpong = cfg.schedule == "pingpong"
         self.epi_warps = 4 if pingpong else 8
@@ -106,12 +105,12 @@ class Sm90TreeEpilogue:
             staged = rows * wide // (self.epi_warps * 32)
             if cfg.tile_n % wide or wide <= cols or cfg.acc_registers + staged * 3 // 2 > WIDE_MAX_REGISTERS:
                 continue
-            self.epi_tile = (rows, wide)
-            try:
-                if pipeline_stages(cfg.with_(stages=0), ab_bytes, self.smem_bytes(0)) >= WIDE_MIN_AB_STAGES:
-                    return rows, wide
+            try:  # an explicit stage count must still fit next to the wider buffers
+                stages = pipeline_stages(cfg, ab_bytes, self.smem_bytes(0, (rows, wide)))
             except ValueError:
-                pass
+                continue
+            if stages >= WIDE_MIN_AB_STAGES:
+                return rows, wide
         return rows, cols
 
     def _load_ring_depth(self, cfg: GemmConfig, ab_bytes: int) -> int:
@@ -133,10 +132,11 @@ class Sm90TreeEpilogue:
             return False
         return True
 
-    def smem_bytes(self, load_stages: int | None = None) -> int:
+    def smem_bytes(self, load_stages: int | None = None, epi_tile=None) -> int:
         """Exactly what :meth:`allocate` carves out: 1024-byte aligned buffers in a row, then the
-        load ring's mbarriers (the mainloop's struct before them is in ``SMEM_RESERVED``)."""
-        em, en = self.epi_tile
+        load ring's mbarriers (the mainloop's struct before them is in ``SMEM_RESERVED``).
+        ``load_stages`` and ``epi_tile`` default to this epilogue's."""
+        em, en = epi_tile or self.epi_tile
         ring = self.load_stages if load_stages is None else load_stages
         sizes = [self.stages * em * en * BYTES[s.dtype] for s in self.full_stores]
         sizes += [self.stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
