@@ -102,6 +102,10 @@ FIXED = {
     "int_floordiv_mod": lambda: E.Epilogue(E.store(  # negative operands: floor semantics
         E.to_float((E.col_index() - E.row_index()) % 7) + E.to_float((E.col_index() - E.row_index()) // 5)
         + E.to_float(E.row_vec("shift", "int32") % 3) + 0.0 * E.acc(), "out", "float32")),
+    # tile-uniform where()s: the tile pass is compiled once per side (one of them split)
+    "tile_split": lambda: E.Epilogue(E.store(E.where(
+        E.col_index() < 256, E.acc() * E.rsqrt(E.segment_reduce(E.acc(), "sumsq", 128) + 1.0),
+        E.where(E.col_index() >= 512, E.acc() + E.col_vec("b"), E.acc() * 2.0)), "out", "float32")),
     "select_cast_indices": lambda: E.Epilogue(E.store(
         E.where(E.acc() > E.scalar_tensor("thr"), E.cast(E.acc(), "bfloat16"),
                 E.to_float(E.col_index() - E.row_index()) / 64.0), "out", "float16")),

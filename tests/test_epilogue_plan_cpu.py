@@ -1,5 +1,5 @@
 """CPU tests of the host-side planning around an epilogue tree: which lookups are read a sub-tile
-early, how the shared memory is split between the tile-input ring and the A/B stages, and which
+early, which ``where`` splits a tile into two compiled passes, how the shared memory is split between the tile-input ring and the A/B stages, and which
 config the heuristic picks for trees with tile inputs."""
 
 import pytest
@@ -10,7 +10,8 @@ from coda_cute.epilogue import runner
 from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor, choose_config,
                                        ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
-from coda_cute.kernels.epilogue.codegen import lookups_ahead
+from coda_cute.kernels.epilogue import nodes as N
+from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
 from coda_cute.ops.coda_block import norm_rope_qkv_tree, norm_swiglu_tree, residual_norm_stats_tree
 
@@ -39,6 +40,42 @@ def test_lookup_indices_cannot_depend_on_the_accumulator():
 def test_qkv_tree_reads_inv_freq_ahead_once_per_pair():
     (node, step), = lookups_ahead(norm_rope_qkv_tree(5120, 128, False))
     assert node.name == "inv_freq" and step == 2
+
+
+@pytest.mark.parametrize("cond, tile_n, split", [
+    (E.col_index() < 256, 128, True), (E.col_index() < 256, 256, True), (E.col_index() >= 384, 128, True),
+    (E.col_index() <= 255, 128, True), (E.col_index() > 127, 128, True), (E.col_index() < 192, 128, False),
+    (E.col_index() <= 256, 128, False), (E.col_index() < 384, 256, False),
+    (E.row_index() < 256, 128, False), (E.col_index() % 128 < 64, 128, False),
+    (E.col_index() < E.row_index(), 128, False)])
+def test_tile_uniform_split_needs_a_column_threshold_on_a_tile_boundary(cond, tile_n, split):
+    tree = E.Epilogue(E.store(E.where(cond, E.acc() * 2.0, E.acc()), "out"))
+    assert (tile_uniform_split(tree, tile_n) is cond) is split
+
+
+def test_qkv_tree_splits_q_k_tiles_from_v_tiles_and_prunes_each_side():
+    tree = norm_rope_qkv_tree(5120, 128, True)
+    cond = tile_uniform_split(tree, 128)
+    assert cond is not None and tile_uniform_split(norm_rope_qkv_tree(5184, 128, True), 128) is None
+    roots = [s.x for s in tree.sinks]
+    kinds = {v: {type(n).__name__ for n in assumed_walk(roots, {id(cond): v})} for v in (True, False)}
+    # V tiles: r * acc only, no RoPE angles, no QK-norm segment pass or weight reads
+    assert {"Pairwise", "Lookup", "SegmentReduce", "ColVec"} <= kinds[True]
+    assert not {"Pairwise", "Lookup", "SegmentReduce", "ColVec"} & kinds[False]
+    assert lookups_ahead(tree, {id(cond): False}) == [] and len(lookups_ahead(tree, {id(cond): True})) == 1
+    # a tile-input tree keeps one pass (its load ring advances inside the pass)
+    tiled = E.Epilogue(E.store(E.where(E.col_index() < 256, E.acc(), E.tile("res")), "out"))
+    assert Sm90TreeEpilogue(tiled, PP, 2).split is None
+    assert Sm90TreeEpilogue(tree, PP, 2).split is cond
+
+
+@pytest.mark.parametrize("x, zero", [
+    (E.acc(), True), (E.acc() * E.col_vec("w"), True), (E.row_vec("r") * E.acc() - E.acc(), True),
+    (E.square(-E.acc()), True), (E.acc() + E.col_vec("b"), False), (E.exp(E.acc()), False),
+    (E.tile("t"), False)])
+def test_zero_past_edge(x, zero):
+    # segment sums skip the bounds mask exactly for these summands
+    assert N.zero_past_edge(x) is zero
 
 
 def test_residual_tree_keeps_four_ab_stages_on_128x256():

@@ -121,10 +121,16 @@ class Plan:
             out_args.append(t.as_strided(*view))
         if self.empty:
             return _group(result, self.tree)
-        ins = tuple(inputs[name].as_strided(*view) for name, view in self.in_views) or None
+        ins = tuple(_padded(inputs[name], pad).as_strided(*view) for name, view, pad in self.in_views) or None
         scalars = tuple(float(inputs[name]) for name in self.scalar_names) or None
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars)
         return _group(result, self.tree)
+
+
+def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
+    """A column vector zero-padded to ``cols`` entries (the kernels read column vectors up to the
+    last column of the last tile, unclamped: no bounds arithmetic per column and tile)."""
+    return t if cols is None else torch.nn.functional.pad(t, (0, cols - t.shape[-1]))
 
 
 def _group(result: dict, tree: N.Epilogue) -> dict:
@@ -222,7 +228,9 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
         return plan
     plan.a_view = (tuple(a_view.shape), a_view.stride())
     plan.b_view = (tuple(b_view.shape), b_view.stride())
-    plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op))
+    n_tiles = -(-n // config.tile_n) * config.tile_n
+    plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op, n_tiles),
+                      n_tiles if i.kind == "col_vec" and n_tiles != n else None)
                      for i in tree.inputs if i.kind != "scalar"]
     plan.scalar_names = [i.name for i in tree.inputs if i.kind == "scalar"]
     for name in plan.scalar_names:
@@ -253,7 +261,9 @@ def _check_devices(a, b, inputs, tree, op):
     return dispatch.arch_of(a.device)
 
 
-def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op):
+def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: int):
+    """(shape, strides) the kernel sees an input as; column vectors as ``n_tiles`` long (the
+    launch pads them when N is no multiple of the tile width)."""
     t = inputs[spec.name]
     want = torch_dtype(spec.dtype) if spec.kind != "scalar_tensor" else torch.float32
     if t.dtype != want:
@@ -286,6 +296,8 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op):
         if extent > 1 and t.stride(-1) != 1:
             raise ValueError(f"{op}: {spec.name!r} must be contiguous, got strides {tuple(t.stride())}")
         l_stride = t.stride(0) if t.dim() == 2 else 0
+        if spec.kind == "col_vec" and n_tiles != n:
+            extent, l_stride = n_tiles, n_tiles if t.dim() == 2 else 0
         return ((extent, batch), (1, l_stride))
     ok = [(batch, m, n)] if batched else [(m, n)]
     if tuple(t.shape) not in ok:

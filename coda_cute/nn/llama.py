@@ -8,8 +8,9 @@ One block (x: the residual stream, ss: its norm-stat partials from the GEMM that
     z, h     = coda.norm_swiglu(y1, W_gu * gamma_ffn, ss1, eps)        RMSNorm + gate/up + SwiGLU
     y2, ss2  = coda.residual_gemm_norm_stats(h, W_down, y1)            down-proj + residual
 
-The RMSNorm weights are folded into the consumer weights on every forward (a differentiable
-torch multiply, so autograd produces d gamma = sum_n dW' * W); see
+The RMSNorm weights are folded into the consumer weights once per version of the weights
+(``coda_cute.nn.fold.FoldCache``: reused by every micro-batch between two optimizer steps and by
+every inference forward; autograd still gives d gamma = sum_n dW' * W per backward); see
 ``coda_cute.ops.coda_block.residual_gemm_norm_stats`` for why gamma is not stored with y.
 Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
 ``from_hf`` / ``hf_state_dict`` convert from and to standard HF weights. Keep the model's
@@ -30,6 +31,7 @@ from ..ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gem
 from ..ops.lm_head_ce import lm_head_ce
 from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf
+from .fold import FoldCache
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class CodaLlamaBlock(nn.Module):
         self.w_down = _weight(d, f, **kw)
         self.q_norm = _norm(hd, **kw) if cfg.qk_norm else None
         self.k_norm = _norm(hd, **kw) if cfg.qk_norm else None
+        self._folds = (FoldCache(), FoldCache())  # W_qkv * attn_norm, W_gu * ffn_norm
 
     def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
                 inv_freq: torch.Tensor):
@@ -98,12 +101,12 @@ class CodaLlamaBlock(nn.Module):
         b, s, d = x.shape
         h, hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         flat = x.reshape(b * s, d)
-        qkv = norm_rope_qkv(flat, self.wqkv * self.attn_norm, ss, c.norm_eps, positions.repeat(b),
+        qkv = norm_rope_qkv(flat, self._folds[0](self.wqkv, self.attn_norm), ss, c.norm_eps, positions.repeat(b),
                             inv_freq, h, hkv, hd, self.q_norm, self.k_norm, c.qk_norm_eps)
         q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([h * hd, hkv * hd, hkv * hd], 1))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y1, ss1 = residual_gemm_norm_stats(o.transpose(1, 2).reshape(b * s, h * hd), self.wo, flat)
-        _, act = norm_swiglu(y1, self.w_gu * self.ffn_norm, ss1, c.norm_eps)
+        _, act = norm_swiglu(y1, self._folds[1](self.w_gu, self.ffn_norm), ss1, c.norm_eps)
         y2, ss2 = residual_gemm_norm_stats(act, self.w_down, y1)
         return y2.view(b, s, d), ss2
 
@@ -129,15 +132,16 @@ class CodaLlamaHead(nn.Module):
         self.cfg = cfg
         self.norm = _norm(cfg.dim, device, dtype)
         self.weight = _weight(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
+        self._fold = FoldCache()
 
     def forward(self, y, ss, targets, ignore_index: int = -100, reduction: str = "mean"):
         """y: (..., d) bf16, ss: its (M, T) partials, targets: (...) int. Returns the loss."""
-        loss, _ = lm_head_ce(y.reshape(-1, self.cfg.dim), self.weight * self.norm, ss,
+        loss, _ = lm_head_ce(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss,
                              self.cfg.norm_eps, targets.reshape(-1), ignore_index, reduction)
         return loss
 
     def logits(self, y, ss):
-        out = norm_proj(y.reshape(-1, self.cfg.dim), self.weight * self.norm, ss, self.cfg.norm_eps)
+        out = norm_proj(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss, self.cfg.norm_eps)
         return out.view(*y.shape[:-1], -1)
 
 

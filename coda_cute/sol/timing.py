@@ -10,7 +10,9 @@ larger than any L2 before each so that no run finds its inputs cached by the pre
 
 from __future__ import annotations
 
+import random
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -57,18 +59,31 @@ def event_median_ms(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, rep_
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3) -> dict:
+def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms: float = 0.0) -> dict:
     """Median milliseconds of each ``fns[name]()``, timed round-robin: every round runs each fn
     once (L2 flushed before each, CUDA events around it). An H200 under sustained load drifts by
     several percent in clock speed; fns timed one after another would carry that drift into their
-    ratio, fns timed in turns share it."""
+    ratio, fns timed in turns share it. Each round runs the fns in a fresh (seeded) random order:
+    the clock also depends on what ran just before (a GEMM right after a memory-bound launch
+    starts cooler than one right after another GEMM), and in any fixed cyclic order, rotated or
+    not, every fn keeps the same predecessor. ``settle_ms``: keep running the fns in turns for
+    that long first, so that timing starts at the clocks the sequence settles at (a GPU coming
+    from idle starts several percent faster)."""
     flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < settle_ms:
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
     runs = []
+    order = list(fns.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name, fn in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush.zero_()
             start.record()

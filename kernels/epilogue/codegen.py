@@ -150,7 +150,54 @@ def _compare(op: str, x, y):
     return x != y
 
 
-def lookups_ahead(tree: N.Epilogue) -> list:
+def tile_uniform_split(tree: N.Epilogue, tile_n: int):
+    """A ``where`` condition ``col_index() <op> c`` (c an integral constant) that has one value per
+    ``tile_n``-column tile (c on a tile boundary), or None. The epilogue evaluates such a tile
+    twice, once per value: each version computes only its side of the ``where`` (e.g. the RoPE
+    and QK-norm math of a QKV projection skipped on V tiles) and none selects per element."""
+    for n in (n for s in tree.sinks for n in N.walk(s.x)):
+        if not isinstance(n, N.Select):
+            continue
+        cond = n.children[0]
+        col, c = cond.children
+        if (isinstance(col, N.ColIndex) and isinstance(c, N.Const) and float(c.value).is_integer()
+                and cond.op in ("lt", "ge", "le", "gt")
+                and (int(c.value) + (cond.op in ("le", "gt"))) % tile_n == 0):
+            return cond
+    return None
+
+
+def split_value(cond: N.Compare, first_col):
+    """The tile-uniform value of :func:`tile_uniform_split`'s ``cond`` for the tile starting at
+    column ``first_col``."""
+    return _compare(cond.op, first_col, Int32(int(cond.children[1].value)))
+
+
+def assumed_walk(roots, assume: dict) -> list:
+    """The nodes reachable from ``roots`` (each once) when every ``where`` whose condition is in
+    ``assume`` ({id(condition): bool}) is replaced by the side it picks."""
+    seen, order = set(), []
+
+    def visit(n):
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        kids = n.children
+        if isinstance(n, N.Select) and id(kids[0]) in assume:
+            kids = (kids[1] if assume[id(kids[0])] else kids[2],)
+        for c in kids:
+            visit(c)
+        if isinstance(n, N.Pairwise):
+            for b in n.body:
+                visit(b)
+        order.append(n)
+
+    for r in roots:
+        visit(r)
+    return order
+
+
+def lookups_ahead(tree: N.Epilogue, assume: dict | None = None) -> list:
     """The tree's lookups with the element stride the Emitter reads each at: (node, 2) if it is
     only used inside pairwise bodies (read once per pair, at the even element), else (node, 1).
 
@@ -160,7 +207,7 @@ def lookups_ahead(tree: N.Epilogue) -> list:
     to its use stalls the sub-tile for an L2 round trip; issued one sub-tile early it overlaps
     that sub-tile's math, stores and barriers.
     """
-    stride, seen = {}, set()
+    stride, seen, assume = {}, set(), assume or {}
 
     def visit(n, in_body):
         if (id(n), in_body) in seen:
@@ -168,7 +215,10 @@ def lookups_ahead(tree: N.Epilogue) -> list:
         seen.add((id(n), in_body))
         if isinstance(n, N.Lookup):
             stride[id(n)] = (n, min(stride.get(id(n), (n, 2))[1], 2 if in_body else 1))
-        for c in n.children:
+        kids = n.children
+        if isinstance(n, N.Select) and id(kids[0]) in assume:
+            kids = (kids[1] if assume[id(kids[0])] else kids[2],)
+        for c in kids:
             visit(c, in_body)
         if isinstance(n, N.Pairwise):
             for b in n.body:
@@ -181,7 +231,7 @@ def lookups_ahead(tree: N.Epilogue) -> list:
 
 def read_lookups_ahead(ctx, lookups: list, n_frag: int) -> dict:
     """Issue the reads of ``lookups`` (from :func:`lookups_ahead`) for ctx's sub-tile."""
-    emit, out = Emitter(ctx), {}
+    emit, out = Emitter(ctx), {}  # lookup indices are int32: no where() with an assumed condition
     for node, step in lookups:
         for i in range(0, n_frag, step):
             r, c = (emit.value(ch, i) for ch in node.children)
@@ -195,9 +245,10 @@ _DSL = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cut
 class Emitter:
     """Evaluates tree nodes for the elements of one epilogue sub-tile (memoized per element)."""
 
-    def __init__(self, ctx, binding=None):
+    def __init__(self, ctx, binding=None, assume=None):
         self.ctx = ctx
         self.binding = binding  # (even, odd) values inside a pairwise body
+        self.assume = assume or {}  # {id(condition): bool} of tile-uniform where()s
         self.memo = {}
 
     def value(self, node: N.Node, i: int):
@@ -239,6 +290,13 @@ class Emitter:
             return _unary(node.op, self.value(node.children[0], i))
         if isinstance(node, N.Binary):
             x, y = (self.value(c, i) for c in node.children)
+            c = node.children[1]
+            if (node.dtype == "int32" and node.op in ("floordiv", "mod") and isinstance(c, N.Const)
+                    and c.value > 0 and c.value & (c.value - 1) == 0):
+                # Flooring by a power of two is an arithmetic shift / a mask for either sign; the
+                # general floor sequences cost ~5 instructions each (RoPE's pair index per pair).
+                shift = int(c.value).bit_length() - 1
+                return x >> shift if node.op == "floordiv" else x & (int(c.value) - 1)
             return _binary(node.op, x, y, node.dtype == "int32")
         if isinstance(node, N.Compare):
             x, y = (self.value(c, i) for c in node.children)
@@ -246,6 +304,9 @@ class Emitter:
                 x, y = _f(x), _f(y)
             return _compare(node.op, x, y)
         if isinstance(node, N.Select):
+            cond = node.children[0]
+            if id(cond) in self.assume:
+                return _f(self.value(node.children[1 if self.assume[id(cond)] else 2], i))
             c, a, b = (self.value(ch, i) for ch in node.children)
             return Float32(cutlass.select_(c, _f(a), _f(b)))
         if isinstance(node, N.Cast):
@@ -257,7 +318,7 @@ class Emitter:
             base = i - i % 2
             x = node.children[0]
             pair = (_f(self.value(x, base)), _f(self.value(x, base + 1)))
-            body = Emitter(self.ctx, pair)
+            body = Emitter(self.ctx, pair, self.assume)
             # Leaves inside the body (rows, indices, lookups) are read once, at the even element;
             # both outputs of a pair come from that one evaluation.
             outs = [_f(body.value(b, base)) for b in node.body]

@@ -595,6 +595,19 @@ def is_row_uniform(node: Node) -> bool:
                or not isinstance(n, (Leaf, Pairwise, SegmentReduce)) for n in walk(node))
 
 
+def zero_past_edge(node: Node) -> bool:
+    """Whether ``node`` is 0 in the accumulator's columns (and rows) past the problem edge: the
+    accumulator is (TMA fills out-of-bounds A and B elements with zeros), and so are products
+    with it, sums of such values and their negation or square."""
+    if isinstance(node, Acc):
+        return True
+    if isinstance(node, Binary) and node.op == "mul":
+        return any(zero_past_edge(c) for c in node.children)
+    if isinstance(node, Binary) and node.op in ("add", "sub"):
+        return all(zero_past_edge(c) for c in node.children)
+    return isinstance(node, Unary) and node.op in ("neg", "square") and zero_past_edge(node.children[0])
+
+
 def _row_factors(x: Node):
     """x = rest * f_1 * ... * f_k with each f_i row-uniform: (rest or None, [f_1, ..., f_k])."""
     if isinstance(x, Binary) and x.op == "mul":

@@ -33,7 +33,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.config import GemmConfig, pipeline_stages
 from ..epilogue import nodes as N
-from ..epilogue.codegen import Emitter, fast_exp, lookups_ahead, read_lookups_ahead
+from ..epilogue.codegen import (Emitter, assumed_walk, fast_exp, lookups_ahead, read_lookups_ahead,
+                               split_value, tile_uniform_split)
 
 DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "int32": cutlass.Int32}
@@ -82,6 +83,8 @@ class Sm90TreeEpilogue:
             self.out_slots[s.name] = slot
             slot += 2 if isinstance(s, N.RowReduce) and s.op == "lse" else 1
         self.lookups_ahead = lookups_ahead(tree)
+        # Tile inputs advance the load ring inside the pass: their trees are not split.
+        self.split = None if self.tile_inputs else tile_uniform_split(tree, tile_mn[1])
         self.epi_tile = epi_tile = self._sub_tile(cfg, ab_bytes)
         self.subtiles = (tile_mn[0] // epi_tile[0]) * (tile_mn[1] // epi_tile[1])
         self.load_stages = self._load_ring_depth(cfg, ab_bytes)
@@ -264,7 +267,27 @@ class Sm90TreeEpilogue:
                    tiles, scratch, store_atoms, store_tensors, outs, load_pipe, load_state,
                    store_pipe, barrier, is_store_warp, buffer_base, problem_mnl, tile_mnl):
         """Evaluate the tree over ``acc`` sub-tile by sub-tile, stage and store its outputs, fold
-        its reductions and write their per-tile partials. Returns (sub-tile count, load state)."""
+        its reductions and write their per-tile partials. Returns (sub-tile count, load state).
+        With a tile-uniform ``where`` (``self.split``) the pass is compiled once per side of it
+        and each tile runs the one its columns pick."""
+        args = (acc, state, acc_coords, tile_coords, tiled_mma, tidx, warp_in_epi, bufs, tiles,
+                scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
+                barrier, is_store_warp, buffer_base, problem_mnl, tile_mnl)
+        result = (buffer_base + self.subtiles, load_state)
+        if const_expr(self.split is None):
+            result = self._tile_pass(*args, {})
+        else:
+            if split_value(self.split, tile_mnl[1] * self.tile_mn[1]):
+                self._tile_pass(*args, {id(self.split): True})
+            else:
+                self._tile_pass(*args, {id(self.split): False})
+        return result
+
+    @cute.jit
+    def _tile_pass(self, acc, state, acc_coords, tile_coords, tiled_mma, tidx, warp_in_epi, bufs,
+                   tiles, scratch, store_atoms, store_tensors, outs, load_pipe, load_state,
+                   store_pipe, barrier, is_store_warp, buffer_base, problem_mnl, tile_mnl,
+                   assume: cutlass.Constexpr):
         em, en = self.epi_tile
         tm, tn, tl = tile_mnl
         n_frag = em * en // (self.epi_warps * 32)
@@ -283,9 +306,10 @@ class Sm90TreeEpilogue:
 
         tile_copies = [self._s2r(tiled_mma, t.dtype, tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
         segments = self._segment_prepass(acc, frag, state, acc_coords, tile_coords, n_frag, order,
-                                         problem_mnl)
+                                         problem_mnl, assume)
         row_acc = [self._row_init(r) for r in self.row_reds]
-        ahead_args = (frag, state, acc_coords, tile_coords, segments, order, n_frag, n_epi)
+        lookups = lookups_ahead(self.tree, assume)
+        ahead_args = (frag, state, acc_coords, tile_coords, segments, order, n_frag, n_epi, lookups)
         ahead = self._read_ahead(0, *ahead_args)
         for e in cutlass.range_constexpr(n_epi):
             emc, enc = order.get_hier_coord(e)
@@ -300,7 +324,7 @@ class Sm90TreeEpilogue:
                     tile_vals.append(vals)
             ctx = _Ctx(self, frag, state, acc_coords, tile_vals, e * n_frag, tile_coords,
                        emc * em, enc * en, segments, current)
-            emit = Emitter(ctx)
+            emit = Emitter(ctx, assume=assume)
             buf = (buffer_base + e) % self.stages
             for k, s in enumerate(self.full_stores):
                 staged = cute.make_rmem_tensor(n_frag, Float32)
@@ -344,21 +368,24 @@ class Sm90TreeEpilogue:
         return buffer_base + n_epi, load_state
 
     def _read_ahead(self, e: int, frag, state, acc_coords, tile_coords, segments, order, n_frag,
-                    n_epi) -> dict:
+                    n_epi, lookups) -> dict:
         """The lookups of sub-tile ``e``, read while sub-tile ``e - 1`` is evaluated."""
-        if e >= n_epi or not self.lookups_ahead:
+        if e >= n_epi or not lookups:
             return {}
         emc, enc = order.get_hier_coord(e)
         ctx = _Ctx(self, frag, state, acc_coords, None, e * n_frag, tile_coords,
                    emc * self.epi_tile[0], enc * self.epi_tile[1], segments)
-        return read_lookups_ahead(ctx, self.lookups_ahead, n_frag)
+        return read_lookups_ahead(ctx, lookups, n_frag)
 
-    def _segment_prepass(self, acc, frag, state, acc_coords, tile_coords, n_frag, order, problem_mnl):
-        """Values of the tree's ``segment_reduce`` nodes: for each row this thread holds and each
-        ``width``-column segment of the tile, the sum (of squares) over the segment, computed in a
-        first pass over the accumulator (before anything is stored) and completed across the 4
-        threads that share a row."""
-        nodes = self.segment_nodes
+    def _segment_prepass(self, acc, frag, state, acc_coords, tile_coords, n_frag, order, problem_mnl,
+                         assume):
+        """Values of the tree's ``segment_reduce`` nodes (those the pass under ``assume`` uses):
+        for each row this thread holds and each ``width``-column segment of the tile, the sum (of
+        squares) over the segment, computed in a first pass over the accumulator (before anything
+        is stored) and completed across the 4 threads that share a row. Columns past the problem
+        edge are masked out unless the summand is zero there anyway (``N.zero_past_edge``)."""
+        used = {id(n) for n in assumed_walk([s.x for s in self.tree.sinks], assume)}
+        nodes = [n for n in self.segment_nodes if id(n) in used]
         if not nodes:
             return {}
         em, en = self.epi_tile
@@ -370,13 +397,14 @@ class Sm90TreeEpilogue:
                 frag[v] = acc[e * n_frag + v]
             ctx = _Ctx(self, frag, state, acc_coords, None, e * n_frag, tile_coords,
                        emc * em, enc * en, {})
-            emit = Emitter(ctx)
+            emit = Emitter(ctx, assume=assume)
             for node in nodes:
                 for v in range(n_frag):
                     x = _as_float(emit.value(node.children[0], v))
                     if node.op == "sumsq":
                         x = x * x
-                    x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x, Float32(0.0)))
+                    if not N.zero_past_edge(node.children[0]):
+                        x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x, Float32(0.0)))
                     key = (id(node), ctx.row_slot(v), ctx.segment(node, v))
                     sums[key] = sums[key] + x if key in sums else x
         for key in list(sums):
@@ -641,7 +669,8 @@ def _rescale(s, m_old, m_new):
 
 
 class _LazyCols:
-    """Column vector read from global memory at the use (L1-resident after the first sub-tile)."""
+    """Column vector read from global memory at the use (L1-resident after the first sub-tile).
+    Unclamped, like :meth:`AccVectors.cols`."""
 
     def __init__(self, vectors: "AccVectors", vec: cute.Tensor, dtype):
         self.vectors = vectors
@@ -650,7 +679,7 @@ class _LazyCols:
 
     def __getitem__(self, i):
         n = self.vectors.coords[i][1]
-        return _convert(self.vec[(cutlass.min(n, self.vectors.problem[1] - 1), self.vectors.batch)], self.dtype)
+        return _convert(self.vec[(n, self.vectors.batch)], self.dtype)
 
 
 def _convert(x, dtype):
@@ -664,8 +693,9 @@ class AccVectors:
     vector only varies with (row half, MMA_M) and a column vector with (col pair, chunk, MMA_N).
     The register tensors returned here have the accumulator's shape with zero strides on the other
     modes, so ``vec[i]`` is the value for accumulator register ``i`` while only the distinct
-    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread). Rows or columns past
-    the problem edge read the last valid entry: their results are never stored.
+    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread). Rows past the problem
+    edge read the last valid entry, and column vectors arrive padded to whole tiles (the runner's
+    launch): results past the edge are never stored, and a column read needs no clamp per tile.
     """
 
     def __init__(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32):
@@ -725,5 +755,5 @@ class AccVectors:
                 for pair in cutlass.range_constexpr(2):
                     crd = ((pair, 0, j), 0, mn)
                     n = self.coords[crd][1]
-                    out[crd] = _convert(vec[(cutlass.min(n, self.problem[1] - 1), self.batch)], dtype)
+                    out[crd] = _convert(vec[(n, self.batch)], dtype)
         return out
