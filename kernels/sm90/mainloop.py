@@ -101,8 +101,12 @@ class Sm90Mainloop:
         tmp = None
         if const_expr(self.two_level):
             tmp = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        frags = (tiled_mma.make_fragment_A(thr_mma.partition_A(sA)),
-                 tiled_mma.make_fragment_B(thr_mma.partition_B(sB)))
+        # The smem operand descriptors depend on the thread only through its warpgroup: sliced by
+        # a warp-uniform index they live in uniform registers, computed on the uniform datapath,
+        # instead of being rebuilt from the thread index in vector registers every k-tile.
+        thr_ab = tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128 * 128))
+        frags = (tiled_mma.make_fragment_A(thr_ab.partition_A(sA)),
+                 tiled_mma.make_fragment_B(thr_ab.partition_B(sB)))
         return thr_mma, frags, acc, tmp
 
     @cute.jit
