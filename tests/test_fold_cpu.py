@@ -1,6 +1,7 @@
 """CPU tests of the cached gamma fold (coda_cute.nn.fold): W * gamma is computed once per version
 of the weights, and gradients over several micro-batches match a fresh fold per forward."""
 
+import pytest
 import torch
 
 from coda_cute.nn.fold import FoldCache
@@ -50,3 +51,13 @@ def test_gradients_over_micro_batches_match_a_fresh_fold_each():
         (x @ (w2 * gamma2).t()).square().sum().backward()
     torch.testing.assert_close(w.grad, w2.grad)
     torch.testing.assert_close(gamma.grad, gamma2.grad)
+
+
+def test_backward_after_an_in_place_update_raises_like_autograd():
+    w, gamma = _params(3)
+    cache = FoldCache()
+    loss = (torch.randn(5, 16) @ cache(w, gamma).t()).sum()
+    with torch.no_grad():
+        w.add_(0.5)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()

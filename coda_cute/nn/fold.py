@@ -25,11 +25,19 @@ class _Fold(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, gamma):
+        # detach() shares the version counter: an in-place write to W or gamma shows up below.
         ctx.w, ctx.gamma = w.detach(), gamma.detach()
+        ctx.versions = (w._version, gamma._version)
         return w * gamma
 
     @staticmethod
     def backward(ctx, dw):
+        if (ctx.w._version, ctx.gamma._version) != ctx.versions:
+            # what autograd says of a saved tensor written in place: dW and d gamma would be
+            # computed from the new values, not those the forward folded
+            raise RuntimeError("coda_cute.nn.fold: W or gamma was modified in place (e.g. an "
+                               "optimizer step) between the forward that folded them and this "
+                               "backward; run the backward before updating the weights")
         return dw * ctx.gamma, (dw * ctx.w).sum(0)
 
 
