@@ -1,9 +1,13 @@
 """CPU tests of the cached gamma fold (coda_cute.nn.fold): W * gamma is computed once per version
 of the weights, and gradients over several micro-batches match a fresh fold per forward."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
+from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.nn.fold import FoldCache
 
 
@@ -16,7 +20,7 @@ def _params(seed):
 
 def test_fold_is_reused_until_a_weight_changes():
     w, gamma = _params(0)
-    cache = FoldCache()
+    cache = FoldCache(enabled=True)
     first = cache(w, gamma)
     assert cache(w, gamma) is first
     torch.testing.assert_close(first, w * gamma, rtol=0, atol=0)
@@ -33,7 +37,7 @@ def test_fold_is_reused_until_a_weight_changes():
 
 def test_fold_follows_the_grad_mode():
     w, gamma = _params(1)
-    cache = FoldCache()
+    cache = FoldCache(enabled=True)
     with torch.no_grad():
         assert cache(w, gamma).grad_fn is None
     assert cache(w, gamma).grad_fn is not None
@@ -45,7 +49,7 @@ def test_gradients_over_micro_batches_match_a_fresh_fold_each():
     w, gamma = _params(2)
     w2, gamma2 = (t.detach().clone().requires_grad_() for t in (w, gamma))
     xs = [torch.randn(5, 16) for _ in range(3)]
-    cache = FoldCache()
+    cache = FoldCache(enabled=True)
     for x in xs:  # one cached fold, three backwards through it
         (x @ cache(w, gamma).t()).square().sum().backward()
         (x @ (w2 * gamma2).t()).square().sum().backward()
@@ -55,9 +59,50 @@ def test_gradients_over_micro_batches_match_a_fresh_fold_each():
 
 def test_backward_after_an_in_place_update_raises_like_autograd():
     w, gamma = _params(3)
-    cache = FoldCache()
+    cache = FoldCache(enabled=True)
     loss = (torch.randn(5, 16) @ cache(w, gamma).t()).sum()
     with torch.no_grad():
         w.add_(0.5)
     with pytest.raises(RuntimeError, match="modified in place"):
         loss.backward()
+
+
+def test_disabled_cache_folds_every_call():
+    w, gamma = _params(4)
+    cache = FoldCache()
+    assert cache(w, gamma) is not cache(w, gamma)
+
+
+def test_a_replaced_parameter_refolds_even_at_the_same_address_and_version():
+    w, gamma = _params(5)
+    cache = FoldCache(enabled=True)
+    with torch.no_grad():
+        first = cache(w, gamma)
+        w2 = torch.nn.Parameter(w.detach().clone() + 1)  # e.g. load_state_dict(assign=True)
+        cache.key = (w2.data_ptr(), w2._version) + cache.key[2:]  # as if the allocator reused it
+        torch.testing.assert_close(cache(w2, gamma), w2 * gamma, rtol=0, atol=0)
+        assert cache.value is not first
+
+
+def test_an_inference_mode_fold_is_not_reused_under_autograd():
+    w, gamma = _params(6)
+    w.requires_grad_(False)
+    gamma.requires_grad_(False)  # frozen weights: no grad either way
+    cache = FoldCache(enabled=True)
+    with torch.inference_mode():
+        assert cache(w, gamma).is_inference()
+    x = torch.randn(5, 16, requires_grad=True)
+    (x @ cache(w, gamma).t()).sum().backward()  # an inference tensor here could not be saved
+    assert x.grad is not None
+
+
+def test_copies_and_pickles_start_without_a_fold():
+    cfg = LlamaConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=8)
+    model = CodaLlama(cfg, device="cpu", cache_folds=True)
+    blk = model.layers[0]
+    blk._folds[0](blk.wqkv, blk.attn_norm)  # a graph node: deepcopy of a non-leaf would raise
+    twin = copy.deepcopy(model)
+    assert twin.layers[0]._folds[0].value is None and twin.layers[0]._folds[0].enabled
+    assert pickle.loads(pickle.dumps(blk._folds[0])).value is None
+    model.clear_folds()
+    assert blk._folds[0].value is None

@@ -259,13 +259,26 @@ def test_fp8_launch_spec_and_scale_views(hopper_host):
     assert (spec.a_dtype, spec.d_dtype, spec.scale_a, spec.scale_b) == ("float8_e4m3fn", "float32", "row", "row")
     assert spec.config.fp8_fast_accum and spec.config.tile_k == 128
     assert (av.shape, dv.shape) == ((64, 128, 2), (64, 48, 2))
-    # scale_b is a column vector: the launch zero-pads it to whole tiles (read unclamped)
-    n_tiles = -(-48 // spec.config.tile_n) * spec.config.tile_n
+    # scale_b is a column vector: the launch zero-pads it to whole cluster tiles (read unclamped)
+    width = spec.config.tile_n * spec.config.cluster_n
+    n_tiles = -(-48 // width) * width
     assert (sav.shape, sav.stride(), sbv.shape, sbv.stride()) == ((64, 2), (1, 64), (n_tiles, 2), (1, n_tiles))
     assert torch.equal(sbv[:48].t(), sb[:, 0]) and not sbv[48:].any()
     assert (spec1.scale_a, spec1.scale_b, spec1.d_dtype) == ("tensor", "tensor", "bfloat16")
     assert not spec1.config.fp8_fast_accum
     assert sav1.shape == sbv1.shape == (1,)
+
+
+def test_column_vectors_are_padded_to_whole_clusters(hopper_host):
+    # 3 column tiles in 1x2 clusters: the second CTA of the last cluster visits a tile past N and
+    # reads scale_b there (unclamped), so even a tile-aligned N gets a padded copy
+    a, b, sb = _fp8(64, 128), _fp8(384, 128).t(), torch.rand(1, 384)
+    cfg = GemmConfig(128, 128, 128, "cooperative", 1, 2)
+    gemm_mod.gemm_impl(a, b, torch.rand(64, 1), sb, out_dtype=BF16, config=cfg)
+    gemm_mod.gemm_impl(a, b[:, :256], torch.rand(64, 1), sb[:, :256].contiguous(), out_dtype=BF16, config=cfg)
+    (_, *_, sbv), (_, *_, sbv2) = hopper_host
+    assert sbv.shape == (512, 1) and torch.equal(sbv[:384, 0], sb[0]) and not sbv[384:].any()
+    assert sbv2.shape == (256, 1)  # whole clusters already: the caller's tensor itself
 
 
 def test_extent_one_dims_get_legal_strides(hopper_host):

@@ -129,7 +129,7 @@ class Plan:
 
 def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
     """A column vector zero-padded to ``cols`` entries (the kernels read column vectors up to the
-    last column of the last tile, unclamped: no bounds arithmetic per column and tile)."""
+    last column of the last cluster's tiles, unclamped: no bounds arithmetic per column)."""
     return t if cols is None else torch.nn.functional.pad(t, (0, cols - t.shape[-1]))
 
 
@@ -228,7 +228,9 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
         return plan
     plan.a_view = (tuple(a_view.shape), a_view.stride())
     plan.b_view = (tuple(b_view.shape), b_view.stride())
-    n_tiles = -(-n // config.tile_n) * config.tile_n
+    # Column vectors are read up to the last column of the last tile a CTA visits: the scheduler
+    # rounds the tile count up to whole clusters, so a 1x2 cluster can hold a tile past N.
+    n_tiles = -(-n // (config.tile_n * config.cluster_n)) * config.tile_n * config.cluster_n
     plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op, n_tiles),
                       n_tiles if i.kind == "col_vec" and n_tiles != n else None)
                      for i in tree.inputs if i.kind != "scalar"]
@@ -263,7 +265,7 @@ def _check_devices(a, b, inputs, tree, op):
 
 def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: int):
     """(shape, strides) the kernel sees an input as; column vectors as ``n_tiles`` long (the
-    launch pads them when N is no multiple of the tile width)."""
+    launch pads them when N is no multiple of the cluster's tile width)."""
     t = inputs[spec.name]
     want = torch_dtype(spec.dtype) if spec.kind != "scalar_tensor" else torch.float32
     if t.dtype != want:

@@ -1,11 +1,15 @@
-"""RMSNorm weights folded into the consumer's weight, W' = W * gamma[None, :], computed once per
-version of the weights instead of once per forward.
+"""RMSNorm weights folded into the consumer's weight, W' = W * gamma[None, :], optionally computed
+once per version of the weights instead of once per forward.
 
 The fold reads and writes the whole consumer weight (96 MiB for Llama-3-8B's QKV, 448 MiB for
 gate/up: 0.36 ms per layer on the H200), independent of the token count. Between two optimizer
-steps the weights do not change, so every micro-batch forward (and every inference forward) can
-reuse the same W'. :class:`FoldCache` keeps it, keyed by the storage and in-place version
-counter of W and gamma (an optimizer step, ``load_hf`` or any in-place write refolds).
+steps the weights do not change, so every micro-batch forward (and every inference forward) could
+reuse the same W'. :class:`FoldCache` with ``enabled=True`` keeps it, keyed by the identity,
+storage and in-place version counter of W and gamma: an optimizer step, ``load_state_dict``,
+``load_hf``, any in-place write or a replaced parameter refolds. Off by default, because writes
+that bypass the version counter are invisible to it: ``p.data.copy_(...)`` or ``p.data -= ...``,
+and frameworks that swap a parameter's storage in place (sharded data parallel). After such writes
+call :meth:`FoldCache.clear` (``CodaLlama.clear_folds()``).
 
 With autograd, each micro-batch's backward runs the fold's backward once,
 
@@ -16,6 +20,8 @@ reference (they are the parameters) rather than as saved tensors, which a backwa
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -42,24 +48,38 @@ class _Fold(torch.autograd.Function):
 
 
 class FoldCache:
-    """``cache(w, gamma)`` = W * gamma[None, :], refolded only when W or gamma changed or the grad
-    mode did (a fold made without autograd has no backward). Inside ``torch.compile`` it folds
-    every call (the compiled graph fuses or hoists it itself)."""
+    """``cache(w, gamma)`` = W * gamma[None, :]. Enabled, the fold is kept and reused until W or
+    gamma is replaced or written in place, or the grad or inference mode changes (a fold made
+    without autograd has no backward; one made in inference mode cannot enter a graph). Disabled,
+    and inside ``torch.compile``, every call folds."""
 
-    def __init__(self):
-        self.key = None
-        self.value = None
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.clear()
 
     def clear(self):
         """Drop the fold (frees its memory; the next call folds again)."""
-        self.key = self.value = None
+        self.key = self.refs = self.value = None
 
     def __call__(self, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return w * gamma
         grad = torch.is_grad_enabled() and (w.requires_grad or gamma.requires_grad)
-        key = (w.data_ptr(), w._version, w.shape, gamma.data_ptr(), gamma._version, grad)
-        if key != self.key:
+        if not self.enabled or torch.compiler.is_compiling():
+            return w * gamma
+        key = (w.data_ptr(), w._version, w.shape, w.dtype, gamma.data_ptr(), gamma._version, grad,
+               torch.is_inference_mode_enabled())
+        same = self.refs is not None and self.refs[0]() is w and self.refs[1]() is gamma
+        if key != self.key or not same:
             self.value = _Fold.apply(w, gamma) if grad else w * gamma
-            self.key = key
+            self.key, self.refs = key, (weakref.ref(w), weakref.ref(gamma))
         return self.value
+
+    # A copied or pickled module starts without a fold (the cached one may be a graph node, which
+    # deepcopy refuses, and belongs to the original's parameters).
+    def __deepcopy__(self, memo):
+        return FoldCache(self.enabled)
+
+    def __getstate__(self):
+        return {"enabled": self.enabled}
+
+    def __setstate__(self, state):
+        self.__init__(state["enabled"])

@@ -8,9 +8,10 @@ One block (x: the residual stream, ss: its norm-stat partials from the GEMM that
     z, h     = coda.norm_swiglu(y1, W_gu * gamma_ffn, ss1, eps)        RMSNorm + gate/up + SwiGLU
     y2, ss2  = coda.residual_gemm_norm_stats(h, W_down, y1)            down-proj + residual
 
-The RMSNorm weights are folded into the consumer weights once per version of the weights
+The RMSNorm weights are folded into the consumer weights on every forward (a differentiable
+multiply: d gamma = sum_n dW' * W), or with ``cache_folds=True`` once per version of the weights
 (``coda_cute.nn.fold.FoldCache``: reused by every micro-batch between two optimizer steps and by
-every inference forward; autograd still gives d gamma = sum_n dW' * W per backward); see
+every inference forward; read its caveat on writes through ``.data``); see
 ``coda_cute.ops.coda_block.residual_gemm_norm_stats`` for why gamma is not stored with y.
 Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
 ``from_hf`` / ``hf_state_dict`` convert from and to standard HF weights. Keep the model's
@@ -77,7 +78,7 @@ class CodaLlamaBlock(nn.Module):
     (adjacent-pair order, like the Q/K rows).
     """
 
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16, cache_folds: bool = False):
         super().__init__()
         self.cfg = cfg
         d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
@@ -90,7 +91,13 @@ class CodaLlamaBlock(nn.Module):
         self.w_down = _weight(d, f, **kw)
         self.q_norm = _norm(hd, **kw) if cfg.qk_norm else None
         self.k_norm = _norm(hd, **kw) if cfg.qk_norm else None
-        self._folds = (FoldCache(), FoldCache())  # W_qkv * attn_norm, W_gu * ffn_norm
+        self._folds = (FoldCache(cache_folds), FoldCache(cache_folds))  # W_qkv * attn_norm, W_gu * ffn_norm
+
+    def clear_folds(self):
+        """Drop cached gamma folds (``cache_folds``): needed after writes the version counter
+        does not see, such as ``p.data.copy_(...)``."""
+        for cache in self._folds:
+            cache.clear()
 
     def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
                 inv_freq: torch.Tensor):
@@ -127,12 +134,15 @@ class CodaLlamaHead(nn.Module):
     """Final RMSNorm + LM head: the loss through ``coda.lm_head_ce`` (logits never stored), or
     the logits through ``coda.norm_proj``. Parameters: norm (d), weight (V, d)."""
 
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16, cache_folds: bool = False):
         super().__init__()
         self.cfg = cfg
         self.norm = _norm(cfg.dim, device, dtype)
         self.weight = _weight(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
-        self._fold = FoldCache()
+        self._fold = FoldCache(cache_folds)
+
+    def clear_folds(self):
+        self._fold.clear()
 
     def forward(self, y, ss, targets, ignore_index: int = -100, reduction: str = "mean"):
         """y: (..., d) bf16, ss: its (M, T) partials, targets: (...) int. Returns the loss."""
@@ -148,14 +158,23 @@ class CodaLlamaHead(nn.Module):
 class CodaLlama(nn.Module):
     """Embedding, ``n_layers`` :class:`CodaLlamaBlock`, :class:`CodaLlamaHead`."""
 
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16, cache_folds: bool = False):
+        """``cache_folds``: fold each RMSNorm weight into its consumer's weight once per version of
+        the weights instead of every forward (``coda_cute.nn.fold``)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype) for _ in range(cfg.n_layers))
-        self.head = CodaLlamaHead(cfg, device, dtype)
+        self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype, cache_folds)
+                                    for _ in range(cfg.n_layers))
+        self.head = CodaLlamaHead(cfg, device, dtype, cache_folds)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, device),
                              persistent=False)
+
+    def clear_folds(self):
+        """Drop every cached gamma fold (see ``cache_folds``)."""
+        for layer in self.layers:
+            layer.clear_folds()
+        self.head.clear_folds()
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 ignore_index: int = -100, reduction: str = "mean"):
@@ -172,11 +191,11 @@ class CodaLlama(nn.Module):
 
     @classmethod
     def from_hf(cls, cfg: LlamaConfig, state_dict: dict, rope: str = "rotate_half", device=None,
-                dtype=torch.bfloat16) -> "CodaLlama":
+                dtype=torch.bfloat16, cache_folds: bool = False) -> "CodaLlama":
         """Build from an HF ``LlamaForCausalLM`` state dict ("model.embed_tokens.weight",
         "model.layers.{i}.…", "model.norm.weight", "lm_head.weight"; a missing lm_head means
         tied embeddings, copied here - the two are trained separately afterwards)."""
-        model = cls(cfg, device, dtype)
+        model = cls(cfg, device, dtype, cache_folds)
         sd = state_dict
         with torch.no_grad():
             model.embed.weight.copy_(sd["model.embed_tokens.weight"])

@@ -160,8 +160,9 @@ def tile_uniform_split(tree: N.Epilogue, tile_n: int):
             continue
         cond = n.children[0]
         col, c = cond.children
+        # |c| < 2^24: an fp32 threshold is exact there and its int32 value does not wrap.
         if (isinstance(col, N.ColIndex) and isinstance(c, N.Const) and float(c.value).is_integer()
-                and cond.op in ("lt", "ge", "le", "gt")
+                and abs(c.value) < 2 ** 24 and cond.op in ("lt", "ge", "le", "gt")
                 and (int(c.value) + (cond.op in ("le", "gt"))) % tile_n == 0):
             return cond
     return None
