@@ -149,7 +149,7 @@ def _fake_signature(spec: KernelSpec):
     for i in spec.tree.inputs:
         if i.kind == "row_vec":
             ins.append(fake(i.dtype, (m, l), (1, cute.sym_int64()), 4))
-        elif i.kind == "col_vec":  # padded to whole tiles by the launch: its own extent
+        elif i.kind == "col_vec":  # padded to whole cluster tiles by the launch: its own extent
             ins.append(fake(i.dtype, (cute.sym_int(), l), (1, cute.sym_int64()), 4))
         elif i.kind == "tile":
             ins.append(fake(i.dtype, (m, n, l), (stride16(i.dtype), 1, stride16(i.dtype))))

@@ -18,9 +18,9 @@ eager and compiled; the target is (block - attention) / sum of GEMMs <= 1.00. Th
 with cache_folds=True, folding gamma into W_qkv and W_gu once per weight version
 (coda_cute.nn.fold): "fused" reuses the folds (every micro-batch after the first of an optimizer
 step, and inference), "refold" pays them (the first micro-batch; the default cache_folds=False
-pays them on every forward). "gamma fold" rows time W * gamma for each consumer weight (the cost of option
-B, see coda.residual_gemm_norm_stats). Last, the LM head + CE peak
-memory beyond its inputs (torch.cuda.max_memory_allocated), forward and forward + backward, fused
+pays them on every forward). "gamma fold" rows time W * gamma for each consumer weight (the cost
+of option B, see coda.residual_gemm_norm_stats). Last, the LM head + CE peak memory beyond its
+inputs (torch.cuda.max_memory_allocated), forward and forward + backward, fused
 vs eager (targets 0.1 GiB and 0.5 GiB).
 
     python scripts/bench_block.py [--batch 4 --seq 4096] [--no-compile] [--json out.json]
@@ -143,7 +143,7 @@ def bench_ops(m, seq, compile_, rows):
 
     Two groups because the H200's clock depends on what ran just before: between memory-bound
     launches (eager, compiled) every GEMM starts cooler than between GEMMs, and cuBLAS's kernel
-    (fewer instructions per FLOP) gains more from that than ours. The GEMM group runs GEMMs back
+    gains more from that than ours. The GEMM group runs GEMMs back
     to back, as a training step does, timed once the clocks have settled (``SETTLE_MS``; from idle
     the first op's cuBLAS GEMM ran 1.005 ms against 1.23 ms settled, ours 1.04 against 1.19); its
     fused / shadow is the target ratio. The baselines' ratios are to the shadow of their own group

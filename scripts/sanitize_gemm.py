@@ -25,7 +25,7 @@ CASES16 = [
 ]
 CASES8 = [
     GemmConfig(128, 192, 128, "cooperative", 2, 1),
-    GemmConfig(128, 128, 128, "cooperative", 1, 1),  # two-level, paired k-tiles
+    GemmConfig(128, 128, 128, "cooperative", 1, 1),  # two-level, grouped promotion (K = 272: a pair, a single)
     GemmConfig(128, 128, 128, "pingpong", 1, 1, fp8_fast_accum=True),
 ]
 

@@ -174,6 +174,14 @@ def split_value(cond: N.Compare, first_col):
     return _compare(cond.op, first_col, Int32(int(cond.children[1].value)))
 
 
+def _live_children(n: N.Node, assume: dict) -> tuple:
+    """``n``'s children, a ``where`` whose condition is in ``assume`` reduced to the side it picks."""
+    kids = n.children
+    if isinstance(n, N.Select) and id(kids[0]) in assume:
+        return (kids[1] if assume[id(kids[0])] else kids[2],)
+    return kids
+
+
 def assumed_walk(roots, assume: dict) -> list:
     """The nodes reachable from ``roots`` (each once) when every ``where`` whose condition is in
     ``assume`` ({id(condition): bool}) is replaced by the side it picks."""
@@ -183,10 +191,7 @@ def assumed_walk(roots, assume: dict) -> list:
         if id(n) in seen:
             return
         seen.add(id(n))
-        kids = n.children
-        if isinstance(n, N.Select) and id(kids[0]) in assume:
-            kids = (kids[1] if assume[id(kids[0])] else kids[2],)
-        for c in kids:
+        for c in _live_children(n, assume):
             visit(c)
         if isinstance(n, N.Pairwise):
             for b in n.body:
@@ -216,10 +221,7 @@ def lookups_ahead(tree: N.Epilogue, assume: dict | None = None) -> list:
         seen.add((id(n), in_body))
         if isinstance(n, N.Lookup):
             stride[id(n)] = (n, min(stride.get(id(n), (n, 2))[1], 2 if in_body else 1))
-        kids = n.children
-        if isinstance(n, N.Select) and id(kids[0]) in assume:
-            kids = (kids[1] if assume[id(kids[0])] else kids[2],)
-        for c in kids:
+        for c in _live_children(n, assume):
             visit(c, in_body)
         if isinstance(n, N.Pairwise):
             for b in n.body:

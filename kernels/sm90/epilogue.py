@@ -694,8 +694,8 @@ class AccVectors:
     The register tensors returned here have the accumulator's shape with zero strides on the other
     modes, so ``vec[i]`` is the value for accumulator register ``i`` while only the distinct
     values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread). Rows past the problem
-    edge read the last valid entry, and column vectors arrive padded to whole tiles (the runner's
-    launch): results past the edge are never stored, and a column read needs no clamp per tile.
+    edge read the last valid entry, and column vectors arrive padded to whole clusters of tiles
+    (the runner's launch): results past the edge are never stored, and a column read needs no clamp.
     """
 
     def __init__(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32):

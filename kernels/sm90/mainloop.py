@@ -15,11 +15,10 @@ Accumulation modes:
     K). Where three accumulators fit the registers (``paired``), k-tiles go in groups of
     ``PROMOTION_GROUP`` (then pairs): each is issued into its own temporary before the previous
     one is promoted, so only the group's last promotion waits for the tensor cores to drain.
-    Otherwise each promotion waits for its k-tile. The
-    temporaries are created inside the loop body: a WGMMA result carried across loop iterations
-    becomes a register copy that ptxas answers by serializing every WGMMA of the kernel. The
-    cooperative schedule staggers its two warpgroups by half a k-tile so one's WGMMAs cover the
-    other's promotion.
+    Otherwise each promotion waits for its k-tile. The temporaries are created inside the loop
+    body: a WGMMA result carried across loop iterations becomes a register copy that ptxas answers
+    by serializing every WGMMA of the kernel. The cooperative schedule staggers its two
+    warpgroups by half a k-tile so one's WGMMAs cover the other's promotion.
 """
 
 from __future__ import annotations
@@ -175,7 +174,6 @@ class Sm90Mainloop:
                 release_state.advance()
             extra = on_last_issue()
         return read_state, extra
-
 
     @cute.jit
     def _group(self, op, frags, acc, tmp, ab_pipe, read_state, release_state, n: cutlass.Constexpr,
