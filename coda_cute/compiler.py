@@ -209,13 +209,45 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
         spec = spec.kernel_spec
     if spec.arch not in SUPPORTED_ARCHS:
         raise NotImplementedError(f"no GEMM kernel for arch {spec.arch!r} (have {SUPPORTED_ARCHS})")
-    import cutlass.cute as cute
-
     from .kernels.sm90.gemm import Sm90Gemm
 
     kernel = Sm90Gemm(spec.config, cutlass_dtype(spec.a_dtype), cutlass_dtype(spec.b_dtype),
                       spec.a_major, spec.b_major, spec.tree, spec.num_sms)
-    args = _fake_signature(spec)
+    return _cute_compile(spec, kernel, _fake_signature(spec), keep_artifacts)
+
+
+@dataclass(frozen=True)
+class ScaleColumnsSpec:
+    """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype.
+    The kernel uses no architecture-specific instruction; it is built per target like the GEMMs."""
+
+    dtype: str
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"scale_columns_{self.arch}_{_short(self.dtype)}"
+
+
+def compile_scale_columns(spec: ScaleColumnsSpec, keep_artifacts: bool = False) -> CompiledKernel:
+    import cutlass.cute as cute
+
+    from .kernels.elementwise.scale_columns import ScaleColumns
+
+    n, k = cute.sym_int(), cute.sym_int()
+    d = cutlass_dtype(spec.dtype)
+
+    def matrix():
+        return cute.runtime.make_fake_tensor(d, (n, k), stride=(cute.sym_int64(divisibility=8), 1),
+                                             assumed_align=16)
+
+    gamma = cute.runtime.make_fake_tensor(d, (k,), stride=(1,), assumed_align=16)
+    return _cute_compile(spec, ScaleColumns(d), (matrix(), gamma, matrix()), keep_artifacts)
+
+
+def _cute_compile(spec, kernel, args, keep_artifacts: bool) -> CompiledKernel:
+    import cutlass.cute as cute
+
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = f"--gpu-arch {spec.arch} --enable-tvm-ffi"
     with _compile_lock, tempfile.TemporaryDirectory(prefix="coda_cute_") as tmp:
@@ -244,7 +276,7 @@ def spill_bytes(kernel: CompiledKernel) -> int:
     return s.get("spill_stores", 0) + s.get("spill_loads", 0)
 
 
-_cache: dict[KernelSpec, CompiledKernel] = {}
+_cache: dict[KernelSpec | ScaleColumnsSpec, CompiledKernel] = {}
 
 
 def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
@@ -252,6 +284,11 @@ def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
     (GPU machines only, see :func:`disk_cache_dir`), else compiled now (and written there)."""
     if isinstance(spec, GemmSpec):
         spec = spec.kernel_spec
+    return get_kernel(spec)
+
+
+def get_kernel(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel:
+    """:func:`get_gemm` for any kernel spec."""
     hit = _cache.get(spec)
     if hit is None:
         hit = _load_cached(spec) or _compile_and_store(spec)
@@ -295,12 +332,15 @@ def _build_digest() -> str:
     return h.hexdigest()
 
 
-def _disk_path(spec: KernelSpec) -> tuple[str, str] | None:
+def _disk_path(spec: KernelSpec | ScaleColumnsSpec) -> tuple[str, str] | None:
     base = disk_cache_dir()
     if base is None or not _gpu_matches(spec.arch):
         return None
-    key = repr((spec.a_dtype, spec.b_dtype, spec.a_major, spec.b_major, spec.config, spec.tree_key,
-                spec.arch, spec.num_sms))
+    if isinstance(spec, ScaleColumnsSpec):
+        key = repr(spec)
+    else:
+        key = repr((spec.a_dtype, spec.b_dtype, spec.a_major, spec.b_major, spec.config, spec.tree_key,
+                    spec.arch, spec.num_sms))
     digest = hashlib.sha256((key + _build_digest()).encode()).hexdigest()[:32]
     return os.path.join(base, f"{digest}.o"), f"coda_{digest[:16]}"
 
@@ -317,7 +357,7 @@ def _gpu_matches(arch: str) -> bool:
         return False
 
 
-def _load_cached(spec: KernelSpec) -> CompiledKernel | None:
+def _load_cached(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel | None:
     """The kernel and its ptxas statistics (a JSON file next to the object) from the disk cache."""
     where = _disk_path(spec)
     if where is None or not os.path.exists(where[0]):
@@ -338,8 +378,8 @@ def _stats_path(obj_path: str) -> str:
     return obj_path[:-2] + ".json"
 
 
-def _compile_and_store(spec: KernelSpec) -> CompiledKernel:
-    out = compile_gemm(spec)
+def _compile_and_store(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel:
+    out = compile_scale_columns(spec) if isinstance(spec, ScaleColumnsSpec) else compile_gemm(spec)
     where = _disk_path(spec)
     if where is not None:
         tmp = None

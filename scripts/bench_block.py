@@ -18,8 +18,8 @@ eager and compiled; the target is (block - attention) / sum of GEMMs <= 1.00. Th
 with cache_folds=True, folding gamma into W_qkv and W_gu once per weight version
 (coda_cute.nn.fold): "fused" reuses the folds (every micro-batch after the first of an optimizer
 step, and inference), "refold" pays them (the first micro-batch; the default cache_folds=False
-pays them on every forward). "gamma fold" rows time W * gamma for each consumer weight (the cost
-of option B, see coda.residual_gemm_norm_stats). Last, the LM head + CE peak memory beyond its
+pays them on every forward). "gamma fold" rows time coda.fold_gamma for each consumer weight (the
+cost of option B, see coda.residual_gemm_norm_stats) next to torch's W * gamma and a plain copy. Last, the LM head + CE peak memory beyond its
 inputs (torch.cuda.max_memory_allocated), forward and forward + backward, fused
 vs eager (targets 0.1 GiB and 0.5 GiB).
 
@@ -43,7 +43,7 @@ from coda_cute.nn import CodaLlamaBlock, LlamaConfig, embedding_norm_stats
 from coda_cute.ops.coda_block import (norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats,
                                       stats_tile_n)
 from coda_cute.ops.lm_head_ce import lm_head_ce
-from coda_cute.sol.timing import bench_ms, interleaved_medians
+from coda_cute.sol.timing import interleaved_medians
 
 BF16 = torch.bfloat16
 CFG = LlamaConfig(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
@@ -202,8 +202,11 @@ def bench_block(bsz, seq, compile_, rows):
         rows.append({"kind": "block", "tokens": m, **{f"{k}_ms": v for k, v in times.items()}})
         for name, w, g in (("qkv", blk.wqkv, blk.attn_norm), ("gate/up", blk.w_gu, blk.ffn_norm),
                            ("lm head", rand(c.vocab_size, d), blk.ffn_norm)):
+            fold_ms = interleaved_medians({"coda": lambda: torch.ops.coda.fold_gamma(w, g),
+                                           "torch": lambda: w * g, "copy": lambda: w.clone()})
             rows.append({"kind": "fold", "name": name, "shape": tuple(w.shape),
-                         "ms": bench_ms(lambda: w * g), "bytes": 2 * w.numel() * w.element_size()})
+                         **{f"{k}_ms": v for k, v in fold_ms.items()},
+                         "bytes": 2 * w.numel() * w.element_size()})
 
 
 def bench_ce_memory(m, rows):
@@ -249,8 +252,9 @@ def report(rows, console):
             f"{r['fused_b_ms']:.3f} ms, eager {r['eager_ms']:.3f} ms"
             + (f", compiled {r['compile_ms']:.3f} ms" if "compile_ms" in r else ""))
     for r in (r for r in rows if r["kind"] == "fold"):
-        console.print(f"gamma fold {r['name']:8s} {r['shape']}: {r['ms']:.3f} ms "
-                      f"({r['bytes'] / 2**20:.0f} MiB moved)")
+        tbs = {k: r["bytes"] / r[f"{k}_ms"] / 1e9 for k in ("coda", "torch", "copy")}
+        console.print(f"gamma fold {r['name']:8s} {r['shape']} ({r['bytes'] / 2**20:.0f} MiB moved): "
+                      + ", ".join(f"{k} {r[f'{k}_ms']:.3f} ms ({tbs[k]:.2f} TB/s)" for k in tbs))
     for r in (r for r in rows if r["kind"] == "ce_memory"):
         console.print(f"lm head + ce memory beyond inputs, {r['name']:5s}: forward "
                       f"{r['forward_bytes'] / 2**30:.3f} GiB, forward+backward "

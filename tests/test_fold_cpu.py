@@ -1,5 +1,7 @@
-"""CPU tests of the cached gamma fold (coda_cute.nn.fold): W * gamma is computed once per version
-of the weights, and gradients over several micro-batches match a fresh fold per forward."""
+"""CPU tests of the gamma fold: ``torch.ops.coda.fold_gamma`` (its kernel builds for sm_90a with
+16-byte accesses; the op on CPU, fake tensors, bad input) and the fold cache (coda_cute.nn.fold):
+W * gamma is computed once per version of the weights, and gradients over several micro-batches
+match a fresh fold per forward."""
 
 import copy
 import pickle
@@ -7,8 +9,11 @@ import pickle
 import pytest
 import torch
 
+from coda_cute.artifacts import disassemble, find_nvdisasm
+from coda_cute.compiler import ScaleColumnsSpec, compile_scale_columns, spill_bytes
 from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.nn.fold import FoldCache
+from coda_cute.ops.fold import fold_gamma_impl
 
 
 def _params(seed):
@@ -106,3 +111,56 @@ def test_copies_and_pickles_start_without_a_fold():
     assert pickle.loads(pickle.dumps(blk._folds[0])).value is None
     model.clear_folds()
     assert blk._folds[0].value is None
+
+
+# -- torch.ops.coda.fold_gamma: its kernel builds; the op on CPU, fake tensors, bad input ------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fold_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
+    k = compile_scale_columns(ScaleColumnsSpec(dtype), keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx
+    assert spill_bytes(k) == 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = [line.split()[1] for line in disassemble(k.cubin).splitlines()
+           if " LDG." in line or " STG." in line]
+    # W and gamma are read, W' written, 16 bytes per access only (no scalar fallback)
+    assert ops and all(op.endswith(".128") for op in ops), ops
+    assert sum(op.startswith("LDG") for op in ops) >= 9  # gamma + the 8 rows of a full band
+
+
+def test_fold_op_on_cpu_matches_torch_and_passes_opcheck():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(19, 24, generator=g).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(24, generator=g)).to(torch.bfloat16)
+    torch.testing.assert_close(torch.ops.coda.fold_gamma(w, gamma), w * gamma, rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.coda.fold_gamma.default, (w.requires_grad_(), gamma.requires_grad_()))
+
+
+def test_fold_op_gradients_are_those_of_w_times_gamma():
+    w, gamma = _params(5)
+    dy = torch.randn(24, 16)
+    gw, gg = torch.autograd.grad(torch.ops.coda.fold_gamma(w, gamma), (w, gamma), dy)
+    rw, rg = torch.autograd.grad(w * gamma, (w, gamma), dy)
+    torch.testing.assert_close(gw, rw, rtol=0, atol=0)
+    torch.testing.assert_close(gg, rg, rtol=1e-6, atol=1e-6)
+
+
+def test_fold_op_fake_tensor_has_the_promoted_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.coda.fold_gamma(torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(16))
+    assert out.shape == (8, 16) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("w_shape, g_shape, dtypes, match", [
+    ((4, 8, 2), (8,), (torch.bfloat16, torch.bfloat16), "w must be 2-D"),
+    ((4, 8), (16,), (torch.bfloat16, torch.bfloat16), "gamma must be 1-D with one entry per column"),
+    ((4, 8), (4, 8), (torch.bfloat16, torch.bfloat16), "gamma must be 1-D"),
+    ((4, 8), (8,), (torch.int32, torch.bfloat16), "must be floating point"),
+])
+def test_fold_op_rejects_bad_input(w_shape, g_shape, dtypes, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        fold_gamma_impl(torch.ones(w_shape, dtype=dtypes[0]), torch.ones(g_shape, dtype=dtypes[1]))

@@ -1,8 +1,8 @@
 """RMSNorm weights folded into the consumer's weight, W' = W * gamma[None, :], optionally computed
 once per version of the weights instead of once per forward.
 
-The fold reads and writes the whole consumer weight (96 MiB for Llama-3-8B's QKV, 448 MiB for
-gate/up: 0.36 ms per layer on the H200), independent of the token count. Between two optimizer
+The fold (``torch.ops.coda.fold_gamma``) reads and writes the whole consumer weight (96 MiB for
+Llama-3-8B's QKV, 448 MiB for gate/up), independent of the token count. Between two optimizer
 steps the weights do not change, so every micro-batch forward (and every inference forward) could
 reuse the same W'. :class:`FoldCache` with ``enabled=True`` keeps it, keyed by the identity,
 storage and in-place version counter of W and gamma: an optimizer step, ``load_state_dict``,
@@ -25,6 +25,8 @@ import weakref
 
 import torch
 
+from ..ops.fold import fold_gamma_backward, fold_gamma_impl
+
 
 class _Fold(torch.autograd.Function):
     """W * gamma[None, :] whose backward may run once per forward that used the result."""
@@ -34,7 +36,7 @@ class _Fold(torch.autograd.Function):
         # detach() shares the version counter: an in-place write to W or gamma shows up below.
         ctx.w, ctx.gamma = w.detach(), gamma.detach()
         ctx.versions = (w._version, gamma._version)
-        return w * gamma
+        return fold_gamma_impl(w, gamma)
 
     @staticmethod
     def backward(ctx, dw):
@@ -44,7 +46,7 @@ class _Fold(torch.autograd.Function):
             raise RuntimeError("coda_cute.nn.fold: W or gamma was modified in place (e.g. an "
                                "optimizer step) between the forward that folded them and this "
                                "backward; run the backward before updating the weights")
-        return dw * ctx.gamma, (dw * ctx.w).sum(0)
+        return fold_gamma_backward(dw, ctx.w, ctx.gamma)
 
 
 class FoldCache:
@@ -64,12 +66,12 @@ class FoldCache:
     def __call__(self, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled() and (w.requires_grad or gamma.requires_grad)
         if not self.enabled or torch.compiler.is_compiling():
-            return w * gamma
+            return torch.ops.coda.fold_gamma(w, gamma)
         key = (w.data_ptr(), w._version, w.shape, w.dtype, gamma.data_ptr(), gamma._version, grad,
                torch.is_inference_mode_enabled())
         same = self.refs is not None and self.refs[0]() is w and self.refs[1]() is gamma
         if key != self.key or not same:
-            self.value = _Fold.apply(w, gamma) if grad else w * gamma
+            self.value = _Fold.apply(w, gamma) if grad else fold_gamma_impl(w, gamma)
             self.key, self.refs = key, (weakref.ref(w), weakref.ref(gamma))
         return self.value
 

@@ -1,0 +1,55 @@
+"""GPU tests of ``torch.ops.coda.fold_gamma``: the kernel's W * gamma equals torch's bit for bit
+(the product in fp32, rounded once) on ragged and strided weights, writes every element, and the
+op's gradients are autograd's for W * gamma."""
+
+import pytest
+import torch
+
+from coda_cute.compiler import ScaleColumnsSpec, get_kernel
+from coda_cute.ops.fold import _kernel_applies
+
+pytestmark = pytest.mark.gpu
+
+
+def _rand(n, k, dtype, row_stride=None):
+    w = torch.randn(n, row_stride or k, device="cuda", dtype=dtype)[:, :k]
+    gamma = (1 + 0.2 * torch.randn(k, device="cuda")).to(dtype)
+    return w, gamma
+
+
+# N: one row, part of a band of 8 rows, many bands; K/8: under and over one CTA's 128 groups
+@pytest.mark.parametrize("n, k", [(1, 8), (17, 4104), (4095, 1000), (6144, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fold_kernel_equals_torch_and_writes_everything(n, k, dtype):
+    w, gamma = _rand(n, k, dtype)
+    assert _kernel_applies(w, gamma)
+    out = torch.full_like(w, float("nan"))
+    get_kernel(ScaleColumnsSpec(str(dtype)[6:])).fn(w, gamma, out)
+    torch.testing.assert_close(out, w * gamma, rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.coda.fold_gamma(w, gamma), w * gamma, rtol=0, atol=0)
+
+
+def test_fold_kernel_on_a_strided_weight():
+    w, gamma = _rand(333, 512, torch.bfloat16, row_stride=520)
+    assert _kernel_applies(w, gamma)
+    torch.testing.assert_close(torch.ops.coda.fold_gamma(w, gamma), w * gamma, rtol=0, atol=0)
+
+
+def test_fold_falls_back_to_torch_where_the_kernel_does_not_apply():
+    w, gamma = _rand(64, 36, torch.bfloat16)  # K not a multiple of 8
+    assert not _kernel_applies(w, gamma)
+    torch.testing.assert_close(torch.ops.coda.fold_gamma(w, gamma), w * gamma, rtol=0, atol=0)
+    w32 = torch.randn(64, 64, device="cuda")
+    g16 = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    assert not _kernel_applies(w32, g16)
+    torch.testing.assert_close(torch.ops.coda.fold_gamma(w32, g16), w32 * g16, rtol=0, atol=0)
+
+
+def test_fold_op_gradients_on_gpu():
+    w, gamma = _rand(300, 256, torch.bfloat16)
+    w, gamma = w.contiguous().requires_grad_(), gamma.requires_grad_()
+    dy = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    got = torch.autograd.grad(torch.ops.coda.fold_gamma(w, gamma), (w, gamma), dy)
+    want = torch.autograd.grad(w * gamma, (w, gamma), dy)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
