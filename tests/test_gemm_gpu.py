@@ -139,7 +139,7 @@ CASES8 = [(E4, E4, "row", cfg) for cfg in FP8_CONFIGS] + [
 
 @pytest.mark.parametrize("a_dt,b_dt,scale_kind,cfg", CASES8, ids=lambda x: getattr(x, "name", str(x)))
 def test_gemm_fp8_ragged(a_dt, b_dt, scale_kind, cfg):
-    # k-tiles of 128: 1; groups of 8 only; groups + a single; groups + two pairs; 8 + pair + single
+    # k-tiles of 128: one (a single promotion); 33 (16 pairs + a single); 32, 12 (pairs only); 11 (pairs + a single)
     for m, n, k in [(1, 16, 16), (17, 1000, 4112), (4095, 1008, 4096), (4095, 16, 16),
                     (257, 520, 1424), (33, 272, 1296)]:
         a, b, sa, sb = fp8_operands(m, n, k, a_dt, b_dt, scale_kind)

@@ -13,8 +13,8 @@ Accumulation modes:
   * two-level (FP8 default): every k-tile's products go to a temporary that is then added into
     the fp32 accumulator (the tensor core's FP8 accumulation keeps too few mantissa bits for long
     K). Where three accumulators fit the registers (``paired``), k-tiles go in groups of
-    ``PROMOTION_GROUP`` (then pairs): each is issued into its own temporary before the previous
-    one is promoted, so only the group's last promotion waits for the tensor cores to drain.
+    ``PROMOTION_GROUP``: each is issued into its own temporary before the previous one is
+    promoted, so only the group's last promotion waits for the tensor cores to drain.
     Otherwise each promotion waits for its k-tile. The temporaries are created inside the loop
     body: a WGMMA result carried across loop iterations becomes a register copy that ptxas answers
     by serializing every WGMMA of the kernel. The cooperative schedule staggers its two
@@ -30,12 +30,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit):
-#: the tensor cores drain once per group instead of once per pair. On the H200, groups of 4, 8
-#: and 16 gave the same FP8 geomean within run noise (0.94, 0.93, 0.94 of _scaled_mm over the six
-#: large shapes; pairs: 0.92), but ptxas spills ~1 KB in the groups-of-4 build (8 and 2 build
-#: spill-free; ``test_no_spills`` checks every config).
-PROMOTION_GROUP = 8
+#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit).
+#: Pairs, measured on the H200 with cooperative 128x128 tiles, 2x1 cluster, against
+#: torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of its throughput at M = 16384 and
+#: (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where groups of 8 gave 0.967 / 0.944 /
+#: 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910. Groups of 3, 4, 6 and 16 make ptxas
+#: spill ~1 KB (``test_no_spills`` checks every config).
+PROMOTION_GROUP = 2
 
 
 @cute.jit
@@ -154,19 +155,14 @@ class Sm90Mainloop:
                     read_state, release_state = self._group(
                         tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
                         PROMOTION_GROUP, j * PROMOTION_GROUP, stagger)
-                rest = k_tiles - groups * PROMOTION_GROUP
-                for j in cutlass.range(rest // 2, unroll=1):
-                    read_state, release_state = self._group(
-                        tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        2, groups * PROMOTION_GROUP + 2 * j, stagger)
-                singles = rest % 2
+                singles = k_tiles - groups * PROMOTION_GROUP
             for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
                 read_state.advance()
                 if const_expr(stagger is not None):
                     # once per tile, after its first issue (a grouped loop has passed it already)
-                    if k == 0 and (k_tiles < 2 or not self.paired):
+                    if k == 0 and (k_tiles < PROMOTION_GROUP or not self.paired):
                         stagger.pass_turn()
                 warpgroup.wait_group(0)
                 acc.store(acc.load() + tmp.load())
