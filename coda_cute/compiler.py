@@ -122,7 +122,8 @@ def cutlass_dtype(name: str):
 
 
 def _fake_signature(spec: KernelSpec):
-    """Fake arguments (A, B, tree inputs, tree outputs, scalars) with symbolic extents/strides.
+    """Fake arguments (A, B, tree inputs, tree outputs, scalars, split-tail workspace) with
+    symbolic extents/strides.
 
     Shared symbols make TVM-FFI check at call time that extents agree (A, every (M, N) tensor and
     every row vector share M, ...). Leading strides of TMA-accessed tensors are declared 16-byte
@@ -173,8 +174,11 @@ def _fake_signature(spec: KernelSpec):
         else:  # gather
             outs.append(fake("float32", (m, l), (1, cute.sym_int64()), 4))
     scalars = tuple(cutlass.Float32(0.0) for i in spec.tree.inputs if i.kind == "scalar")
+    workspace = None
+    if spec.config.split_tail:  # the tail's fp32 partials and int32 arrival counters
+        workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
     # Empty tuples are no valid kernel arguments: an absent group is passed as None.
-    return a, b, tuple(ins) or None, tuple(outs), scalars or None
+    return a, b, tuple(ins) or None, tuple(outs), scalars or None, workspace
 
 
 _PTXAS_RE = {

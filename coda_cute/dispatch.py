@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .kernels.common.config import MAX_ACC_REGISTERS, GemmConfig
+from .kernels.common.config import MAX_ACC_REGISTERS, TAIL_PARTIAL_K_TILES, GemmConfig, tail_split
 
 _BLACKWELL_MSG = (
     "coda_cute has no Blackwell (sm_100) GEMM yet; the tcgen05 kernels arrive in a later release. "
@@ -88,7 +88,9 @@ def config_space(fp8: bool) -> list[GemmConfig]:
     """Every config the kernels are built and checked with (report, CI compile tests, tuner).
 
     FP8 configs use 128-element k-tiles. Each FP8 tile comes with two-level accumulation where
-    the doubled accumulator fits the registers, and with fast accumulation always.
+    the doubled accumulator fits the registers, and with fast accumulation always. Cooperative
+    two-level configs split a nearly empty last round's tiles along K (``split_tail``): their
+    long k-loops gain most from it (16384 x 4096 x 14336: 0.968 -> 0.996 of _scaled_mm).
     """
     out = []
     for tm, tn, sched, cm, cn in _BASE_CONFIGS:
@@ -99,7 +101,7 @@ def config_space(fp8: bool) -> list[GemmConfig]:
         if cfg.acc_registers > 128:
             continue
         if 2 * cfg.acc_registers <= MAX_ACC_REGISTERS:
-            out.append(cfg)
+            out.append(cfg.with_(split_tail=sched == "cooperative"))
         out.append(cfg.with_(fp8_fast_accum=True))
     return out
 
@@ -163,8 +165,13 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
         # A cluster wider than the problem leaves its extra CTAs on out-of-bounds tiles.
         return float("inf")
     cluster_tiles = -(-tiles_m // cfg.cluster_m) * -(-tiles_n // cfg.cluster_n) * batch
-    slots = sms // (cfg.cluster_m * cfg.cluster_n)
+    slots = min(cluster_tiles, sms // (cfg.cluster_m * cfg.cluster_n))
     per_cta = -(-cluster_tiles // slots)
+    k_tiles = -(-k // cfg.tile_k)
+    if cfg.split_tail:
+        rem, split = tail_split(cluster_tiles, slots, k_tiles)
+        if split > 1:  # the last round: one slice and the owner's read-back of the others
+            per_cta += 1 / split + TAIL_PARTIAL_K_TILES * (split - 1) / k_tiles - 1
     return per_cta * cfg.tile_m * cfg.tile_n * k * sms / rate
 
 

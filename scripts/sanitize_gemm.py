@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_gemm.py
 
 Covers both schedules, a 2-CTA cluster, FP8 two-level and fast accumulation, a batched call, a
-split-K call and ragged edges (M, N, K not tile multiples), each checked against the fp32
+split-K call, a split tail (on 132 SMs: 2 tail tiles in 2 K slices and their fixup) and ragged edges (M, N, K not tile multiples), each checked against the fp32
 reference so a sanitizer-clean run is also a correct one.
 """
 
@@ -25,7 +25,7 @@ CASES16 = [
 ]
 CASES8 = [
     GemmConfig(128, 192, 128, "cooperative", 2, 1),
-    GemmConfig(128, 128, 128, "cooperative", 1, 1),  # two-level, grouped promotion (K = 272: a pair, a single)
+    GemmConfig(128, 128, 128, "cooperative", 1, 1),  # two-level promotion in pairs (K = 272: a pair, a single)
     GemmConfig(128, 128, 128, "pingpong", 1, 1, fp8_fast_accum=True),
 ]
 
@@ -51,12 +51,18 @@ def main() -> int:
         sb = torch.rand(1, 136, device="cuda") + 0.5
         out = gemm_impl(a, b, sa, sb, use_fast_accum=cfg.fp8_fast_accum, config=cfg)
         worst = max(worst, rel(out, gemm_ref(a, b, sa, sb, round_output=False)))
+    # split tail: 4 x 17 = 68 cluster tiles on 66 slots (132 SMs), the last 2 in 2 K slices each
+    a = torch.randn(1000, 2608, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(2136, 2608, device="cuda").to(torch.float8_e4m3fn).t()
+    sa, sb = torch.rand(1000, 1, device="cuda") + 0.5, torch.rand(1, 2136, device="cuda") + 0.5
+    out = gemm_impl(a, b, sa, sb, config=GemmConfig(128, 128, 128, "cooperative", 2, 1, split_tail=True))
+    worst = max(worst, rel(out, gemm_ref(a, b, sa, sb, round_output=False)))
     # split-K: the K slices are strided views of one operand, launched as a batch
     a = torch.randn(72, 384, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16).t()
     worst = max(worst, rel(gemm_impl(a, b, split_k=3), gemm_ref(a, b, round_output=False)))
     torch.cuda.synchronize()
-    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 1} launches, worst relative error {worst:.2e}")
+    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 2} launches, worst relative error {worst:.2e}")
     return 0 if worst < 2e-2 else 1
 
 

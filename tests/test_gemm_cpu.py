@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import coda_cute
 from coda_cute import dispatch
 from coda_cute.epilogue import runner as run_mod
-from coda_cute.kernels.common.config import GemmConfig
+from coda_cute.kernels.common.config import MAX_TAIL_SPLIT, GemmConfig, tail_split
 from coda_cute.ops import gemm as gemm_mod
 from coda_cute.reference import gemm_ref
 from helpers import rel_err
@@ -178,7 +178,7 @@ def hopper_host(monkeypatch):
             config=spec.config, d_dtype=spec.tree.outputs[0].dtype,
             scale_a=mode[inputs.get("scale_a")], scale_b=mode[inputs.get("scale_b")])
 
-        def launch(a, b, ins, outs, scalars):
+        def launch(a, b, ins, outs, scalars, workspace):
             launches.append((desc, a, b, outs[0], *(ins or (None, None))))
         return types.SimpleNamespace(fn=launch, stats={})
 
@@ -425,3 +425,27 @@ def test_split_k_is_one_batched_launch_on_the_slices(majors, hopper_host):
     assert av.data_ptr() == a.data_ptr() and bv.data_ptr() == b.data_ptr()  # views, not copies
     # slice s of the kernel's a is columns [s K/split, (s+1) K/split) of a
     assert torch.equal(av[:, :, 2], a[:, 2 * k // split: 3 * k // split])
+
+
+# -- split tail: host mirror of the scheduler's tail, config rules --------------------------------
+def test_tail_split_cuts_only_a_nearly_empty_last_round():
+    assert tail_split(2048, 66, 112) == (2, MAX_TAIL_SPLIT)  # 16384 x 4096 x 14336 on 128 x 128, 2x1
+    assert tail_split(2048, 66, 32) == (2, 3)  # short K: fewer slices (each costs a read-back)
+    assert tail_split(99, 66, 64) == (33, 2)  # two slots per tail tile
+    assert tail_split(3072, 66, 112) == (36, 1)  # more than half the slots busy: not split
+    assert tail_split(132, 66, 112) == (0, 1)  # full last round
+    assert tail_split(68, 66, 5) == (2, 1)  # too few k-tiles to share
+
+
+def test_split_tail_rules():
+    import cutlass
+
+    from coda_cute.kernels.epilogue import nodes as N
+    from coda_cute.kernels.sm90.gemm import Sm90Gemm
+
+    with pytest.raises(ValueError, match="split_tail needs the cooperative schedule"):
+        GemmConfig(128, 128, 64, "pingpong", split_tail=True)
+    tree = N.Epilogue(N.store(N.acc() + N.tile("residual", "bfloat16"), "out", "bfloat16"))
+    with pytest.raises(ValueError, match="split_tail kernels take no tile inputs"):
+        Sm90Gemm(GemmConfig(128, 128, 64, "cooperative", split_tail=True), cutlass.BFloat16,
+                 cutlass.BFloat16, "k", "k", tree, 132)

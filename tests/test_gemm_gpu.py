@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import coda_cute
-from coda_cute.kernels.common.config import GemmConfig
+from coda_cute.kernels.common.config import GemmConfig, tail_split
 from coda_cute.ops.gemm import gemm_impl
 from coda_cute.reference import gemm_ref
 from helpers import rel_err
@@ -187,3 +187,46 @@ def test_misaligned_pointer_rejected():
     b = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="aligned"):
         coda_cute.gemm(a, b)
+
+
+# Split tail: 2x1 clusters of 128 x 128 tiles on 132 SMs give 66 slots. (M, N, K, batch) and the
+# (tail tiles, K slices) it must produce: 68 cluster tiles -> 2 tail tiles in 7 slices (79 k-tiles,
+# ragged M, N and K); batched, 2 x 34 -> 2 x 2; 99 -> 33 x 2 (two slots per tail tile); 10 k-tiles
+# -> one slice (the tail is not split); 66 tiles -> no tail.
+SPLIT_CASES = [((1000, 2136, 10000, None), (2, 7)), ((512, 2176, 2560, 2), (2, 2)),
+               ((2304, 1408, 4096, None), (33, 2)), ((1024, 2176, 1280, None), (2, 1)),
+               ((1536, 1400, 512, None), (0, 1))]
+
+
+def _tail_of(m, n, k, batch, cfg):
+    tiles = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-n // cfg.tile_n) * (batch or 1)
+    return tail_split(tiles, min(tiles, 132 // cfg.cluster_m), -(-k // cfg.tile_k))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["two_level", "fast_accum"])
+def test_gemm_fp8_split_tail(fast):
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the cases are sized for 132 SMs")
+    cfg = GemmConfig(128, 128, 128, "cooperative", 2, 1, fp8_fast_accum=fast, split_tail=True)
+    for (m, n, k, batch), tail in SPLIT_CASES:
+        assert _tail_of(m, n, k, batch, cfg) == tail
+        a, b, sa, sb = fp8_operands(m, n, k, torch.float8_e4m3fn, torch.float8_e4m3fn, "row", batch=batch)
+        out = poisoned(((batch,) if batch else ()) + (m, n), torch.bfloat16)
+        gemm_impl(a, b, sa, sb, use_fast_accum=fast, config=cfg, out=out)
+        err = rel_err(out, gemm_ref(a, b, sa, sb, round_output=False))
+        assert err < (2e-2 if fast else 1e-2), (m, n, k, batch, err)
+        again = poisoned(out.shape, torch.bfloat16)
+        gemm_impl(a, b, sa, sb, use_fast_accum=fast, config=cfg, out=again)
+        assert torch.equal(out, again), "the owner adds the partials in a fixed order"
+
+
+def test_gemm_bf16_split_tail():
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the case is sized for 132 SMs")
+    cfg = GemmConfig(128, 256, 64, "cooperative", 2, 1, split_tail=True)
+    m, n, k = 2048, 2200, 5120  # 8 x 9 = 72 cluster tiles on 66 slots: 6 tail tiles in 8 slices
+    assert _tail_of(m, n, k, None, cfg) == (6, 8)
+    a, b = make_a(m, k, torch.bfloat16, "k"), make_b(k, n, torch.bfloat16, "k")
+    out = poisoned((m, n), torch.bfloat16)
+    gemm_impl(a, b, config=cfg, out=out)
+    assert rel_err(out, gemm_ref(a, b, round_output=False)) < 1e-2

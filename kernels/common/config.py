@@ -33,7 +33,9 @@ class GemmConfig:
     ``raster_group`` is how many cluster rows (along M) one L2 band holds before the scheduler
     moves along N. ``fp8_fast_accum`` keeps FP8 products in the tensor core's accumulator for
     the whole K loop; otherwise each k-tile's partial sum is promoted into a separate fp32
-    accumulator (two-level accumulation, the accurate default).
+    accumulator (two-level accumulation, the accurate default). ``split_tail`` (cooperative only)
+    cuts the tiles of a nearly empty last round along K over the idle slots
+    (``kernels.common.tile_scheduler``).
     """
 
     tile_m: int = 128
@@ -45,6 +47,7 @@ class GemmConfig:
     stages: int = 0
     raster_group: int = 8
     fp8_fast_accum: bool = False
+    split_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -60,6 +63,9 @@ class GemmConfig:
             raise ValueError(f"tile_m for {self.schedule} must be one of {valid_m}, got {self.tile_m}")
         if self.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.split_tail and self.schedule != "cooperative":
+            raise ValueError("split_tail needs the cooperative schedule (a ping-pong warpgroup "
+                             "would wait for a partial with the other warpgroup's tile pending)")
         if self.raster_group < 1:
             raise ValueError("raster_group must be >= 1")
         if self.stages == 1 or self.stages < 0:
@@ -102,13 +108,36 @@ class GemmConfig:
         s = "coop" if self.schedule == "cooperative" else "pp"
         acc = "_fastacc" if self.fp8_fast_accum else ""
         st = f"_s{self.stages}" if self.stages else ""
+        tail = "_splittail" if self.split_tail else ""
         return (
             f"{s}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}"
-            f"_g{self.raster_group}{st}{acc}"
+            f"_g{self.raster_group}{st}{acc}{tail}"
         )
 
     def with_(self, **kw) -> "GemmConfig":
         return replace(self, **kw)
+
+
+#: most K slices a tail tile is cut into
+MAX_TAIL_SPLIT = 8
+#: what reading one other slice's fp32 tile back costs the owner, in k-tiles of its mainloop:
+#: about 3.5 for a 128 x 128 FP8 tile on the H200 (a 16384 x 4096 x 4096 GEMM gained nothing from
+#: 8 slices of 4 k-tiles; at K = 14336, 8 slices of 14 gained 2.8 %)
+TAIL_PARTIAL_K_TILES = 3.5
+#: k-tiles per slice at least: the owner's k_tiles / s + 3.5 (s - 1) is least near
+#: s = sqrt(k_tiles / 3.5), about k_tiles / 10 at these K
+TAIL_SLICE_K_TILES = 10
+
+
+def tail_split(cluster_tiles: int, slots: int, k_tiles: int) -> tuple[int, int]:
+    """(tail tiles, K slices per tail tile) of a ``split_tail`` launch: the ``cluster_tiles %
+    slots`` tiles of the last round, each cut into as many slices as the round has slots for
+    (at most ``MAX_TAIL_SPLIT`` and one per ``TAIL_SLICE_K_TILES`` k-tiles); (0, 1) when the
+    last round is full. The device scheduler computes the same."""
+    rem = cluster_tiles % slots if slots else 0
+    if rem == 0:
+        return 0, 1
+    return rem, max(1, min(slots // rem, MAX_TAIL_SPLIT, k_tiles // TAIL_SLICE_K_TILES))
 
 
 def dtype_bytes(name: str) -> int:

@@ -15,7 +15,9 @@ Roles (384 threads = 3 warpgroups; one CTA per SM, persistent over output tiles)
     drops to 24 registers.
 
 Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler``); producer and
-consumers walk the same sequence. The k-loop and the FP8 accumulation modes live in
+consumers walk the same sequence. With ``split_tail`` (cooperative) the last round's tiles are cut
+along K: the consumers of a slice other than the first publish their fp32 accumulators to a
+global workspace; the first slice's consumers wait for them, add them and run the epilogue. The k-loop and the FP8 accumulation modes live in
 ``mainloop.py``, the register -> smem -> TMA store path in ``epilogue.py``.
 """
 
@@ -71,6 +73,10 @@ class Sm90Gemm:
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
+        if cfg.split_tail and any(i.kind == "tile" for i in tree.inputs):
+            raise ValueError("split_tail kernels take no tile inputs (their load warp would have to "
+                             "skip the tail's K slices)")
+        self.split_tail = cfg.split_tail
         self.two_level = is_fp8 and not cfg.fp8_fast_accum
         cfg.check_registers(self.two_level)
         self.pingpong = cfg.schedule == "pingpong"
@@ -95,10 +101,11 @@ class Sm90Gemm:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, ins: tuple, outs: tuple, scalars: tuple,
-                 stream):
+                 workspace: tuple, stream):
         """``mA``: (M, K, L), ``mB``: (N, K, L); ``ins`` / ``outs`` / ``scalars``: the tree's
         tensor inputs, outputs and runtime scalars in the epilogue's order (``None`` when
-        empty)."""
+        empty); ``workspace``: ``split_tail`` only (else ``None``), the tail's fp32 partials and
+        its per-tile int32 arrival counters (zeroed)."""
         tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
@@ -121,7 +128,7 @@ class Sm90Gemm:
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB,
             tuple(x[0] for x in store_atoms), tuple(x[1] for x in store_atoms),
             tuple(x[0] for x in load_atoms), tuple(x[1] for x in load_atoms),
-            ins, outs, scalars, problem_mnl, a_smem, b_smem, epi_layouts,
+            ins, outs, scalars, workspace, problem_mnl, a_smem, b_smem, epi_layouts,
         ).launch(
             grid=grid,
             block=[self.threads, 1, 1],
@@ -141,7 +148,8 @@ class Sm90Gemm:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                tma_b: cute.CopyAtom, mB: cute.Tensor, store_atoms: tuple, store_tensors: tuple,
                load_atoms: tuple, load_tensors: tuple, ins: tuple, outs: tuple, scalars: tuple,
-               problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, epi_layouts):
+               workspace: tuple, problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               epi_layouts):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
@@ -182,12 +190,13 @@ class Sm90Gemm:
         k_tiles = cute.size(gA, mode=[3])
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
-        sched = TileScheduler.create(problem_mnl, self.tile_mnk[:2], self.cluster_mn, self.cfg.raster_group)
+        sched = TileScheduler.create(problem_mnl, self.tile_mnk[:2], self.cluster_mn, self.cfg.raster_group,
+                                     k_tiles, self.split_tail)
 
         if wg_idx == 2:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == self.producer_warp:
-                produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, self.stages,
+                produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, self.stages,
                         self.cluster_mn, cta_layout_mnk, cluster_coord)
             if const_expr(len(load_atoms) > 0):
                 if warp_idx == self.load_warp:
@@ -196,12 +205,12 @@ class Sm90Gemm:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.consume(tiled_mma, sA, sB, ab_pipe, sched, k_tiles, problem_mnl, tidx, warp_idx,
                          wg_idx, (epi_bufs, epi_tiles, epi_scratch, load_pipe),
-                         store_atoms, store_tensors, ins, outs, scalars)
+                         store_atoms, store_tensors, ins, outs, scalars, workspace)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tiled_mma, sA, sB, ab_pipe, sched: TileScheduler, k_tiles, problem_mnl, tidx,
-                warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars):
+                warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars, workspace):
         """MMA warpgroups: mainloop into registers, then the epilogue, tile after tile."""
         epi_bufs, epi_tiles, epi_scratch, load_pipe = epi_smem
         mma_tidx = tidx
@@ -262,8 +271,12 @@ class Sm90Gemm:
                 # Cooperative: per-tile epilogue loads overlap the last k-tile's WGMMAs.
                 return self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
 
+            _, k_count, k_slice, split, tail_slot = sched.slice(work)
             read_state, epi_state = self.mainloop.run(
-                tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger)
+                tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger)
+            if const_expr(self.split_tail):
+                if split > 1:
+                    self._fixup(acc, workspace, k_slice, split, tail_slot, tidx, epi_barrier)
             if const_expr(self.pingpong):
                 # Only once the last A/B stage is released: until then the producer cannot refill
                 # it and the other warpgroup's mainloop starves after the stages already loaded,
@@ -271,11 +284,12 @@ class Sm90Gemm:
                 # tensor cores. Here its latency runs under the other warpgroup's mainloop.
                 epi_state = self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
                 self._order_wait(_BAR_EPI_ORDER, wg_idx)
-            epi_count, load_state = self.epilogue.store_tile(
-                acc, epi_state, tCcD, tCcT, tiled_mma, mma_tidx, warp_in_epi, epi_bufs, epi_tiles,
-                epi_scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
-                epi_barrier, is_store_warp, epi_count, problem_mnl, (tm, tn, tl),
-            )
+            if k_slice == 0:  # the owner of a split tail tile, or any other tile
+                epi_count, load_state = self.epilogue.store_tile(
+                    acc, epi_state, tCcD, tCcT, tiled_mma, mma_tidx, warp_in_epi, epi_bufs, epi_tiles,
+                    epi_scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
+                    epi_barrier, is_store_warp, epi_count, problem_mnl, (tm, tn, tl),
+                )
             if const_expr(self.pingpong):
                 # The other warpgroup reuses the same smem rings: let our stores drain first.
                 if is_store_warp:
@@ -288,6 +302,42 @@ class Sm90Gemm:
         if const_expr(not self.pingpong):
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def _fixup(self, acc, workspace, k_slice, split, tail_slot, tidx, barrier):
+        """Split tail: slices 1 .. split - 1 publish their fp32 accumulators; slice 0 (the owner)
+        waits for all of them and adds them, in slice order (deterministic), before its epilogue.
+
+        A partial is laid out (accumulator register, thread): a warp's 32 threads touch 32
+        consecutive floats per register. (16-byte accesses, (register // 4, thread, register %
+        4), measured ~1 % slower on every FP8 shape: they change the mainloop's register
+        allocation.) A counter per (tail tile, CTA of the cluster) counts published slices: all
+        threads store, a barrier, then one thread's gpu-scope fence and increment; the owner's
+        one thread spins on acquire loads, then a barrier lets every thread read."""
+        parts, counters = workspace
+        regs = cute.size(acc)
+        threads = self.epi_threads
+        cta = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        ctas = self.cluster_mn[0] * self.cluster_mn[1]
+        counter = counters.iterator + (tail_slot * ctas + cta)
+        if k_slice > 0:
+            base = ((tail_slot * split + k_slice) * ctas + cta) * regs * threads + tidx
+            for v in cutlass.range_constexpr(regs):
+                parts[base + v * threads] = acc[v]
+            barrier.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+        else:
+            if tidx == 0:
+                seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+                while seen < split - 1:
+                    seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+            barrier.arrive_and_wait()
+            for j in cutlass.range(1, split, unroll=1):
+                base = ((tail_slot * split + j) * ctas + cta) * regs * threads + tidx
+                for v in cutlass.range_constexpr(regs):
+                    acc[v] = acc[v] + parts[base + v * threads]
 
     def _order_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * _THREADS_PER_WG)

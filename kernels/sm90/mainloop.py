@@ -40,7 +40,7 @@ PROMOTION_GROUP = 2
 
 
 @cute.jit
-def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, stages: cutlass.Constexpr,
+def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Constexpr,
             cluster_mn: cutlass.Constexpr, cta_layout_mnk, cluster_coord):
     """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring."""
     a_mask = None
@@ -63,7 +63,8 @@ def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, k_tiles, stages: cutla
         tm, tn, tl = sched.coord(work)
         tAgA_t = tAgA[(None, tm, None, tl)]
         tBgB_t = tBgB[(None, tn, None, tl)]
-        for k in cutlass.range(k_tiles, unroll=1):
+        k0, k_count, _, _, _ = sched.slice(work)  # a K slice of a split tail tile, or all of K
+        for k in cutlass.range(k0, k0 + k_count, unroll=1):
             ab_pipe.producer_acquire(state)
             bar = ab_pipe.producer_get_barrier(state)
             cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
