@@ -37,10 +37,11 @@ class TileScheduler:
     """Maps a linear work index to a CTA tile coordinate ``(m_tile, n_tile, batch)``.
 
     Construct inside a kernel; every method is device code. ``problem_mnl`` is the output tensor's
-    ``(M, N, L)`` shape (dynamic), ``tile_mn`` the CTA tile, ``cluster_mn`` the cluster shape.
-    Nothing is kept in registers across the tile loop: tile counts come from the problem shape
-    (kernel parameters) and the CTA's place from the special registers at each use, which leaves
-    the consumers' registers to the accumulator and the epilogue.
+    ``(M, N, L)`` shape (dynamic), ``tile_mn`` the CTA tile, ``cluster_mn`` the cluster shape,
+    ``k_tiles`` the k-tiles of a whole tile. Little is kept in registers across the tile loop: tile
+    counts come from the problem shape (kernel parameters) and the CTA's place from the special
+    registers at each use, which leaves the consumers' registers to the accumulator and the
+    epilogue; a split tail adds its two parameters, computed once per kernel.
     """
 
     def __init__(self, problem_mnl, tile_mn, cluster_mn, group: int, k_tiles, tail=None):
