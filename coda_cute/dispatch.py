@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .kernels.common.config import MAX_ACC_REGISTERS, TAIL_PARTIAL_K_TILES, GemmConfig, tail_split
+from .kernels.common.config import MAX_ACC_REGISTERS, TAIL_PARTIAL_K_TILES, GemmConfig
 
 _BLACKWELL_MSG = (
     "coda_cute has no Blackwell (sm_100) GEMM yet; the tcgen05 kernels arrive in a later release. "
@@ -164,14 +164,10 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     if rate <= 0 or tiles_m < cfg.cluster_m or tiles_n < cfg.cluster_n:
         # A cluster wider than the problem leaves its extra CTAs on out-of-bounds tiles.
         return float("inf")
-    cluster_tiles = -(-tiles_m // cfg.cluster_m) * -(-tiles_n // cfg.cluster_n) * batch
-    slots = min(cluster_tiles, sms // (cfg.cluster_m * cfg.cluster_n))
-    per_cta = -(-cluster_tiles // slots)
-    k_tiles = -(-k // cfg.tile_k)
-    if cfg.split_tail:
-        rem, split = tail_split(cluster_tiles, slots, k_tiles)
-        if split > 1:  # the last round: one slice and the owner's read-back of the others
-            per_cta += 1 / split + TAIL_PARTIAL_K_TILES * (split - 1) / k_tiles - 1
+    per_cta = -(-cfg.cluster_tiles(m, n, batch) // cfg.slots(m, n, batch, sms))
+    _, split = cfg.tail(m, n, k, batch, sms)
+    if split > 1:  # the last round: one slice and the owner's read-back of the others
+        per_cta += 1 / split + TAIL_PARTIAL_K_TILES * (split - 1) / -(-k // cfg.tile_k) - 1
     return per_cta * cfg.tile_m * cfg.tile_n * k * sms / rate
 
 

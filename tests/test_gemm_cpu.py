@@ -449,3 +449,15 @@ def test_split_tail_rules():
     with pytest.raises(ValueError, match="split_tail kernels take no tile inputs"):
         Sm90Gemm(GemmConfig(128, 128, 64, "cooperative", split_tail=True), cutlass.BFloat16,
                  cutlass.BFloat16, "k", "k", tree, 132)
+
+
+def test_split_tail_workspace_is_sized_per_launch_only_when_the_tail_splits():
+    plan = run_mod.Plan()
+    plan.config = GemmConfig(128, 128, 128, "cooperative", 2, 1, split_tail=True)
+    run_mod._tail_workspace(plan, 16384, 4096, 14336, 1, 132, torch.device("cpu"))
+    assert plan.workspace is None and plan.tail_sizes == (2 * 8 * 2 * 128 * 128, 2 * 2)
+    run_mod._tail_workspace(plan, 16384, 6144, 4096, 1, 132, torch.device("cpu"))  # 36 of 66: no split
+    assert plan.tail_sizes is None and [t.numel() for t in plan.workspace] == [1, 1]
+    plan.config = plan.config.with_(split_tail=False)
+    run_mod._tail_workspace(plan, 16384, 4096, 14336, 1, 132, torch.device("cpu"))
+    assert plan.workspace is None and plan.tail_sizes is None

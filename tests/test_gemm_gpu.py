@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import coda_cute
-from coda_cute.kernels.common.config import GemmConfig, tail_split
+from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.ops.gemm import gemm_impl
 from coda_cute.reference import gemm_ref
 from helpers import rel_err
@@ -199,8 +199,7 @@ SPLIT_CASES = [((1000, 2136, 10000, None), (2, 7)), ((512, 2176, 2560, 2), (2, 2
 
 
 def _tail_of(m, n, k, batch, cfg):
-    tiles = -(-(-(-m // cfg.tile_m)) // cfg.cluster_m) * -(-n // cfg.tile_n) * (batch or 1)
-    return tail_split(tiles, min(tiles, 132 // cfg.cluster_m), -(-k // cfg.tile_k))
+    return cfg.tail(m, n, k, batch or 1, 132)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["two_level", "fast_accum"])

@@ -15,7 +15,7 @@ import torch
 
 from .. import dispatch
 from ..compiler import KernelSpec, get_gemm, spill_bytes
-from ..kernels.common.config import GemmConfig, pipeline_stages, tail_split
+from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, dtype_name, mn_view, operand_view, tma_view
 from .reference import torch_dtype
@@ -103,7 +103,7 @@ class Plan:
     """One call signature's validated launch recipe."""
 
     __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views",
-                 "scalar_names", "out_views", "kernel", "empty", "config", "workspace")
+                 "scalar_names", "out_views", "kernel", "empty", "config", "workspace", "tail_sizes")
 
     def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None) -> dict:
         for name, t in (("a", a), ("b", b)):
@@ -123,9 +123,9 @@ class Plan:
             return _group(result, self.tree)
         ins = tuple(_padded(inputs[name], pad).as_strided(*view) for name, view, pad in self.in_views) or None
         scalars = tuple(float(inputs[name]) for name in self.scalar_names) or None
-        workspace = None
-        if self.workspace is not None:  # split tail: fp32 partials, zeroed arrival counters
-            parts, counters = self.workspace
+        workspace = self.workspace
+        if self.tail_sizes is not None:  # a split tail: fresh partials, zeroed counters per launch
+            parts, counters = self.tail_sizes
             workspace = (torch.empty(parts, dtype=torch.float32, device=self.device),
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
@@ -133,16 +133,23 @@ class Plan:
         return _group(result, self.tree)
 
 
-def _tail_workspace(config: GemmConfig, m, n, k, batch, sms) -> tuple[int, int]:
-    """(fp32 partials, int32 counters) a ``split_tail`` launch needs: a whole fp32 tile per
-    (tail tile, K slice, CTA of the cluster) and a counter per (tail tile, CTA); at least one
-    element each (the kernel takes them even when the last round is full)."""
-    ctas = config.cluster_m * config.cluster_n
-    tiles = (-(-(-(-m // config.tile_m)) // config.cluster_m) * -(-(-(-n // config.tile_n)) // config.cluster_n)
-             * batch)
-    slots = min(tiles, sms // ctas)
-    rem, split = tail_split(tiles, slots, -(-k // config.tile_k))
-    return max(1, rem * split * ctas * config.tile_m * config.tile_n), max(1, rem * ctas)
+def _tail_workspace(plan: Plan, m, n, k, batch, sms, device) -> None:
+    """What a ``split_tail`` kernel takes for its workspace. With a split last round:
+    ``plan.tail_sizes``, the (fp32 partials, int32 counters) to allocate per launch, a whole fp32
+    tile per (tail tile, K slice, CTA of the cluster) and a counter per (tail tile, CTA). Without
+    one: ``plan.workspace``, two one-element tensors made once, which the kernel never touches
+    (no allocation or memset per call)."""
+    config = plan.config
+    plan.workspace = plan.tail_sizes = None
+    if not config.split_tail:
+        return
+    rem, split = config.tail(m, n, k, batch, sms)
+    if split > 1:
+        ctas = config.cluster_m * config.cluster_n
+        plan.tail_sizes = rem * split * ctas * config.tile_m * config.tile_n, rem * ctas
+    else:
+        plan.workspace = (torch.empty(1, dtype=torch.float32, device=device),
+                          torch.empty(1, dtype=torch.int32, device=device))
 
 
 def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
@@ -226,7 +233,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
                               "shared memory, or its tile width is no multiple of a segment_reduce "
                               f"width {sorted(segment_widths(tree))}")
     plan.config = config
-    plan.workspace = _tail_workspace(config, m, n, k, batch, sms) if config.split_tail else None
+    _tail_workspace(plan, m, n, k, batch, sms, a.device)
     plan.empty = m == 0 or n == 0 or batch == 0 or k == 0
     if plan.empty and k == 0 and m and n and batch:
         raise ValueError(f"{op}: K = 0 gives an all-zero accumulator; run the epilogue in "

@@ -87,6 +87,20 @@ class GemmConfig:
         """fp32 accumulator registers per consumer thread."""
         return self.wg_tile_m * self.tile_n // 128
 
+    def cluster_tiles(self, m: int, n: int, batch: int) -> int:
+        """Cluster tiles of an (M, N) x batch output: the scheduler's unit of work."""
+        return -(-(-(-m // self.tile_m)) // self.cluster_m) * -(-(-(-n // self.tile_n)) // self.cluster_n) * batch
+
+    def slots(self, m: int, n: int, batch: int, sms: int) -> int:
+        """Persistent cluster slots of a launch on ``sms`` SMs (the grid's z extent)."""
+        return min(self.cluster_tiles(m, n, batch), sms // (self.cluster_m * self.cluster_n))
+
+    def tail(self, m: int, n: int, k: int, batch: int, sms: int) -> tuple[int, int]:
+        """:func:`tail_split` of this config's launch: (tail tiles, K slices per tail tile)."""
+        if not self.split_tail:
+            return 0, 1
+        return tail_split(self.cluster_tiles(m, n, batch), self.slots(m, n, batch, sms), -(-k // self.tile_k))
+
     def check_registers(self, two_level_accumulation: bool) -> None:
         """Reject tiles whose accumulators cannot live in a consumer thread's registers."""
         need = self.acc_registers * (2 if two_level_accumulation else 1)

@@ -17,8 +17,9 @@ Roles (384 threads = 3 warpgroups; one CTA per SM, persistent over output tiles)
 Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler``); producer and
 consumers walk the same sequence. With ``split_tail`` (cooperative) the last round's tiles are cut
 along K: the consumers of a slice other than the first publish their fp32 accumulators to a
-global workspace; the first slice's consumers wait for them, add them and run the epilogue. The k-loop and the FP8 accumulation modes live in
-``mainloop.py``, the register -> smem -> TMA store path in ``epilogue.py``.
+global workspace; the first slice's consumers wait for them, add them and run the epilogue. The
+k-loop and the FP8 accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store
+path in ``epilogue.py``.
 """
 
 from __future__ import annotations
