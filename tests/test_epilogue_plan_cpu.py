@@ -153,9 +153,18 @@ def test_cooperative_elementwise_trees_get_wider_sub_tiles():
     assert Sm90TreeEpilogue(plain, COOP, 2).epi_tile == (128, 64)  # 128 accumulator registers
     assert Sm90TreeEpilogue(plain, GemmConfig(128, 192, 128, "cooperative", 2, 1), 1).epi_tile == (128, 64)
     assert Sm90TreeEpilogue(plain, PP, 2).epi_tile == (64, 32)  # ping-pong hides its epilogue
-    # an explicit stage count is kept: the sub-tile narrows until it fits next to 6 stages
-    six = Sm90TreeEpilogue(plain, fp8_coop.with_(stages=6), 1)
-    assert six.epi_tile == (128, 64)
-    assert pipeline_stages(fp8_coop.with_(stages=6), 1, six.smem_bytes()) == 6
+    # a tile stored as one sub-tile needs one store buffer (claimed just before it is written):
+    # 32 KB of epilogue smem leave six 32 KB A/B stages
+    wide = Sm90TreeEpilogue(plain, fp8_coop, 1)
+    assert wide.stages == 1 and wide.smem_bytes() == 128 * 128 * 2
+    assert pipeline_stages(fp8_coop, 1, wide.smem_bytes()) == 6
+    # more than one sub-tile per tile: a second buffer lets one sub-tile's store run under the
+    # next one's math
+    assert Sm90TreeEpilogue(plain, COOP, 2).stages == 2
+    # an explicit stage count is kept: the sub-tile narrows until it fits next to 5 stages
+    five_cfg = GemmConfig(128, 192, 128, "cooperative", 2, 1, stages=5)
+    five = Sm90TreeEpilogue(plain, five_cfg, 1)
+    assert five.epi_tile == (128, 32)
+    assert pipeline_stages(five_cfg, 1, five.smem_bytes()) == 5
     # trees with tile inputs or reductions keep the narrow sub-tiles their rings are sized for
     assert Sm90TreeEpilogue(residual_norm_stats_tree(), fp8_coop, 1).epi_tile == (128, 32)

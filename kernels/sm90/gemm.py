@@ -15,7 +15,10 @@ Roles (384 threads = 3 warpgroups; one CTA per SM, persistent over output tiles)
     drops to 24 registers.
 
 Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler``); producer and
-consumers walk the same sequence. With ``split_tail`` (cooperative) the last round's tiles are cut
+consumers walk the same sequence. Cooperative FP8 two-level kernels keep the tensor cores busy
+while both warpgroups store: each warpgroup issues the next tile's first k-tile into a temporary
+before its epilogue and takes it as the new accumulator after (the producer loads one extra
+stage after the last tile, so every epilogue has a k-tile to overlap). With ``split_tail`` (cooperative) the last round's tiles are cut
 along K: the consumers of a slice other than the first publish their fp32 accumulators to a
 global workspace; the first slice's consumers wait for them, add them and run the epilogue. The
 k-loop and the FP8 accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store
@@ -81,6 +84,8 @@ class Sm90Gemm:
         self.two_level = is_fp8 and not cfg.fp8_fast_accum
         cfg.check_registers(self.two_level)
         self.pingpong = cfg.schedule == "pingpong"
+        # cooperative two-level: each next tile's first k-tile is issued before the epilogue
+        self.overlap = self.two_level and not self.pingpong
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
@@ -198,7 +203,7 @@ class Sm90Gemm:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == self.producer_warp:
                 produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, self.stages,
-                        self.cluster_mn, cta_layout_mnk, cluster_coord)
+                        self.cluster_mn, cta_layout_mnk, cluster_coord, self.overlap)
             if const_expr(len(load_atoms) > 0):
                 if warp_idx == self.load_warp:
                     self.epilogue.produce_loads(load_atoms, load_tensors, epi_tiles, load_pipe, sched)
@@ -258,6 +263,9 @@ class Sm90Gemm:
                 self._order_arrive(_BAR_MMA_ORDER, 0)
                 self._order_arrive(_BAR_EPI_ORDER, 0)
 
+        if const_expr(self.overlap):
+            first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, ab_pipe, read_state)
+            self.mainloop.take_first(acc, first, ab_pipe, stage)
         epi_count = Int32(0)
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
@@ -273,8 +281,15 @@ class Sm90Gemm:
                 return self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
 
             _, k_count, k_slice, split, tail_slot = sched.slice(work)
+            if const_expr(self.overlap):
+                k_count -= 1  # the first is in acc already
             read_state, epi_state = self.mainloop.run(
-                tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger)
+                tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
+                self.overlap)
+            if const_expr(self.overlap):
+                # The next tile's first k-tile (after the last tile, the producer's extra stage)
+                # runs on the tensor cores during the fixup and the epilogue.
+                first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, ab_pipe, read_state)
             if const_expr(self.split_tail):
                 if split > 1:
                     self._fixup(acc, workspace, k_slice, split, tail_slot, tidx, epi_barrier)
@@ -291,6 +306,8 @@ class Sm90Gemm:
                     epi_scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
                     epi_barrier, is_store_warp, epi_count, problem_mnl, (tm, tn, tl),
                 )
+            if const_expr(self.overlap):
+                self.mainloop.take_first(acc, first, ab_pipe, stage)
             if const_expr(self.pingpong):
                 # The other warpgroup reuses the same smem rings: let our stores drain first.
                 if is_store_warp:
