@@ -18,11 +18,13 @@ Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler
 consumers walk the same sequence. Cooperative FP8 two-level kernels keep the tensor cores busy
 while both warpgroups store: each warpgroup issues the next tile's first k-tile into a temporary
 before its epilogue and takes it as the new accumulator after (the producer loads one extra
-stage after the last tile, so every epilogue has a k-tile to overlap). With ``split_tail`` (cooperative) the last round's tiles are cut
-along K: the consumers of a slice other than the first publish their fp32 accumulators to a
-global workspace; the first slice's consumers wait for them, add them and run the epilogue. The
-k-loop and the FP8 accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store
-path in ``epilogue.py``.
+stage after the last tile, so every epilogue has a k-tile to overlap).
+
+With ``split_tail`` (cooperative) the last round's tiles are cut along K: the consumers of a
+slice other than the first publish their fp32 accumulators to a global workspace; the first
+slice's consumers wait for them, add them and run the epilogue. The k-loop and the FP8
+accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store path in
+``epilogue.py``.
 """
 
 from __future__ import annotations
