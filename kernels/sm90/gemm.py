@@ -266,7 +266,7 @@ class Sm90Gemm:
                 self._order_arrive(_BAR_EPI_ORDER, 0)
 
         if const_expr(self.overlap):
-            first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, ab_pipe, read_state)
+            first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, acc, ab_pipe, read_state)
             self.mainloop.take_first(acc, first, ab_pipe, stage)
         epi_count = Int32(0)
         while sched.is_valid(work):
@@ -291,7 +291,8 @@ class Sm90Gemm:
             if const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)
                 # runs on the tensor cores during the fixup and the epilogue.
-                first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, ab_pipe, read_state)
+                first, stage, read_state = self.mainloop.issue_first(
+                    tiled_mma.op, frags, acc, ab_pipe, read_state)
             if const_expr(self.split_tail):
                 if split > 1:
                     self._fixup(acc, workspace, k_slice, split, tail_slot, tidx, epi_barrier)

@@ -117,7 +117,6 @@ class Sm90Mainloop:
         thr_mma = tiled_mma.get_slice(tidx)
         acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
         acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        self.acc_layout = acc.layout
         tmp = None
         if const_expr(self.two_level):
             tmp = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
@@ -199,12 +198,12 @@ class Sm90Mainloop:
         return read_state, extra
 
     @cute.jit
-    def issue_first(self, op, frags, ab_pipe, read_state):
+    def issue_first(self, op, frags, acc, ab_pipe, read_state):
         """Issue one k-tile (a tile's first) into a fresh temporary, without waiting for it:
         the cooperative two-level schedule issues the next tile's first k-tile before its
         epilogue, so the tensor cores have work while both warpgroups store. Returns (the
         temporary, the stage's state for :meth:`take_first`, the advanced read state)."""
-        first = cute.make_rmem_tensor(self.acc_layout, cutlass.Float32)
+        first = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
         stage = read_state.clone()
         ab_pipe.consumer_wait(read_state)
         self._issue(op, first, frags, read_state.index, False)
