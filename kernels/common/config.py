@@ -89,7 +89,9 @@ class GemmConfig:
 
     def cluster_tiles(self, m: int, n: int, batch: int) -> int:
         """Cluster tiles of an (M, N) x batch output: the scheduler's unit of work."""
-        return -(-(-(-m // self.tile_m)) // self.cluster_m) * -(-(-(-n // self.tile_n)) // self.cluster_n) * batch
+        clusters_m = _ceil_div(_ceil_div(m, self.tile_m), self.cluster_m)
+        clusters_n = _ceil_div(_ceil_div(n, self.tile_n), self.cluster_n)
+        return clusters_m * clusters_n * batch
 
     def slots(self, m: int, n: int, batch: int, sms: int) -> int:
         """Persistent cluster slots of a launch on ``sms`` SMs (the grid's z extent)."""
@@ -99,7 +101,7 @@ class GemmConfig:
         """:func:`tail_split` of this config's launch: (tail tiles, K slices per tail tile)."""
         if not self.split_tail:
             return 0, 1
-        return tail_split(self.cluster_tiles(m, n, batch), self.slots(m, n, batch, sms), -(-k // self.tile_k))
+        return tail_split(self.cluster_tiles(m, n, batch), self.slots(m, n, batch, sms), _ceil_div(k, self.tile_k))
 
     def check_registers(self, two_level_accumulation: bool) -> None:
         """Reject tiles whose accumulators cannot live in a consumer thread's registers."""
@@ -130,6 +132,10 @@ class GemmConfig:
 
     def with_(self, **kw) -> "GemmConfig":
         return replace(self, **kw)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 #: most K slices a tail tile is cut into

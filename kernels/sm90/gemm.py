@@ -266,7 +266,8 @@ class Sm90Gemm:
                 self._order_arrive(_BAR_EPI_ORDER, 0)
 
         if const_expr(self.overlap):
-            first, stage, read_state = self.mainloop.issue_first(tiled_mma.op, frags, acc, ab_pipe, read_state)
+            first, stage, read_state = self.mainloop.issue_first(
+                tiled_mma.op, frags, acc, ab_pipe, read_state)
             self.mainloop.take_first(acc, first, ab_pipe, stage)
         epi_count = Int32(0)
         while sched.is_valid(work):
