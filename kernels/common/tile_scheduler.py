@@ -20,8 +20,8 @@ same on the host):
     work w >= T - rem:  u = w - (T - rem);  tile T - rem + u // split, slice u % split,
                         k-tiles [slice * k_tiles // split, (slice + 1) * k_tiles // split)
 
-Slice 0 owns the tile: it adds the other slices' fp32 partials (``Sm90Gemm._fixup``) and runs
-the epilogue. The caps bound what the owner reads back: each partial is a whole fp32 tile.
+The last slice owns the tile: it adds the other slices' fp32 partials (``Sm90Gemm._fixup``) and
+runs the epilogue. The caps bound what the owner reads back: each partial is a whole fp32 tile.
 """
 
 from __future__ import annotations

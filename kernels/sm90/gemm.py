@@ -21,8 +21,10 @@ before its epilogue and takes it as the new accumulator after (the producer load
 stage after the last tile, so every epilogue has a k-tile to overlap).
 
 With ``split_tail`` (cooperative) the last round's tiles are cut along K: the consumers of a
-slice other than the first publish their fp32 accumulators to a global workspace; the first
-slice's consumers wait for them, add them and run the epilogue. The k-loop and the FP8
+slice other than the last publish their fp32 accumulators to a global workspace; the last
+slice's consumers wait for them, add them and run the epilogue. The owner being the last slice
+puts it on the highest slot of its group: a CTA that waits is never dispatched before the CTAs
+it waits for, so a GPU that cannot hold every cluster of the grid at once cannot deadlock. The k-loop and the FP8
 accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store path in
 ``epilogue.py``.
 """
@@ -304,7 +306,7 @@ class Sm90Gemm:
                 # tensor cores. Here its latency runs under the other warpgroup's mainloop.
                 epi_state = self.epilogue.begin_tile(tCcD, problem_mnl, tl, ins, scalars)
                 self._order_wait(_BAR_EPI_ORDER, wg_idx)
-            if k_slice == 0:  # the owner of a split tail tile, or any other tile
+            if k_slice == split - 1:  # a split tail tile's owner (its last slice), or any other tile
                 epi_count, load_state = self.epilogue.store_tile(
                     acc, epi_state, tCcD, tCcT, tiled_mma, mma_tidx, warp_in_epi, epi_bufs, epi_tiles,
                     epi_scratch, store_atoms, store_tensors, outs, load_pipe, load_state, store_pipe,
@@ -327,8 +329,9 @@ class Sm90Gemm:
 
     @cute.jit
     def _fixup(self, acc, workspace, k_slice, split, tail_slot, tidx, barrier):
-        """Split tail: slices 1 .. split - 1 publish their fp32 accumulators; slice 0 (the owner)
-        waits for all of them and adds them, in slice order (deterministic), before its epilogue.
+        """Split tail: slices 0 .. split - 2 publish their fp32 accumulators; slice split - 1
+        (the owner) waits for all of them and adds them, in slice order (deterministic), before
+        its epilogue.
 
         A partial is laid out (accumulator register, thread): a warp's 32 threads touch 32
         consecutive floats per register. (16-byte accesses, (register // 4, thread, register %
@@ -342,7 +345,7 @@ class Sm90Gemm:
         cta = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         ctas = self.cluster_mn[0] * self.cluster_mn[1]
         counter = counters.iterator + (tail_slot * ctas + cta)
-        if k_slice > 0:
+        if k_slice < split - 1:
             base = ((tail_slot * split + k_slice) * ctas + cta) * regs * threads + tidx
             for v in cutlass.range_constexpr(regs):
                 parts[base + v * threads] = acc[v]
@@ -356,7 +359,7 @@ class Sm90Gemm:
                 while seen < split - 1:
                     seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
             barrier.arrive_and_wait()
-            for j in cutlass.range(1, split, unroll=1):
+            for j in cutlass.range(split - 1, unroll=1):
                 base = ((tail_slot * split + j) * ctas + cta) * regs * threads + tidx
                 for v in cutlass.range_constexpr(regs):
                     acc[v] = acc[v] + parts[base + v * threads]
