@@ -318,3 +318,14 @@ def test_disk_cache_round_trip(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", _DISK_CACHE_PROBE], env=env, capture_output=True,
                            text=True, timeout=300) for _ in range(2)]
     assert [r.stdout.split() for r in runs] == [["compiled", "2"], ["loaded", "2"]], runs[0].stderr[-2000:]
+
+
+def test_pingpong_kernels_prefetch_their_tile_vectors_into_l1():
+    """A ping-pong warpgroup reads its tile's row / column vectors (here the FP8 scales) only
+    after its mainloop, so it pulls them into L1 at the tile's start: one prefetch per vector.
+    Cooperative kernels read them under their last WGMMAs and do not prefetch."""
+    pp = GemmConfig(128, 128, 128, "pingpong", 2, 1, fp8_fast_accum=True)
+    coop = GemmConfig(128, 128, 128, "cooperative", 2, 1, split_tail=True)
+    for cfg, prefetches in ((pp, 2), (coop, 0)):
+        spec = GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", cfg, "row", "row")
+        assert built(spec)[0].ptx.count("prefetch.global.L1") == prefetches, cfg.name

@@ -191,4 +191,4 @@ def pipeline_stages(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:
                 f"only {SM90_SMEM_CAPACITY - SMEM_RESERVED} B exist"
             )
         return cfg.stages
-    return min(fit, 8)
+    return fit

@@ -16,7 +16,9 @@ Roles:
     consumers visit them, guarded by mbarriers (``PipelineTmaAsync``).
 
 Row and column vectors are read once per tile into registers laid out like the accumulator
-(``AccVectors``), before the mainloop's last WGMMAs retire.
+(``AccVectors``), before the mainloop's last WGMMAs retire (cooperative) or after the mainloop
+(ping-pong, whose warpgroups first pull their tile's vector entries into L1 at the tile's start:
+``prefetch_vectors``).
 """
 
 from __future__ import annotations
@@ -267,6 +269,24 @@ class Sm90TreeEpilogue:
         for spec, v in zip(self.scalar_inputs, scalars):
             state[spec.name] = Float32(v)
         return state
+
+    @cute.jit
+    def prefetch_vectors(self, ins, tile_mnl, problem_mnl, tidx):
+        """Pull the tile's row- and column-vector entries into L1 at the start of its mainloop
+        (one thread per 128-byte line): the epilogue then reads them at L1 latency instead of
+        waiting a round trip to L2 (or DRAM) with the tensor cores idle."""
+        tm, tn, tl = tile_mnl
+        for spec, t in zip(self.tensor_inputs, ins):
+            if const_expr(spec.kind in ("row_vec", "col_vec")):
+                rows = spec.kind == "row_vec"
+                per_line = 128 // BYTES[spec.dtype]
+                lines = -(-self.tile_mn[0 if rows else 1] // per_line)
+                if tidx < lines:
+                    i = (tm if rows else tn) * self.tile_mn[0 if rows else 1] + tidx * per_line
+                    if const_expr(rows):  # columns arrive padded to whole cluster tiles
+                        i = cutlass.min(i, problem_mnl[0] - 1)
+                    addr = t.iterator + cute.crd2idx((i, tl), t.layout)
+                    cute.arch.prefetch(addr.llvm_ptr, cache_level="L1")
 
     # -- device side: the sub-tile loop ----------------------------------------------------------
     @cute.jit
