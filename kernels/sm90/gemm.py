@@ -354,7 +354,7 @@ class Sm90Gemm:
         counter = counters.iterator + (tail_slot * ctas + cta)
         if k_slice < split - 1:
             base = ((tail_slot * split + k_slice) * ctas + cta) * regs * threads + tidx
-            for v in cutlass.range_constexpr(regs):
+            for v in cutlass.range(regs, unroll_full=True):
                 parts[base + v * threads] = acc[v]
             barrier.arrive_and_wait()
             if tidx == 0:
@@ -368,7 +368,7 @@ class Sm90Gemm:
             barrier.arrive_and_wait()
             for j in cutlass.range(split - 1, unroll=1):
                 base = ((tail_slot * split + j) * ctas + cta) * regs * threads + tidx
-                for v in cutlass.range_constexpr(regs):
+                for v in cutlass.range(regs, unroll_full=True):
                     acc[v] = acc[v] + parts[base + v * threads]
 
     def _order_wait(self, base: int, wg):
