@@ -279,10 +279,10 @@ class Sm90TreeEpilogue:
         for spec, t in zip(self.tensor_inputs, ins):
             if const_expr(spec.kind in ("row_vec", "col_vec")):
                 rows = spec.kind == "row_vec"
+                extent = self.tile_mn[0 if rows else 1]
                 per_line = 128 // BYTES[spec.dtype]
-                lines = -(-self.tile_mn[0 if rows else 1] // per_line)
-                if tidx < lines:
-                    i = (tm if rows else tn) * self.tile_mn[0 if rows else 1] + tidx * per_line
+                if tidx < -(-extent // per_line):
+                    i = (tm if rows else tn) * extent + tidx * per_line
                     if const_expr(rows):  # columns arrive padded to whole cluster tiles
                         i = cutlass.min(i, problem_mnl[0] - 1)
                     addr = t.iterator + cute.crd2idx((i, tl), t.layout)

@@ -24,9 +24,10 @@ With ``split_tail`` (cooperative) the last round's tiles are cut along K: the co
 slice other than the last publish their fp32 accumulators to a global workspace; the last
 slice's consumers wait for them, add them and run the epilogue. The owner being the last slice
 puts it on the highest slot of its group: a CTA that waits is never dispatched before the CTAs
-it waits for, so a GPU that cannot hold every cluster of the grid at once cannot deadlock. The k-loop and the FP8
-accumulation modes live in ``mainloop.py``, the register -> smem -> TMA store path in
-``epilogue.py``.
+it waits for, so a GPU that cannot hold every cluster of the grid at once cannot deadlock.
+
+The k-loop and the FP8 accumulation modes live in ``mainloop.py``, the register -> smem -> TMA
+store path in ``epilogue.py``.
 """
 
 from __future__ import annotations
@@ -274,6 +275,7 @@ class Sm90Gemm:
         epi_count = Int32(0)
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
+            tCcD = thr_mma.partition_C(cD[(None, None, tm, tn)])
             if const_expr(self.pingpong):
                 # A ping-pong warpgroup reads its tile's vectors only after its mainloop (see
                 # begin_tile below), with the whole round trip exposed; pulled into L1 now, they
@@ -281,8 +283,6 @@ class Sm90Gemm:
                 # 1.5 % at M = 16384. Cooperative kernels read them under their last k-tile's
                 # WGMMAs already and measured 0.3 % slower with this prefetch.
                 self.epilogue.prefetch_vectors(ins, (tm, tn, tl), problem_mnl, mma_tidx)
-            tCcD = thr_mma.partition_C(cD[(None, None, tm, tn)])
-            if const_expr(self.pingpong):
                 self._order_wait(_BAR_MMA_ORDER, wg_idx)
 
             def on_last_issue():
