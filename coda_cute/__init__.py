@@ -10,12 +10,12 @@ Public API:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
 from . import epilogue, ops  # noqa: F401  (registers torch.ops.coda.*)
+from .dispatch import reference_on_cpu
 from .kernels.common.config import GemmConfig
 from .ops import gemm as _gemm_mod
 
@@ -59,15 +59,3 @@ def gemm(
         return torch.ops.coda.gemm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
     # Eager inference calls skip the dispatcher (tens of microseconds per call).
     return _gemm_mod.gemm_impl(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
-
-
-@contextlib.contextmanager
-def reference_on_cpu():
-    """Within this block, coda ops given CPU tensors compute their fp32 torch reference instead
-    of raising (for tests, opcheck and debugging without a GPU)."""
-    prev = _gemm_mod._reference_on_cpu[0]
-    _gemm_mod._reference_on_cpu[0] = True
-    try:
-        yield
-    finally:
-        _gemm_mod._reference_on_cpu[0] = prev

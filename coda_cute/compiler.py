@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from .kernels.common.config import GemmConfig
 from .kernels.epilogue.nodes import Epilogue
+from .kernels.epilogue.plain import gemm_tree
 
 # torch dtype name -> element bytes; the DSL types are looked up lazily (importing the DSL is slow).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -65,7 +66,7 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        return (f"{self.label}_{self.arch}_{_short(self.a_dtype)}{_short(self.b_dtype)}"
+        return (f"{self.label}_{self.arch}_{short_dtype(self.a_dtype)}{short_dtype(self.b_dtype)}"
                 f"_{self.a_major}{self.b_major}_{self.config.name}")
 
 
@@ -88,20 +89,18 @@ class GemmSpec:
     def name(self) -> str:
         scales = "" if self.scale_a == self.scale_b == "none" else f"_s{self.scale_a[0]}{self.scale_b[0]}"
         return (
-            f"gemm_{self.arch}_{_short(self.a_dtype)}{_short(self.b_dtype)}{_short(self.d_dtype)}"
+            f"gemm_{self.arch}_{short_dtype(self.a_dtype)}{short_dtype(self.b_dtype)}{short_dtype(self.d_dtype)}"
             f"_{self.a_major}{self.b_major}{scales}_{self.config.name}"
         )
 
     @property
     def kernel_spec(self) -> KernelSpec:
-        from .ops.gemm import gemm_tree
-
         tree = gemm_tree(self.scale_a, self.scale_b, self.d_dtype)
         return KernelSpec.of(self.a_dtype, self.b_dtype, self.a_major, self.b_major, self.config,
                              tree, self.arch, self.num_sms, label=self.name)
 
 
-def _short(dtype: str) -> str:
+def short_dtype(dtype: str) -> str:
     return {"bfloat16": "bf16", "float16": "f16", "float32": "f32",
             "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}[dtype]
 
@@ -153,8 +152,9 @@ def _fake_signature(spec: KernelSpec):
             ins.append(fake(i.dtype, (m, l), (1, cute.sym_int64()), 4))
         elif i.kind == "col_vec":  # padded to whole cluster tiles by the launch: its own extent
             ins.append(fake(i.dtype, (cute.sym_int(), l), (1, cute.sym_int64()), 4))
-        elif i.kind == "tile":
-            ins.append(fake(i.dtype, (m, n, l), (stride16(i.dtype), 1, stride16(i.dtype))))
+        elif i.kind == "tile":  # a wide tile as (M, N) 32-bit column pairs
+            dt = i.kernel_dtype
+            ins.append(fake(dt, (m, n, l), (stride16(dt), 1, stride16(dt))))
         elif i.kind == "scalar_tensor":
             ins.append(fake("float32", (1,), (1,), 4))
         elif i.kind == "row_sum":
@@ -163,9 +163,10 @@ def _fake_signature(spec: KernelSpec):
             ins.append(fake("float32", (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1), 4))
     outs = []
     for o in spec.tree.outputs:
-        if o.kind == "store":
+        if o.kind == "store":  # a double-width store as (M, N) 32-bit column pairs
             cols = cute.sym_int() if o.half else n
-            outs.append(fake(o.dtype, (m, cols, l), (stride16(o.dtype), 1, stride16(o.dtype))))
+            dt = o.kernel_dtype
+            outs.append(fake(dt, (m, cols, l), (stride16(dt), 1, stride16(dt))))
         elif o.kind == "row_reduce":
             t = cute.sym_int()
             for _ in range(2 if o.op == "lse" else 1):
@@ -240,33 +241,11 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
     return _cute_compile(spec, kernel, _fake_signature(spec), keep_artifacts)
 
 
-@dataclass(frozen=True)
-class ScaleColumnsSpec:
-    """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype.
-    The kernel uses no architecture-specific instruction; it is built per target like the GEMMs."""
-
-    dtype: str
-    arch: str = "sm_90a"
-
-    @property
-    def name(self) -> str:
-        return f"scale_columns_{self.arch}_{_short(self.dtype)}"
-
-
-def compile_scale_columns(spec: ScaleColumnsSpec, keep_artifacts: bool = False) -> CompiledKernel:
-    import cutlass.cute as cute
-
-    from .kernels.elementwise.scale_columns import ScaleColumns
-
-    n, k = cute.sym_int(), cute.sym_int()
-    d = cutlass_dtype(spec.dtype)
-
-    def matrix():
-        return cute.runtime.make_fake_tensor(d, (n, k), stride=(cute.sym_int64(divisibility=8), 1),
-                                             assumed_align=16)
-
-    gamma = cute.runtime.make_fake_tensor(d, (k,), stride=(1,), assumed_align=16)
-    return _cute_compile(spec, ScaleColumns(d), (matrix(), gamma, matrix()), keep_artifacts)
+def compile_elementwise(spec, keep_artifacts: bool = False) -> CompiledKernel:
+    """Compile an element-wise kernel spec (``coda_cute.elementwise``): anything with ``arch``,
+    ``name`` and ``build() -> (kernel, fake arguments)``."""
+    kernel, args = spec.build()
+    return _cute_compile(spec, kernel, args, keep_artifacts)
 
 
 def _cute_compile(spec, kernel, args, keep_artifacts: bool) -> CompiledKernel:
@@ -301,7 +280,7 @@ def spill_bytes(kernel: CompiledKernel) -> int:
     return s.get("spill_stores", 0) + s.get("spill_loads", 0)
 
 
-_cache: dict[KernelSpec | ScaleColumnsSpec, CompiledKernel] = {}
+_cache: dict = {}
 
 
 def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
@@ -312,8 +291,8 @@ def get_gemm(spec: KernelSpec | GemmSpec) -> CompiledKernel:
     return get_kernel(spec)
 
 
-def get_kernel(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel:
-    """:func:`get_gemm` for any kernel spec."""
+def get_kernel(spec) -> CompiledKernel:
+    """:func:`get_gemm` for any kernel spec (a GEMM's or an element-wise kernel's)."""
     hit = _cache.get(spec)
     if hit is None:
         hit = _load_cached(spec) or _compile_and_store(spec)
@@ -357,11 +336,11 @@ def _build_digest() -> str:
     return h.hexdigest()
 
 
-def _disk_path(spec: KernelSpec | ScaleColumnsSpec) -> tuple[str, str] | None:
+def _disk_path(spec) -> tuple[str, str] | None:
     base = disk_cache_dir()
     if base is None or not _gpu_matches(spec.arch):
         return None
-    if isinstance(spec, ScaleColumnsSpec):
+    if not isinstance(spec, KernelSpec):  # an element-wise spec: a frozen dataclass
         key = repr(spec)
     else:
         key = repr((spec.a_dtype, spec.b_dtype, spec.a_major, spec.b_major, spec.config, spec.tree_key,
@@ -382,7 +361,7 @@ def _gpu_matches(arch: str) -> bool:
         return False
 
 
-def _load_cached(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel | None:
+def _load_cached(spec) -> CompiledKernel | None:
     """The kernel and its ptxas statistics (a JSON file next to the object) from the disk cache."""
     where = _disk_path(spec)
     if where is None or not os.path.exists(where[0]):
@@ -403,8 +382,8 @@ def _stats_path(obj_path: str) -> str:
     return obj_path[:-2] + ".json"
 
 
-def _compile_and_store(spec: KernelSpec | ScaleColumnsSpec) -> CompiledKernel:
-    out = compile_scale_columns(spec) if isinstance(spec, ScaleColumnsSpec) else compile_gemm(spec)
+def _compile_and_store(spec) -> CompiledKernel:
+    out = compile_gemm(spec) if isinstance(spec, KernelSpec) else compile_elementwise(spec)
     where = _disk_path(spec)
     if where is not None:
         tmp = None

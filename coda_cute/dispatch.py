@@ -1,12 +1,15 @@
-"""Per-architecture kernel selection: which kernel family runs on a device, and which config.
+"""Per-architecture kernel selection: which implementation runs on a device, and which config.
 
-``arch_of(device)`` maps a CUDA device to the compile target (``sm_90a`` for Hopper). The config
-heuristic is a fixed, fast function of the problem shape and dtype; it never times anything on the
-call path. ``config_space()`` lists every config the report compiles and the tuner may try.
+``arch_of(device)`` maps a CUDA device to the compile target (``sm_90a`` for Hopper); CPU tensors
+run the torch references only inside :func:`reference_on_cpu` (``reference_on_cpu_enabled``,
+``require_reference``). The config heuristic is a fixed, fast function of the problem shape and
+dtype; it never times anything on the call path. ``config_space()`` lists every config the
+report compiles and the tuner may try.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from .kernels.common.config import MAX_ACC_REGISTERS, TAIL_PARTIAL_K_TILES, GemmConfig
@@ -40,6 +43,34 @@ def arch_of(device) -> str:
     raise NotImplementedError(
         f"{name} is sm_{cap[0]}{cap[1]}; coda_cute GEMMs need a Hopper GPU (sm_90)."
     )
+
+
+_reference_on_cpu = [False]
+
+
+def reference_on_cpu_enabled() -> bool:
+    """Whether coda ops given CPU tensors compute their torch reference (else they raise)."""
+    return _reference_on_cpu[0]
+
+
+@contextlib.contextmanager
+def reference_on_cpu():
+    """Within this block, coda ops given CPU tensors compute their fp32 torch reference instead
+    of raising (for tests, opcheck and debugging without a GPU)."""
+    prev = _reference_on_cpu[0]
+    _reference_on_cpu[0] = True
+    try:
+        yield
+    finally:
+        _reference_on_cpu[0] = prev
+
+
+def require_reference(op: str) -> None:
+    """The CPU implementation's gate: CPU tensors outside :func:`reference_on_cpu` raise."""
+    if not reference_on_cpu_enabled():
+        raise ValueError(f"{op} runs on CUDA tensors (Hopper, sm_90); got CPU tensors. Move them "
+                         "with .cuda(), or wrap the call in coda_cute.reference_on_cpu() to use the "
+                         "torch reference.")
 
 
 def num_sms(device) -> int:

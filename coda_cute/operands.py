@@ -17,6 +17,24 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+def pointer_offset(t: torch.Tensor) -> int:
+    """Bytes by which ``t``'s data pointer misses a 16-byte boundary. Fake and meta tensors (the
+    tracing path) have no real pointer: their storage offset decides, as allocations are
+    16-byte aligned."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if t.device.type == "meta" or is_fake(t):
+        return t.storage_offset() * t.element_size() % 16
+    return t.data_ptr() % 16
+
+
+def check_pointer_aligned(t: torch.Tensor, name: str, op: str) -> None:
+    off = pointer_offset(t)
+    if off:
+        raise ValueError(f"{op}: {name}'s data pointer must be 16-byte aligned (got offset {off} "
+                         "bytes); use a fresh or .contiguous() tensor")
+
+
 def check_operands(a, b, op: str):
     """Shape and dtype rules for the GEMM operands. Returns (M, N, K, L, is_fp8)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -83,9 +101,7 @@ def tma_view(x: torch.Tensor, name: str, k_major: bool, dims=("rows", "K", "batc
     """Check TMA's rules on a (rows, cols, L) view whose contiguous dim is 1 (``k_major``) or 0."""
     esize = x.element_size()
     align = 16 // esize
-    if x.data_ptr() % 16:
-        raise ValueError(f"{op}: {name}'s data pointer must be 16-byte aligned (got offset "
-                         f"{x.data_ptr() % 16} bytes); use a fresh or .contiguous() tensor")
+    check_pointer_aligned(x, name, op)
     shape = list(x.shape)
     stride = list(x.stride())
     unit = 1 if k_major else 0

@@ -43,10 +43,11 @@ def _col_scale(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return s.reshape(*b.shape[:-2], 1, n)
 
 
-# -- CODA block ops (coda_cute.ops.coda_block, coda_cute.ops.lm_head_ce) ---------------------------
+# -- CODA block ops (coda_cute.ops.*) -----------------------------------------------------------------
 # Each reference computes in fp32 (float64 inputs stay float64, for gradient checks) and rounds
-# once to the activation dtype, exactly as the op is specified; all are differentiable by torch
-# autograd, which makes them the oracle for the ops' hand-written backward too.
+# once to the activation dtype, exactly as the op is specified. The forward references are
+# differentiable by torch autograd; the backward ops' references below are the analytic
+# formulas the kernels implement, which the tests hold against autograd of the forward ones.
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -57,14 +58,19 @@ def _project(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _wide(y) @ _wide(w).t()
 
 
+def tile_partials_ref(x: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """p[m, t] = sum over the columns n of tile t (width ``tile_n``) of x[m, n]: (M, ceil(N/tile_n))."""
+    m, n = x.shape
+    t = -(-n // tile_n)
+    x = _wide(x)
+    x = torch.cat([x, x.new_zeros(m, t * tile_n - n)], dim=1)
+    # Summed in float64 like coda_cute.epilogue.evaluate, so the two agree bit for bit.
+    return x.double().reshape(m, t, tile_n).sum(-1).to(x.dtype)
+
+
 def norm_stats_partials_ref(y: torch.Tensor, tile_n: int) -> torch.Tensor:
     """p[m, t] = sum over the columns n of tile t (width ``tile_n``) of y[m, n]^2: (M, ceil(N/tile_n))."""
-    m, n = y.shape
-    t = -(-n // tile_n)
-    sq = _wide(y).square()
-    sq = torch.cat([sq, sq.new_zeros(m, t * tile_n - n)], dim=1)
-    # Summed in float64 like coda_cute.epilogue.evaluate, so the two agree bit for bit.
-    return sq.double().reshape(m, t, tile_n).sum(-1).to(sq.dtype)
+    return tile_partials_ref(_wide(y).square(), tile_n)
 
 
 def rms_rstd_ref(ss: torch.Tensor, d: int, eps: float) -> torch.Tensor:
@@ -139,14 +145,22 @@ def norm_proj_ref(y, w, ss, eps: float):
     return _scaled(y, w, ss, eps).to(y.dtype)
 
 
-def lm_head_ce_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean"):
-    """Cross-entropy of logits = r * (y @ w_lm.T) (fp32, materialized here, never in the op).
+def scale_columns_ref(x, gamma):
+    """x * gamma[None, :], the product in fp32 rounded once to x's dtype (``coda.fold_gamma``);
+    x itself when gamma is None."""
+    return x if gamma is None else (_wide(x) * _wide(gamma)).to(x.dtype)
+
+
+def lm_head_ce_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean",
+                   gamma=None):
+    """Cross-entropy of logits = r * ((y * gamma) @ w_lm.T) (fp32, materialized here, never in
+    the op; y * gamma rounded to y's dtype first, as the op forms it; no gamma: y as is).
 
     LSE_m = log sum_v exp(logits[m, v]); loss_m = LSE_m - logits[m, targets_m], 0 where
     targets_m == ignore_index. reduction: "mean" (over the other rows; NaN if there are none, as
     in torch), "sum" or "none" ((M,)). Returns (loss, LSE) in fp32.
     """
-    logits = _scaled(y, w_lm, ss, eps)
+    logits = _scaled(scale_columns_ref(y, gamma), w_lm, ss, eps)
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != ignore_index
     tgt = logits.gather(1, targets.long().clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
@@ -154,11 +168,171 @@ def lm_head_ce_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, r
     return reduce_loss(loss, valid, reduction), lse
 
 
+def ce_coef(targets, ignore_index: int, reduction: str, dloss=None):
+    """Per-row weight c_m of the cross-entropy gradient dlogits = c (softmax - onehot): dloss_m
+    ("none"), dloss ("sum") or dloss / #valid ("mean"); 0 on ignored rows. dloss None means 1."""
+    valid = targets != ignore_index
+    one = torch.ones((), dtype=torch.float32, device=targets.device)
+    c = one if dloss is None else _wide(dloss)
+    c = c.expand(targets.shape) if c.dim() == 0 else c
+    if reduction == "mean":
+        c = c / valid.sum()
+    return torch.where(valid, c, 0.0)
+
+
+def ce_dlogits_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean",
+                   gamma=None, dloss=None, dlse=None):
+    """(logits, dl) in fp32: dl = softmax (c + dlse) - onehot c, c = :func:`ce_coef`."""
+    r = rms_rstd_ref(ss, y.shape[1], eps).unsqueeze(1)
+    logits = r * (_wide(scale_columns_ref(y, gamma)) @ _wide(w_lm).t())
+    c = ce_coef(targets, ignore_index, reduction, dloss).unsqueeze(1)
+    extra = 0.0 if dlse is None else _wide(dlse).unsqueeze(1)
+    dl = torch.softmax(logits, dim=-1) * (c + extra)
+    rows = torch.arange(y.shape[0], device=y.device)
+    valid = targets != ignore_index
+    dl[rows[valid], targets[valid].long()] -= c[valid, 0]
+    return logits, dl
+
+
+def lm_head_ce_grad_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100,
+                        reduction: str = "mean", gamma=None, dloss=None, dlse=None):
+    """The gradients of :func:`lm_head_ce_ref`'s loss (times dloss, default 1) plus LSE times
+    dlse, with ss standing for y's norm statistic (coda-math 3.1, the ops' convention):
+
+        dl = softmax (c + dlse) - onehot c      (c = :func:`ce_coef`),   G = (r dl) @ W
+        dy = G [* gamma] - r^2 s y,   s_m = sum_v dl_mv logits_mv / d
+        dW = (r dl)^T @ (y * gamma),  dgamma = sum_m G * y
+    Returns (dy, dW, dgamma or None) in the dtypes of y, w_lm and fp32."""
+    d = y.shape[1]
+    u = scale_columns_ref(y, gamma)
+    r = rms_rstd_ref(ss, d, eps).unsqueeze(1)
+    logits, dl = ce_dlogits_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss, dlse)
+    s = (dl * logits).sum(1, keepdim=True) / d
+    g = (r * dl) @ _wide(w_lm)
+    dy = (g * _wide(gamma) if gamma is not None else g) - r * r * s * _wide(y)
+    dw = (r * dl).t() @ _wide(u)
+    dgamma = (g * _wide(y)).sum(0) if gamma is not None else None
+    return dy.to(y.dtype), dw.to(w_lm.dtype), dgamma
+
+
 def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
     total = loss.sum()
     return total / valid.sum() if reduction == "mean" else total
+
+
+# -- backward ops ----------------------------------------------------------------------------------
+def norm_backward_ref(g, w, y, ss, zdz, eps: float, residual_grad=None):
+    """dy = residual_grad + g @ w - r^2 s y, s_m = sum_t zdz[m, t] / d (``coda.norm_backward``)."""
+    d = y.shape[1]
+    r = rms_rstd_ref(ss, d, eps).unsqueeze(1)
+    s = _wide(zdz).sum(1, keepdim=True) / d
+    dy = _wide(g) @ _wide(w) - r * r * s * _wide(y)
+    if residual_grad is not None:
+        dy = dy + _wide(residual_grad)
+    return dy.to(y.dtype)
+
+
+def swiglu_grad_ref(z, dh):
+    """(dg, du) of h = silu(g) u at the pairs (g, u) = (z[:, 0::2], z[:, 1::2]), in fp32."""
+    zw = _wide(z)
+    g, u = zw[:, 0::2], zw[:, 1::2]
+    sg = torch.sigmoid(g)
+    dh = _wide(dh)
+    return g, u, dh * u * sg * (1 + g * (1 - sg)), dh * g * sg
+
+
+def swiglu_backward_ref(dy, w_down, z, ss, eps: float, tile_n: int):
+    """``coda.swiglu_backward``: dh = dy @ w_down; dz' = r [dg, du] interleaved, h = silu(g) u,
+    zdz = per-tile (width ``tile_n``) sums of g dg + u du. Returns (dz', h, zdz)."""
+    dh = _wide(dy) @ _wide(w_down)
+    g, u, dg, du = swiglu_grad_ref(z, dh)
+    r = rms_rstd_ref(ss, w_down.shape[0], eps).unsqueeze(1)
+    dz = (torch.stack((dg, du), -1).flatten(-2) * r).to(z.dtype)
+    h = (torch.nn.functional.silu(g) * u).to(z.dtype)
+    return dz, h, tile_partials_ref(g * dg + u * du, tile_n)
+
+
+def heads_as_rows(t):
+    """(B, heads, S, D) -> (B * S, heads * D): token rows, head-major columns (a copy if needed)."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h * d)
+
+
+def rope_backward_ref(dq, dk, dv, qkv, rstd, positions, inv_freq, pre=None, q_norm_w=None,
+                      k_norm_w=None, qk_eps: float = 1e-6):
+    """``coda.rope_backward``: the gradient of ``norm_rope_qkv``'s r-scaled, pre-QK-norm,
+    pre-rotation values from the attention core's dq, dk, dv ((B, heads, S, D)):
+
+        Q/K: dqn = R(-theta) [dq | dk] (the inverse rotation); with QK-norm per head
+             (x = pre, rs = (mean x^2 + qk_eps)^(-1/2), xh = x rs, gw = dqn w):
+             dz = rs (gw - xh mean(gw xh)), d w += sum dqn xh; without it dz = dqn
+        V:   dz = dv
+        g = r dz (bf16), zdz_m = sum_j z_mj dz_mj (z: pre on Q/K with QK-norm, qkv elsewhere;
+        without QK-norm the rotation is orthogonal, so qkv . dqkv)
+    Returns (g, zdz (M, 1), dq_norm_w, dk_norm_w) (the last two None without QK-norm)."""
+    n_heads, head_dim = dq.shape[1], dq.shape[3]
+    n_kv = dk.shape[1]
+    n_qk = (n_heads + n_kv) * head_dim
+    dqkv = torch.cat([_wide(heads_as_rows(t)) for t in (dq, dk, dv)], dim=1)
+    m = dqkv.shape[0]
+    rot = rope_pairs_ref(dqkv[:, :n_qk], positions, -inv_freq, head_dim)
+    dz = dqkv.clone()
+    dqn_w = dkn_w = None
+    if pre is None:
+        dz[:, :n_qk] = rot
+        zdz = (_wide(qkv) * dqkv).sum(1, keepdim=True)
+    else:
+        x = _wide(pre[:, :n_qk]).reshape(m, -1, head_dim)
+        rs = torch.rsqrt(x.square().mean(-1, keepdim=True) + qk_eps)
+        xh = x * rs
+        dqn = rot.reshape(m, -1, head_dim)
+        gw = dqn * qk_norm_weight(q_norm_w, k_norm_w, n_heads, n_kv)
+        dx = rs * (gw - xh * (gw * xh).mean(-1, keepdim=True))
+        dz[:, :n_qk] = dx.reshape(m, n_qk)
+        zdz = (x * dx).sum((1, 2)).unsqueeze(1) + (_wide(qkv[:, n_qk:]) * dqkv[:, n_qk:]).sum(1, keepdim=True)
+        dw_heads = (dqn * xh).sum(0)
+        dqn_w = dw_heads[:n_heads].sum(0).to(q_norm_w.dtype)
+        dkn_w = dw_heads[n_heads:].sum(0).to(k_norm_w.dtype)
+    return (dz * _wide(rstd).unsqueeze(1)).to(qkv.dtype), zdz, dqn_w, dkn_w
+
+
+def _attention_probs(q, k):
+    """Causal softmax probabilities (B, H, S, S) in fp32, k's heads repeated for GQA; and lse."""
+    rep = q.shape[1] // k.shape[1]
+    s = _wide(q) @ _wide(k).repeat_interleave(rep, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    n = s.shape[-1]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1), torch.logsumexp(s, -1)
+
+
+def attention_ref(q, k, v):
+    """Causal attention with GQA (k, v heads shared by n_heads / n_kv_heads query heads), in fp32:
+    (o in q's dtype, (B, H, S, D); lse (B, H, S) fp32, the log-sum-exp of each query's scaled,
+    masked scores)."""
+    p, lse = _attention_probs(q, k)
+    return (p @ _wide(v).repeat_interleave(q.shape[1] // k.shape[1], 1)).to(q.dtype), lse
+
+
+def attention_backward_ref(do, q, k, v):
+    """(dq, dk, dv) of :func:`attention_ref`'s output for the output gradient ``do``:
+    dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D), the
+    K and V gradients summed over each KV head's query heads."""
+    rep = q.shape[1] // k.shape[1]
+    p, _ = _attention_probs(q, k)
+    vw, dow = _wide(v).repeat_interleave(rep, 1), _wide(do)
+    dp = dow @ vw.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5
+    dq = ds @ _wide(k).repeat_interleave(rep, 1)
+    dk = ds.transpose(-1, -2) @ _wide(q)
+    dv = p.transpose(-1, -2) @ dow
+    b, h, s, d = q.shape
+
+    def grouped(t):
+        return t.reshape(b, h // rep, rep, s, d).sum(2)
+
+    return dq.to(q.dtype), grouped(dk).to(k.dtype), grouped(dv).to(v.dtype)
 
 
 # -- the plain (unfused) Llama block, HF / torchtitan conventions ----------------------------------

@@ -86,24 +86,37 @@ def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec | KernelSpec]
 
 
 def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
-    """One kernel per CODA block op (labelled with the op): its tree on the config the op's
-    heuristic picks at the ``model`` layer it fuses into."""
-    from .ops import coda_block as cb
+    """One kernel per CODA op's GEMM (labelled with the op), forward and backward: its tree on
+    the config the op's heuristic picks at the ``model`` layer it fuses into, with the operand
+    majors it runs with (dgrad ``dY @ W``: B n-major; wgrad ``dY.T @ X``: A m-major)."""
     from .ops import lm_head_ce as lm
+    from .ops import proj, qkv, residual, rmsnorm, swiglu
     from .sol.shapes import LLAMA3, llama_block
 
     c = LLAMA3[model]
-    layers = {s.layer: s.mnk for s in llama_block(c)}
+    fwd = {s.layer: s.mnk for s in llama_block(c)}
+
+    def dgrad(layer):  # dY @ W: (M, K, N) of the forward product
+        m, n, k = fwd[layer]
+        return m, k, n
+
     n_qk = (c.n_heads + c.n_kv_heads) * c.head_dim
-    ops = (("residual_gemm_norm_stats", cb.residual_norm_stats_tree(), "down"),
-           ("norm_swiglu", cb.norm_swiglu_tree(), "gate_up"),
-           ("norm_rope_qkv", cb.norm_rope_qkv_tree(n_qk, c.head_dim, False), "qkv"),
-           ("norm_rope_qkv_qk_norm", cb.norm_rope_qkv_tree(n_qk, c.head_dim, True), "qkv"),
-           ("norm_proj", cb.norm_proj_tree(), "qkv"),
-           ("lm_head_ce", lm.lm_head_ce_tree(), "lm_head"))
-    return [KernelSpec.of("bfloat16", "bfloat16", "k", "k",
-                          choose_config(tree, *layers[layer], 1, False, False, sms), tree, ARCH, sms, label=op)
-            for op, tree, layer in ops]
+    ops = (("residual_gemm_norm_stats", residual.residual_norm_stats_tree(), fwd["down"], "kk"),
+           ("norm_swiglu", swiglu.norm_swiglu_tree(), fwd["gate_up"], "kk"),
+           ("norm_rope_qkv", qkv.norm_rope_qkv_tree(n_qk, c.head_dim, False), fwd["qkv"], "kk"),
+           ("norm_rope_qkv_qk_norm", qkv.norm_rope_qkv_tree(n_qk, c.head_dim, True, True), fwd["qkv"], "kk"),
+           ("norm_proj", proj.norm_proj_tree(), fwd["qkv"], "kk"),
+           ("lm_head_ce", lm.lm_head_ce_tree(), fwd["lm_head"], "kk"),
+           ("lm_head_ce_train.logits", lm.logits_tree(), fwd["lm_head"], "kk"),
+           ("lm_head_ce_backward.dlogits", lm.dlogits_tree(), fwd["lm_head"], "kk"),
+           ("swiglu_backward", swiglu.swiglu_backward_tree(), (fwd["down"][0], c.ffn, c.d), "kn"),
+           ("norm_backward.gate_up", rmsnorm.norm_backward_tree(True), dgrad("gate_up"), "kn"),
+           ("norm_backward.qkv", rmsnorm.norm_backward_tree(True), dgrad("qkv"), "kn"),
+           ("norm_backward.lm_head", rmsnorm.norm_backward_tree(False, True), dgrad("lm_head"), "kn"),
+           ("lm_head_ce_train.dw", lm.accumulate_tree("bfloat16"), (c.vocab, c.d, fwd["lm_head"][0]), "mn"))
+    return [KernelSpec.of("bfloat16", "bfloat16", majors[0], majors[1],
+                          choose_config(tree, *mnk, 1, False, False, sms), tree, ARCH, sms, label=op)
+            for op, tree, mnk, majors in ops]
 
 
 def expected_wgmma(spec: GemmSpec | KernelSpec) -> str:

@@ -40,7 +40,10 @@ from rich.table import Table
 from coda_cute import gemm as coda_gemm
 from coda_cute import reference as R
 from coda_cute.nn import CodaLlamaBlock, LlamaConfig, embedding_norm_stats
-from coda_cute.ops.coda_block import (norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats,
+from coda_cute.ops.proj import norm_proj
+from coda_cute.ops.qkv import norm_rope_qkv
+from coda_cute.ops.swiglu import norm_swiglu
+from coda_cute.ops.residual import (residual_gemm_norm_stats,
                                       stats_tile_n)
 from coda_cute.ops.lm_head_ce import lm_head_ce
 from coda_cute.sol.timing import interleaved_medians

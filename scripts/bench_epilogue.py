@@ -54,12 +54,12 @@ def trees():
 
 def coda_trees(n):
     """The CODA block ops' trees (coda_cute.ops) at an N of this shape (Q and K: 5/6 of N)."""
-    from coda_cute.ops import coda_block, lm_head_ce
+    from coda_cute.ops import lm_head_ce, qkv
 
     n_qk = n // 6 * 5 // 128 * 128
     return {
-        "coda qkv + rope": coda_block.norm_rope_qkv_tree(n_qk, 128, False),
-        "coda qkv + qk-norm + rope": coda_block.norm_rope_qkv_tree(n_qk, 128, True),
+        "coda qkv + rope": qkv.norm_rope_qkv_tree(n_qk, 128, False),
+        "coda qkv + qk-norm + rope": qkv.norm_rope_qkv_tree(n_qk, 128, True),
         "coda lm head + ce": lm_head_ce.lm_head_ce_tree(),
     }
 

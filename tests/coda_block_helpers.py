@@ -103,3 +103,16 @@ def model_state_dict(cfg: LlamaConfig, device="cpu"):
     for i in range(cfg.n_layers):
         sd.update({f"model.layers.{i}.{k}": t for k, t in hf_block(cfg, device=device).items()})
     return sd
+
+
+def coda_grads_as_hf(model) -> dict:
+    """A CodaLlama's parameter gradients under their HF state-dict names and layouts (the
+    conversions are permutations, so they commute with the gradient)."""
+    c = model.cfg
+    out = {"model.embed_tokens.weight": model.embed.weight.grad,
+           "model.norm.weight": model.head.norm.grad, "lm_head.weight": model.head.weight.grad}
+    for i, layer in enumerate(model.layers):
+        grads = C.block_to_hf({n: t.grad for n, t in layer.named_parameters()}, c.n_heads,
+                              c.n_kv_heads, c.head_dim)
+        out.update({f"model.layers.{i}.{k}": g for k, g in grads.items()})
+    return out

@@ -22,8 +22,12 @@ from coda_cute import reference as R
 from coda_cute.epilogue.runner import choose_config
 from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.nn import convert as C
-from coda_cute.ops import coda_block as CB
 from coda_cute.ops import lm_head_ce as LH
+from coda_cute.ops import proj as PJ
+from coda_cute.ops import qkv as QK
+from coda_cute.ops import residual as RS
+from coda_cute.ops import swiglu as SW
+from coda_cute.ops.rmsnorm import norm_inputs
 from coda_block_helpers import block_errors, hf_block, model_state_dict, plain_model_loss, print_ratios, rand
 from helpers import rel_err
 
@@ -90,7 +94,7 @@ def test_residual_ref_equals_tree_evaluator():
     a, w, res = residual_args(m=45, n=200)
     tile_n = 64
     y, ss = R.residual_gemm_norm_stats_ref(a, w, res, tile_n)
-    out = E.evaluate(CB.residual_norm_stats_tree(), a.float() @ w.float().t(), {"residual": res}, (128, tile_n))
+    out = E.evaluate(RS.residual_norm_stats_tree(), a.float() @ w.float().t(), {"residual": res}, (128, tile_n))
     assert ss.shape == (45, 4) and y.dtype == BF16
     assert y.equal(out["y"]) and ss.equal(out["ss"])
     assert torch.allclose(ss.sum(1), y.float().square().sum(1), rtol=1e-6)
@@ -174,7 +178,7 @@ def op_of(name):
     return getattr(torch.ops.coda, base(name))
 
 
-REFS = {"residual_gemm_norm_stats": lambda a, w, r: R.residual_gemm_norm_stats_ref(a, w, r, CB.stats_tile_n(a, w)),
+REFS = {"residual_gemm_norm_stats": lambda a, w, r: R.residual_gemm_norm_stats_ref(a, w, r, RS.stats_tile_n(a, w)),
         "norm_swiglu": R.norm_swiglu_ref, "norm_proj": R.norm_proj_ref,
         "norm_rope_qkv": R.norm_rope_qkv_ref, "lm_head_ce": R.lm_head_ce_ref}
 
@@ -218,7 +222,7 @@ def test_fake_cuda_shapes(name):
         out = op(*args)
     out = out if isinstance(out, tuple) else (out,)
     if name == "residual":  # one partial per column tile of the config the runner will pick
-        tile_n = choose_config(CB.residual_norm_stats_tree(), 16384, 4096, 14336, 1, False, False, 132).tile_n
+        tile_n = choose_config(RS.residual_norm_stats_tree(), 16384, 4096, 14336, 1, False, False, 132).tile_n
         want[1] = ((16384, -(-4096 // tile_n)), F32)
     assert [(tuple(o.shape), o.dtype, o.device.type) for o in out] == [(s, dt, "cuda") for s, dt in want]
 
@@ -236,7 +240,7 @@ def test_opcheck(case):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
-# -- backward: hand-written formulas vs autograd of the references (float64) -----------------------
+# -- backward: the registered autograd vs float64 autograd of the references ----------------------
 def autograd_of(ref, args, grad_idx, cots=None):
     """(outputs, cotangents, gradients of sum(out * cotangent) w.r.t. args[grad_idx]) by
     autograd; random cotangents unless given."""
@@ -253,61 +257,34 @@ def autograd_of(ref, args, grad_idx, cots=None):
     return [o.detach() for o in out], cots, grads
 
 
-def assert_grads(got, want, tol=1e-12):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert w.norm() > 0 and rel_err(g, w) < tol, (rel_err(g, w), w.norm())
-
-
-def test_residual_backward_formula():
-    args = residual_args(n=200, dtype=F64)
-    (y, _), (dy, dss), want = autograd_of(lambda a, w, r: R.residual_gemm_norm_stats_ref(a, w, r, 64), args, [0, 1, 2])
-    assert_grads(CB.residual_gemm_norm_stats_backward(*args[:2], y, 64, dy, dss), want)
-
-
-def test_swiglu_and_proj_backward_formulas():
-    y, w, ss = norm_args(dtype=F64)
-    (z, _), (dz, dh), want = autograd_of(R.norm_swiglu_ref, (y, w, ss, EPS), [0, 1, 2])
-    assert_grads(CB.norm_swiglu_backward(y, w, ss, EPS, z, dz, dh), want)
-    (out,), (dout,), want = autograd_of(R.norm_proj_ref, (y, w, ss, EPS), [0, 1, 2])
-    assert_grads(CB.norm_proj_backward(y, w, ss, EPS, out, dout), want)
-
-
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_qkv_backward_formula(qk_norm):
-    args = qkv_args(dtype=F64, qk_norm=qk_norm)
-    idx = [0, 1, 2, 9, 10] if qk_norm else [0, 1, 2]
-    _, (dout,), want = autograd_of(R.norm_rope_qkv_ref, args, idx)
-    got = CB.norm_rope_qkv_backward(*args, dout)
-    assert_grads([g for g in got if g is not None], want)
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("chunk", [LH.CHUNK_ELEMS, 300])  # 300: several row and vocab chunks
-def test_lm_head_backward_formula(reduction, chunk, monkeypatch):
-    monkeypatch.setattr(LH, "CHUNK_ELEMS", chunk)
-    args = ce_args(dtype=F64, reduction=reduction)
-    (_, lse), (dloss, dlse), want = autograd_of(R.lm_head_ce_ref, args, [0, 1, 2])
-    y, w, ss, eps, t, ig, red = args
-    assert_grads(LH.lm_head_ce_backward(y, w, ss, eps, t, lse, ig, red, dloss, dlse), want)
+def with_stats_of_y(ref):
+    """``ref`` with its ss argument recomputed from y: the ops' gradient convention (ss is y's
+    norm statistic, so dL/dy includes the path through it and ss has no gradient of its own)."""
+    def f(y, w, ss, *rest):
+        return ref(y, w, R.norm_stats_partials_ref(y, 32), *rest)
+    return f
 
 
 @pytest.mark.parametrize("case", list(op_cases()), ids=lambda c: c[0])
 def test_op_autograd_bf16(case):
-    """The registered backward (bf16 in, bf16 grads) vs float64 autograd of the reference on the
-    same bf16 inputs: checks each gradient lands on its argument."""
+    """The registered backward (bf16 in, bf16 grads, through the backward ops' references) vs
+    float64 autograd of the forward reference on the same bf16 inputs: checks the backward
+    formulas and that each gradient lands on its argument. ss carries none."""
     name, args, _ = case
     ref = REFS[base(name)]
+    residual = base(name) == "residual_gemm_norm_stats"
     idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
-           and a is not INV_FREQ]
+           and a is not INV_FREQ and (residual or i != 2)]
     inputs = [a.detach().clone().requires_grad_() if i in idx else a for i, a in enumerate(args)]
     with coda_cute.reference_on_cpu():
         out = op_of(name)(*inputs)
-    out = out if isinstance(out, tuple) else (out,)
-    cots = [torch.randn(o.shape) for o in out]
-    got = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip(out, cots)), [inputs[i] for i in idx])
+        out = out if isinstance(out, tuple) else (out,)
+        out = out[:1] if residual or base(name) == "lm_head_ce" else out  # ss / LSE: no cotangent
+        cots = [torch.randn(o.shape) for o in out]
+        got = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip(out, cots)), [inputs[i] for i in idx])
     args64 = [a.double() if i in idx else a for i, a in enumerate(args)]
-    _, _, want = autograd_of(ref, args64, idx, cots)
+    fn = (lambda *a: ref(*a)[:1]) if residual or base(name) == "lm_head_ce" else ref
+    _, _, want = autograd_of(fn if residual else with_stats_of_y(fn), args64, idx, cots)
     for g, w, i in zip(got, want, idx):
         assert g.dtype == args[i].dtype and g.shape == args[i].shape
         assert rel_err(g, w) < 2e-2, (i, rel_err(g, w))
@@ -480,8 +457,8 @@ def test_qkv_tree_evaluates_to_reference(qk_norm):
     torch.manual_seed(0)
     args = qkv_args(qk_norm=qk_norm)
     y, w, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps = args
-    tree = CB.norm_rope_qkv_tree((h + hkv) * hd, hd, qk_norm)
-    inputs = CB.qkv_tree_inputs(y, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps)
+    tree = QK.norm_rope_qkv_tree((h + hkv) * hd, hd, qk_norm)
+    inputs = QK.qkv_tree_inputs(y, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps)
     got = E.evaluate(tree, y.float() @ w.float().t(), inputs, (128, 64))["qkv"]
     assert rel_err(got, R.norm_rope_qkv_ref(*args)) < 1e-2
 
@@ -491,14 +468,14 @@ def test_norm_trees_evaluate_to_reference():
     torch.manual_seed(0)
     y, w, ss = norm_args()
     acc = y.float() @ w.float().t()
-    ins = CB.norm_inputs(y, ss, EPS)
-    out = E.evaluate(CB.norm_swiglu_tree(), acc, ins, (128, 64))
+    ins = norm_inputs(D, ss, EPS)
+    out = E.evaluate(SW.norm_swiglu_tree(), acc, ins, (128, 64))
     z, h = R.norm_swiglu_ref(y, w, ss, EPS)
     assert rel_err(out["z"], z) < 1e-2 and rel_err(out["h"], h) < 1e-2
-    assert rel_err(E.evaluate(CB.norm_proj_tree(), acc, ins, (128, 64))["out"], R.norm_proj_ref(y, w, ss, EPS)) < 1e-2
+    assert rel_err(E.evaluate(PJ.norm_proj_tree(), acc, ins, (128, 64))["out"], R.norm_proj_ref(y, w, ss, EPS)) < 1e-2
     y, w, ss, eps, t, ig, _ = ce_args()
     out = E.evaluate(LH.lm_head_ce_tree(), y.float() @ w.float().t(),
-                     dict(CB.norm_inputs(y, ss, eps), targets=t.to(torch.int32)), (128, 32))
+                     dict(norm_inputs(D, ss, eps), targets=t.to(torch.int32)), (128, 32))
     loss, lse = R.lm_head_ce_ref(y, w, ss, eps, t, ig, "none")
     got_lse = E.finalize_lse(*out["lse"])
     assert rel_err(got_lse, lse) < 1e-5

@@ -19,7 +19,7 @@ from coda_cute import cli, dispatch, report
 from coda_cute.artifacts import find_nvdisasm, scan_ptx, scan_sass
 from coda_cute.compiler import GemmSpec, compile_gemm, parse_ptxas_remarks
 from coda_cute.epilogue.runner import tree_smem_bytes
-from coda_cute.ops.gemm import gemm_tree
+from coda_cute.kernels.epilogue.plain import gemm_tree
 from coda_cute.kernels.common.config import (
     SM90_SMEM_CAPACITY, GemmConfig, pipeline_stages, smem_bytes,
 )
@@ -51,7 +51,13 @@ def test_spec_list_covers_the_config_spaces():
     assert all(s.arch == "sm_90a" for _, s in SPECS)
     assert [s.label for f, s in SPECS if f == "coda"] == [
         "residual_gemm_norm_stats", "norm_swiglu", "norm_rope_qkv", "norm_rope_qkv_qk_norm",
-        "norm_proj", "lm_head_ce"]
+        "norm_proj", "lm_head_ce", "lm_head_ce_train.logits", "lm_head_ce_backward.dlogits",
+        "swiglu_backward", "norm_backward.gate_up", "norm_backward.qkv", "norm_backward.lm_head",
+        "lm_head_ce_train.dw"]
+    # the backward GEMMs run in the layouts their operands arrive in: dgrad B n-major, wgrad A m-major
+    majors = {s.label: s.a_major + s.b_major for f, s in SPECS if f == "coda"}
+    assert majors["swiglu_backward"] == majors["norm_backward.qkv"] == "kn"
+    assert majors["lm_head_ce_train.dw"] == "mn"
 
 
 def stores(spec) -> bool:
@@ -120,9 +126,9 @@ def test_compiles_collect_ptxas_stats_without_tracking_source_locations():
     (a Python stack walk per traced op, ~40 % of a compile); the compiler keeps them off."""
     from cutlass._mlir_helpers import op as dsl_op
 
-    from coda_cute.compiler import ScaleColumnsSpec, compile_scale_columns
+    from coda_cute.elementwise import ScaleColumnsSpec, compile_elementwise
 
-    kernel = compile_scale_columns(ScaleColumnsSpec("bfloat16"))
+    kernel = compile_elementwise(ScaleColumnsSpec("bfloat16"))
     assert "registers" in kernel.stats  # the remarks arrived
     assert dsl_op._ENABLE_FRAME_FILTERING is False  # left as the last compile set it
 
@@ -221,7 +227,7 @@ def test_fp8_two_level_register_budget_rejected():
     import cutlass
 
     from coda_cute.kernels.sm90.gemm import Sm90Gemm
-    from coda_cute.ops.gemm import gemm_tree
+    from coda_cute.kernels.epilogue.plain import gemm_tree
 
     cfg = GemmConfig(128, 256, 128, "cooperative")  # two 128-register accumulators per thread
     with pytest.raises(ValueError, match="registers per thread"):
@@ -234,7 +240,7 @@ def test_fp8_needs_k_major_in_the_kernel():
     import cutlass
 
     from coda_cute.kernels.sm90.gemm import Sm90Gemm
-    from coda_cute.ops.gemm import gemm_tree
+    from coda_cute.kernels.epilogue.plain import gemm_tree
 
     with pytest.raises(ValueError, match="K-major"):
         Sm90Gemm(GemmConfig(128, 128, 128, "cooperative"), cutlass.Float8E4M3FN, cutlass.Float8E4M3FN,
@@ -253,7 +259,7 @@ def test_report_json(tmp_path, capsys):
     rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
     assert rc == 0
     records = json.loads(path.read_text())
-    assert len(records) == len(report.kernel_specs("default")) == 11
+    assert len(records) == len(report.kernel_specs("default")) == 18
     for r in records:
         assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
         for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
@@ -264,7 +270,7 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "11 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "18 as intended" in out and "norm_rope_qkv_qk_norm" in out
 
 
 def test_report_without_nvdisasm_shows_unknown(monkeypatch):

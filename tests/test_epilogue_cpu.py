@@ -36,7 +36,7 @@ def swiglu(x):
 # -- vocabulary rules -------------------------------------------------------------------------------
 BAD_TREES = {
     "full and half mixed": (lambda: swiglu(E.acc()) + E.acc(),
-                            r"cannot combine full-width values with half-width values"),
+                            r"cannot combine values of different widths \[.full., .half.\]"),
     "col_vec in pairwise": (lambda: E.pairwise(lambda g, u: g * E.col_vec("c"), E.acc()),
                             r"pairwise: fn may use the pair, scalars, row vectors and indices"),
     "tile in pairwise": (lambda: E.pairwise(lambda g, u: g + E.tile("t"), E.acc()),
@@ -69,7 +69,23 @@ BAD_TREES = {
     "gather col index": (lambda: E.gather(E.acc(), E.col_vec("i", "int32"), "g"), r"index must be an int32 row_vec"),
     "gather of half": (lambda: E.gather(swiglu(E.acc()), E.row_vec("i", "int32"), "g"), r"gathers read full-width"),
     "col_reduce of half": (lambda: E.col_reduce(swiglu(E.acc()), "sum", "c"),
-                           r"col_reduce 'c': half-width values have no column reduction"),
+                           r"col_reduce 'c': only full-width values have a column reduction"),
+    "col_reduce of double": (lambda: E.col_reduce(E.wide_tile("z"), "sum", "c"),
+                             r"col_reduce 'c': only full-width values have a column reduction"),
+    "row_reduce of double": (lambda: E.row_reduce(E.interleave(E.acc(), E.acc()), "sum", "r"),
+                             r"row_reduce 'r': reduce full- or half-width values"),
+    "gather of double": (lambda: E.gather(E.wide_tile("z"), E.row_vec("i", "int32"), "g"), r"gathers read full-width"),
+    "full and double mixed": (lambda: E.wide_tile("z") + E.acc(),
+                              r"cannot combine values of different widths \[.double., .full.\]"),
+    "interleave of half": (lambda: E.interleave(swiglu(E.acc()), E.acc()),
+                           r"interleave: even must be a full-width \(or row-uniform\) value, got a half-width one"),
+    "interleave of rows only": (lambda: E.interleave(E.row_vec("a"), 1.0),
+                                r"interleave: at least one of even / odd must vary over the tile"),
+    "wide tile fp32": (lambda: E.wide_tile("z", "float32"), r"wide_tile 'z': wide tiles are bfloat16 or float16"),
+    "double store fp32": (lambda: E.store(E.wide_tile("z"), "o", "float32"),
+                          r"store 'o': double-width values are stored as bfloat16 or float16"),
+    "tile and wide tile": (lambda: E.Epilogue(E.store(E.acc() + E.tile("t"), "o"), E.store(E.wide_tile("t"), "w")),
+                           r"input 't' is used as tile\[bfloat16\] and as wide_tile\[bfloat16\]"),
     "store int32": (lambda: E.store(E.acc(), "o", "int32"), r"store 'o': dtype must be one of \('float32', 'bfloat16', 'float16'\)"),
     "store float64": (lambda: E.store(E.acc(), "o", "float64"), r"got 'float64'"),
     "cast to int32": (lambda: E.cast(E.acc(), "int32"), r"cast: dtype must be one of"),
@@ -683,8 +699,16 @@ def test_preallocated_outputs(hopper):
     a, b, ins = host_call()
     y = torch.empty(HM, HN, dtype=BF16)
     assert E.run(HOST_TREE, a, b, ins, outputs={"out": y})["out"] is y
-    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(96, 64\)"):
+    with pytest.raises(ValueError, match=r"out must be a torch.bfloat16 tensor of shape \(96, 64\), got torch.float32"):
         E.run(HOST_TREE, a, b, ins, outputs={"out": torch.empty(HM, HN)})
+    # a store may write a row-major view with a padded (16-byte aligned) row stride ...
+    padded = torch.empty(HM, HN + 8, dtype=BF16)
+    assert E.run(HOST_TREE, a, b, ins, outputs={"out": padded[:, :HN]})["out"].data_ptr() == padded.data_ptr()
+    # ... but not a column-major one, nor one whose rows miss 16-byte boundaries
+    with pytest.raises(ValueError, match=r"out must be contiguous or row-major \(stride 1 along N\)"):
+        E.run(HOST_TREE, a, b, ins, outputs={"out": torch.empty(HN, HM, dtype=BF16).t()})
+    with pytest.raises(ValueError, match=r"out's strides must be multiples of 16 bytes"):
+        E.run(HOST_TREE, a, b, ins, outputs={"out": torch.empty(HM, HN + 3, dtype=BF16)[:, :HN]})
 
 
 # -- op registration ----------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue import nodes as N
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
-from coda_cute.ops.coda_block import norm_rope_qkv_tree, norm_swiglu_tree, residual_norm_stats_tree
+from coda_cute.ops.qkv import norm_rope_qkv_tree
+from coda_cute.ops.residual import residual_norm_stats_tree
+from coda_cute.ops.swiglu import norm_swiglu_tree
 
 COOP = GemmConfig(128, 256, 64, "cooperative", 2, 1)
 PP = GemmConfig(128, 128, 64, "pingpong", 2, 1)
@@ -145,7 +147,7 @@ def test_lm_head_and_qk_norm_picks_build_without_spills():
 
 
 def test_cooperative_elementwise_trees_get_wider_sub_tiles():
-    from coda_cute.ops.gemm import gemm_tree
+    from coda_cute.kernels.epilogue.plain import gemm_tree
 
     plain = gemm_tree("row", "row", "bfloat16")
     fp8_coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)

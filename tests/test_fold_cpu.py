@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from coda_cute.artifacts import disassemble, find_nvdisasm
-from coda_cute.compiler import ScaleColumnsSpec, compile_scale_columns, spill_bytes
+from coda_cute.compiler import spill_bytes
+from coda_cute.elementwise import ScaleColumnsSpec, compile_elementwise
 from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.nn.fold import FoldCache
 from coda_cute.ops.fold import fold_gamma_impl
@@ -118,7 +119,7 @@ def test_copies_and_pickles_start_without_a_fold():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fold_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
-    k = compile_scale_columns(ScaleColumnsSpec(dtype), keep_artifacts=True)
+    k = compile_elementwise(ScaleColumnsSpec(dtype), keep_artifacts=True)
     assert ".target sm_90a" in k.ptx
     assert spill_bytes(k) == 0
     if find_nvdisasm() is None:

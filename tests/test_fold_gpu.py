@@ -5,7 +5,8 @@ op's gradients are autograd's for W * gamma."""
 import pytest
 import torch
 
-from coda_cute.compiler import ScaleColumnsSpec, get_kernel
+from coda_cute.compiler import get_kernel
+from coda_cute.elementwise import ScaleColumnsSpec
 from coda_cute.ops.fold import _kernel_applies
 
 pytestmark = pytest.mark.gpu

@@ -229,7 +229,7 @@ def test_bad_layouts_rejected_before_launch(case, hopper_host):
 
 
 def test_bad_out_rejected(hopper_host):
-    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(64, 32\)"):
+    with pytest.raises(ValueError, match=r"out must be a torch.bfloat16 tensor of shape \(64, 32\), got torch.bfloat16 \(32, 64\)"):
         gemm_mod.gemm_impl(_bf16(64, 48), _bf16(48, 32), out=torch.empty(32, 64, dtype=BF16))
     assert not hopper_host
 
@@ -461,3 +461,29 @@ def test_split_tail_workspace_is_sized_per_launch_only_when_the_tail_splits():
     plan.config = plan.config.with_(split_tail=False)
     run_mod._tail_workspace(plan, 16384, 4096, 14336, 1, 132, torch.device("cpu"))
     assert plan.workspace is None and plan.tail_sizes is None
+
+
+def _gemm_bad_cases():
+    """The issue's list: what the GPU rejects, the fake (tracing) and CPU reference paths must too."""
+    yield "non-contiguous a", lambda t: (t(64, 96).as_strided((64, 48), (96, 2)), t(48, 32)), "one of its last two dimensions"
+    yield "K = 100 bf16", lambda t: (t(64, 100), t(100, 32)), "multiples of 16 bytes"
+    yield "pointer offset by one element", lambda t: (t(64 * 48 + 1).narrow(0, 1, 64 * 48).view(64, 48), t(48, 32)), "data pointer must be 16-byte aligned"
+    yield "N = 12 result rows", lambda t: (t(64, 48), t(12, 48).t()), "the result's strides"
+
+
+@pytest.mark.parametrize("case", list(_gemm_bad_cases()), ids=lambda c: c[0])
+def test_gemm_layout_rules_on_fake_and_reference_paths(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, make, match = case
+    with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match=match):
+        torch.ops.coda.gemm(*make(lambda *s: torch.randn(*s).to(BF16)))
+    with FakeTensorMode(), pytest.raises(ValueError, match=match):
+        torch.ops.coda.gemm(*make(lambda *s: torch.empty(*s, dtype=BF16, device="cuda")))
+
+
+def test_gemm_devices_must_match_on_fake_and_reference_paths():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(ValueError, match="a is on cuda:0 but b is on cpu"):
+        torch.ops.coda.gemm(torch.empty(64, 48, dtype=BF16, device="cuda"), torch.empty(48, 32, dtype=BF16))

@@ -38,6 +38,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     exp2,
     gather,
     gelu,
+    interleave,
     log,
     log2,
     lookup,
@@ -65,6 +66,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     tile,
     to_float,
     where,
+    wide_tile,
 )
 from .reference import evaluate, finalize_lse, finalize_max, finalize_sum  # noqa: F401
 from .register import register_op  # noqa: F401

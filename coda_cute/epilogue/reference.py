@@ -34,7 +34,7 @@ def evaluate(tree: N.Epilogue, acc: torch.Tensor, inputs: dict, tile_mn=(128, 25
     for s in tree.sinks:
         # Values that depend on fewer than all of (l, m, n) are broadcast over the output, as the
         # kernel evaluates them at every element.
-        x = ev.value(s.x).expand(L, M, Nn // 2 if s.x.domain == N.HALF else Nn)
+        x = ev.value(s.x).expand(L, M, int(Nn * N.DOMAIN_WIDTH.get(s.x.domain, 1)))
         if isinstance(s, N.Store):
             # A fresh dense tensor, like the kernel's output (never a view of an input).
             res = x.to(_TORCH[s.dtype], memory_format=torch.contiguous_format, copy=True)
@@ -93,7 +93,7 @@ class _Evaluator:
             v = self._input(node.name).to(dev)
             v = v.reshape(-1, Nn) if v.dim() == 2 else v.reshape(1, Nn)
             return (v.to(torch.int32) if node.dtype == "int32" else v.float()).unsqueeze(-2)
-        if isinstance(node, N.Tile):
+        if isinstance(node, N.Tile):  # a wide tile is (L, M, 2N) as given
             v = self._input(node.name).to(dev)
             return (v if v.dim() == 3 else v.unsqueeze(0)).float()
         if isinstance(node, N.RowSum):
@@ -101,9 +101,9 @@ class _Evaluator:
             return (v if v.dim() == 3 else v.unsqueeze(0)).sum(-1, keepdim=True)
         if isinstance(node, N.RowIndex):
             return torch.arange(M, device=dev, dtype=torch.int32).reshape(1, M, 1)
-        if isinstance(node, N.ColIndex):
+        if isinstance(node, N.ColIndex):  # in a pairwise body: the pair's column
             cols = torch.arange(Nn, device=dev, dtype=torch.int32).reshape(1, 1, Nn)
-            return cols if binding is None else cols[..., 0::2]
+            return cols if binding is None or binding[2] == N.DOUBLE else cols[..., 0::2]
         if isinstance(node, N.PairArg):
             return binding[node.which]
         kids = [self.value(c, binding) for c in node.children]
@@ -139,12 +139,17 @@ class _Evaluator:
             seg = _pad_to(x, -1, w, 0.0).reshape(L, M, -1, w).sum(-1)
             return seg.repeat_interleave(w, dim=-1)[..., :Nn]
         if isinstance(node, N.Pairwise):
-            x = kids[0]
-            pair = (x[..., 0::2], x[..., 1::2])
+            x = kids[0].float()
+            if node.children[0].domain == N.DOUBLE:
+                x = x.expand(L, M, 2 * Nn)
+            pair = (x[..., 0::2], x[..., 1::2], node.children[0].domain)
             outs = torch.broadcast_tensors(pair[0], *(self.value(b, pair).float() for b in node.body))[1:]
             if len(outs) == 1:
                 return outs[0]
             return torch.stack(outs, dim=-1).flatten(-2)
+        if isinstance(node, N.Interleave):
+            even, odd = torch.broadcast_tensors(*(k.float().expand(L, M, Nn) for k in kids))
+            return torch.stack((even, odd), dim=-1).flatten(-2)
         raise N.EpilogueError(f"no reference for node kind {node.kind!r}")
 
 

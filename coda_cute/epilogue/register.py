@@ -62,11 +62,7 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
         return res[0] if n_out == 1 else tuple(res)
 
     def cpu_impl(a, b, *rest):
-        from ..ops.gemm import reference_on_cpu_enabled
-
-        if not reference_on_cpu_enabled():
-            raise ValueError(f"{qual} runs on CUDA tensors (Hopper, sm_90); got CPU tensors. "
-                             "Wrap the call in coda_cute.reference_on_cpu() to use the torch reference.")
+        dispatch.require_reference(qual)
         _, _, _, cfg = config_for(a, b)
         acc = torch.matmul(a.float(), b.float())
         return flat(evaluate(tree, acc, bind(rest), (cfg.tile_m, cfg.tile_n)))

@@ -17,7 +17,7 @@ from .. import dispatch
 from ..compiler import KernelSpec, get_gemm, spill_bytes
 from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
-from ..operands import check_operands, dtype_name, mn_view, operand_view, tma_view
+from ..operands import check_operands, check_pointer_aligned, dtype_name, mn_view, operand_view, tma_view
 from .reference import torch_dtype
 
 _MAX_PLANS = 4096
@@ -62,7 +62,7 @@ def _epilogue_factor(tree, cfg: GemmConfig) -> float:
 
 
 #: Candidates, in the heuristic's order, whose builds :func:`choose_config` inspects for spills.
-SPILL_CHECKS = 4
+SPILL_CHECKS = 8
 
 
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms) -> list:
@@ -107,21 +107,23 @@ class Plan:
 
     def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None) -> dict:
         for name, t in (("a", a), ("b", b)):
-            if t.data_ptr() % 16:
-                raise ValueError(f"{self.op}: {name}'s data pointer must be 16-byte aligned (got offset "
-                                 f"{t.data_ptr() % 16} bytes); use a fresh or .contiguous() tensor")
+            if t.data_ptr() % 16:  # real tensors here: the per-call check stays one modulo
+                check_pointer_aligned(t, name, self.op)
         result, out_args = {}, []
-        for name, shape, dtype, fill, view in self.out_allocs:
+        for name, shape, dtype, fill, view, kind in self.out_allocs:
             t = outputs.get(name) if outputs else None
             if t is None:
+                if isinstance(view, ValueError):
+                    raise view
                 t = (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=self.device)
-            elif tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{self.op}: {name} must be a contiguous {dtype} tensor of shape {shape}")
+                out_args.append(_words(t, kind).as_strided(*view))
+            else:
+                out_args.append(_given_output(t, name, shape, dtype, view, kind, self.op))
             result[name] = t
-            out_args.append(t.as_strided(*view))
         if self.empty:
             return _group(result, self.tree)
-        ins = tuple(_padded(inputs[name], pad).as_strided(*view) for name, view, pad in self.in_views) or None
+        ins = tuple(_padded(_words(inputs[name], wide), pad).as_strided(*view)
+                    for name, view, pad, wide in self.in_views) or None
         scalars = tuple(float(inputs[name]) for name in self.scalar_names) or None
         workspace = self.workspace
         if self.tail_sizes is not None:  # a split tail: fresh partials, zeroed counters per launch
@@ -150,6 +152,25 @@ def _tail_workspace(plan: Plan, m, n, k, batch, sms, device) -> None:
     else:
         plan.workspace = (torch.empty(1, dtype=torch.float32, device=device),
                           torch.empty(1, dtype=torch.int32, device=device))
+
+
+def _words(t: torch.Tensor, wide) -> torch.Tensor:
+    """A double-width tensor (``wide`` true or "wide") as the kernel's 32-bit column pairs."""
+    return t.view(torch.float32) if wide in (True, "wide") else t
+
+
+def _given_output(t, name, shape, dtype, view, kind, op):
+    """The kernel view of a preallocated output: contiguous, or for stores any row-major tensor
+    whose row stride and data pointer TMA accepts (e.g. a column slice of a padded buffer)."""
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{op}: {name} must be a {dtype} tensor of shape {shape}, got "
+                         f"{t.dtype} {tuple(t.shape)}")
+    if t.is_contiguous() and not isinstance(view, ValueError):
+        return _words(t, kind).as_strided(*view)
+    if kind not in ("store", "wide") or t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide")
+                         else " or row-major (stride 1 along N)") + f", got strides {tuple(t.stride())}")
+    return tma_view(mn_view(_words(t, kind)), name, True, ("M", "N", "batch"), op)
 
 
 def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
@@ -197,7 +218,7 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
     out = []
     for o in tree.outputs:
         if o.kind == "store":
-            cols = n // 2 if o.half else n
+            cols = n // 2 if o.half else (2 * n if o.wide else n)
             out.append((o.name, lead + (m, cols), torch_dtype(o.dtype), False))
         elif o.kind == "row_reduce":
             t = -(-n // config.tile_n)
@@ -249,7 +270,10 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
             )
     plan.out_allocs = []
     for name, shape, dtype, fill in output_shapes(tree, m, n, batch, batched, config):
-        plan.out_allocs.append((name, shape, dtype, fill, _out_view(name, shape, dtype, tree, op)))
+        kind = _out_kind(name, tree)
+        plan.out_allocs.append((name, shape, dtype, fill, _out_view(name, shape, dtype, kind, op), kind))
+    # A store whose dense layout TMA cannot write (a row of N values not 16-byte aligned) needs
+    # a preallocated output with padded rows: its error is raised only when none is given.
     if plan.empty:
         return plan
     plan.a_view = (tuple(a_view.shape), a_view.stride())
@@ -258,7 +282,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
     # rounds the tile count up to whole clusters, so a 1x2 cluster can hold a tile past N.
     n_tiles = -(-n // (config.tile_n * config.cluster_n)) * config.tile_n * config.cluster_n
     plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op, n_tiles),
-                      n_tiles if i.kind == "col_vec" and n_tiles != n else None)
+                      n_tiles if i.kind == "col_vec" and n_tiles != n else None, i.wide)
                      for i in tree.inputs if i.kind != "scalar"]
     plan.scalar_names = [i.name for i in tree.inputs if i.kind == "scalar"]
     for name in plan.scalar_names:
@@ -327,22 +351,35 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: in
         if spec.kind == "col_vec" and n_tiles != n:
             extent, l_stride = n_tiles, n_tiles if t.dim() == 2 else 0
         return ((extent, batch), (1, l_stride))
-    ok = [(batch, m, n)] if batched else [(m, n)]
+    cols = 2 * n if spec.wide else n
+    what = "wide tile" if spec.wide else "tile"
+    ok = [(batch, m, cols)] if batched else [(m, cols)]
     if tuple(t.shape) not in ok:
-        raise ValueError(f"{op}: tile {spec.name!r} must have shape {' or '.join(map(str, ok))}, "
-                         f"got {tuple(t.shape)}")
-    if n > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{op}: tile {spec.name!r} must be row-major (stride 1 along N), "
+        raise ValueError(f"{op}: {what} {spec.name!r} must have shape {' or '.join(map(str, ok))}"
+                         + (" (two columns per output column)" if spec.wide else "")
+                         + f", got {tuple(t.shape)}")
+    if cols > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {what} {spec.name!r} must be row-major (stride 1 along N), "
                          f"got strides {tuple(t.stride())}")
-    v = tma_view(mn_view(t), spec.name, True, ("M", "N", "batch"), op)
+    v = tma_view(mn_view(_words(t, spec.wide)), spec.name, True, ("M", "N", "batch"), op)
     return (tuple(v.shape), v.stride())
 
 
-def _out_view(name, shape, dtype, tree, op):
+def _out_kind(name: str, tree: N.Epilogue) -> str:
+    """An output's kind, "wide" for a double-width store."""
+    o = next(o for o in tree.outputs if name.split(".")[0] == o.name)
+    return "wide" if o.kind == "store" and o.wide else o.kind
+
+
+def _out_view(name, shape, dtype, kind, op):
+    """(shape, strides) of the kernel's view of a dense output; for a store TMA cannot write
+    densely, the ValueError saying why (raised at launch unless a padded output is given)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    kind = next(o.kind for o in tree.outputs if name.split(".")[0] == o.name)
-    if kind == "store":
-        v = tma_view(mn_view(meta), name, True, ("M", "N", "batch"), op)
+    if kind in ("store", "wide"):
+        try:
+            v = tma_view(mn_view(_words(meta, kind)), name, True, ("M", "N", "batch"), op)
+        except ValueError as e:
+            return e
     elif kind == "gather":
         v = (meta.unsqueeze(0) if meta.dim() == 1 else meta).t()
     else:  # partials (L?, rows, tiles) -> (rows, tiles, L)

@@ -1,18 +1,23 @@
 """A Llama decoder block, the final norm + LM head + loss, and a small Llama, on the CODA ops.
 
-One block (x: the residual stream, ss: its norm-stat partials from the GEMM that produced it):
+One block (x: the residual stream, ss: its norm-stat partials from the GEMM that produced it),
+as two autograd ops whose backward fuses across their GEMMs (coda-math 3.3):
 
-    qkv      = coda.norm_rope_qkv(x, W_qkv * gamma_attn, ss, ...)      RMSNorm + QKV + RoPE
-    o        = scaled_dot_product_attention(q, k, v, causal, GQA)
-    y1, ss1  = coda.residual_gemm_norm_stats(o, W_o, x)                out-proj + residual
-    z, h     = coda.norm_swiglu(y1, W_gu * gamma_ffn, ss1, eps)        RMSNorm + gate/up + SwiGLU
-    y2, ss2  = coda.residual_gemm_norm_stats(h, W_down, y1)            down-proj + residual
+    y1, ss1 = coda.attention_block(x, ss, W_qkv * gamma_attn, W_o, ...)
+              RMSNorm + QKV + RoPE, causal GQA attention (the SDPA kernel), out-proj + residual
+    y2, ss2 = coda.mlp_block(y1, ss1, W_gu * gamma_ffn, W_down)
+              RMSNorm + gate/up + SwiGLU, down-proj + residual
 
-The RMSNorm weights are folded into the consumer weights on every forward (a differentiable
-multiply: d gamma = sum_n dW' * W), or with ``cache_folds=True`` once per version of the weights
-(``coda_cute.nn.fold.FoldCache``: reused by every micro-batch between two optimizer steps and by
-every inference forward; read its caveat on writes through ``.data``); see
-``coda_cute.ops.coda_block.residual_gemm_norm_stats`` for why gamma is not stored with y.
+The final norm + LM head + loss is ``coda.lm_head_ce_train`` (gradients computed in the
+forward, in row chunks) or ``coda.lm_head_ce`` (loss only). The ss partials are statistics of
+the residual stream: they carry no gradient (each op's backward includes the norm's).
+
+The block's RMSNorm weights are folded into the consumer weights on every forward (a
+differentiable multiply: d gamma = sum_n dW' * W), or with ``cache_folds=True`` once per version
+of the weights (``coda_cute.nn.fold.FoldCache``: reused by every micro-batch between two
+optimizer steps and by every inference forward; read its caveat on writes through ``.data``);
+see ``coda_cute.ops.residual.residual_gemm_norm_stats`` for why gamma is not stored with y. The
+final norm's weight is applied to the activations instead (``coda_cute.ops.lm_head_ce``).
 Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
 ``from_hf`` / ``hf_state_dict`` convert from and to standard HF weights. Keep the model's
 parameters in bf16 (the ops' dtype) and the RoPE frequencies (``rope_inv_freq``) in fp32: move
@@ -25,11 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.coda_block import norm_proj, norm_rope_qkv, norm_swiglu, residual_gemm_norm_stats
-from ..ops.lm_head_ce import lm_head_ce
+from ..ops.lm_head_ce import cross_entropy
+from ..ops.proj import norm_proj
 from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf
 from .fold import FoldCache
@@ -57,9 +61,10 @@ class LlamaConfig:
 
 def embedding_norm_stats(x: torch.Tensor) -> torch.Tensor:
     """(M, 1) fp32 sums of squares of the rows of x (M, d): the norm statistics of the embedding
-    output, which no GEMM produces. One small torch reduction (reads x once, writes M floats),
-    differentiable, so the first norm's gradient reaches the embeddings through autograd."""
-    return x.float().square().sum(-1, keepdim=True)
+    output, which no GEMM produces. One small torch reduction (reads x once, writes M floats);
+    like every ss it carries no gradient: the first block's backward returns the norm's
+    gradient through x itself."""
+    return x.detach().float().square().sum(-1, keepdim=True)
 
 
 def _weight(*shape, device, dtype, std=0.02):
@@ -106,15 +111,12 @@ class CodaLlamaBlock(nn.Module):
         Returns the next residual stream (B, S, d) and its partials."""
         c = self.cfg
         b, s, d = x.shape
-        h, hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-        flat = x.reshape(b * s, d)
-        qkv = norm_rope_qkv(flat, self._folds[0](self.wqkv, self.attn_norm), ss, c.norm_eps, positions.repeat(b),
-                            inv_freq, h, hkv, hd, self.q_norm, self.k_norm, c.qk_norm_eps)
-        q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([h * hd, hkv * hd, hkv * hd], 1))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        y1, ss1 = residual_gemm_norm_stats(o.transpose(1, 2).reshape(b * s, h * hd), self.wo, flat)
-        _, act = norm_swiglu(y1, self._folds[1](self.w_gu, self.ffn_norm), ss1, c.norm_eps)
-        y2, ss2 = residual_gemm_norm_stats(act, self.w_down, y1)
+        y1, ss1 = torch.ops.coda.attention_block(
+            x.contiguous(), ss, self._folds[0](self.wqkv, self.attn_norm), self.wo, positions.repeat(b),
+            inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads, c.head_dim, self.q_norm, self.k_norm,
+            c.qk_norm_eps)[:2]
+        y2, ss2, _ = torch.ops.coda.mlp_block(y1.view(b * s, d), ss1, self._folds[1](self.w_gu, self.ffn_norm),
+                                              self.w_down, c.norm_eps)
         return y2.view(b, s, d), ss2
 
     def load_hf(self, p: dict, rope: str = "rotate_half"):
@@ -146,9 +148,8 @@ class CodaLlamaHead(nn.Module):
 
     def forward(self, y, ss, targets, ignore_index: int = -100, reduction: str = "mean"):
         """y: (..., d) bf16, ss: its (M, T) partials, targets: (...) int. Returns the loss."""
-        loss, _ = lm_head_ce(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss,
-                             self.cfg.norm_eps, targets.reshape(-1), ignore_index, reduction)
-        return loss
+        return cross_entropy(y.reshape(-1, self.cfg.dim), self.weight, ss, self.cfg.norm_eps,
+                             targets.reshape(-1), ignore_index, reduction, gamma=self.norm)
 
     def logits(self, y, ss):
         out = norm_proj(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss, self.cfg.norm_eps)

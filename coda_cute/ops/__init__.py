@@ -1,4 +1,13 @@
-"""torch.ops.coda.* custom ops, one module per op family (importing registers them)."""
+"""torch.ops.coda.* custom ops, one module per op family (importing registers them).
+
+* ``gemm``: the plain GEMM; ``fold``: the RMSNorm weight fold.
+* The CODA ops of a Llama block: ``residual`` (out-proj / down-proj + norm statistics),
+  ``swiglu`` (gate/up + SwiGLU, and its backward in the down-proj dgrad), ``qkv`` (QKV + RoPE,
+  and its backward), ``proj`` (a norm-scaled projection), ``lm_head_ce`` (final norm + LM head +
+  cross-entropy), ``rmsnorm`` (the norm's backward in the consumers' dgrad).
+* The sublayers as single autograd ops: ``attention`` and ``mlp``.
+* ``checks``: the argument rules they share.
+"""
 
 from . import gemm  # noqa: F401
-from . import coda_block, fold, lm_head_ce  # noqa: F401  (the CODA Llama-block ops)
+from . import fold, rmsnorm, residual, swiglu, qkv, proj, lm_head_ce, mlp, attention  # noqa: F401

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from ..compiler import ScaleColumnsSpec, get_kernel
+from ..compiler import get_kernel
+from ..elementwise import ScaleColumnsSpec
 
 OP = "coda.fold_gamma"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)

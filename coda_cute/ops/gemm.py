@@ -20,7 +20,6 @@ Every rule is checked before launch, with an error naming the argument and the r
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -29,8 +28,8 @@ from .. import dispatch
 from ..compiler import FP8_DTYPES
 from ..epilogue.runner import run
 from ..kernels.common.config import GemmConfig
-from ..kernels.epilogue import nodes as E
-from ..operands import FP8, check_operands, dtype_name
+from ..kernels.epilogue.plain import gemm_tree
+from ..operands import FP8, check_operands, dtype_name, mn_view, operand_view, tma_view
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -91,13 +90,30 @@ def _scale_extent_dim(s, row):
     return 1 if row else 2
 
 
-def check_device(a, b, scale_a, scale_b):
+def check_same_devices(a, b, scale_a, scale_b):
     if a.device != b.device:
         raise ValueError(f"coda.gemm: a is on {a.device} but b is on {b.device}")
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if s is not None and s.device != a.device:
             raise ValueError(f"coda.gemm: {name} is on {s.device} but a is on {a.device}")
+
+
+def check_device(a, b, scale_a, scale_b):
+    check_same_devices(a, b, scale_a, scale_b)
     return dispatch.arch_of(a.device)
+
+
+def check_layouts(a, b, m: int, n: int, batch: int, out_dtype, op: str = "coda.gemm"):
+    """The kernel's layout rules on metadata alone (also for fake and CPU tensors): each operand
+    has a contiguous last or second-to-last dim, TMA-aligned strides and a 16-byte aligned data
+    pointer; FP8 operands are K-major; the result's rows are 16-byte aligned."""
+    _, a_major = operand_view(a, "a", False, "m", op)
+    _, b_major = operand_view(b, "b", True, "n", op)
+    if a.dtype in FP8 and (a_major != "k" or b_major != "k"):
+        raise ValueError(f"{op}: FP8 operands must be K-major (a row-major, b column-major: "
+                         f"b = w.t()); got a strides {tuple(a.stride())}, b strides {tuple(b.stride())}")
+    out = torch.empty((batch, m, n) if a.dim() == 3 else (m, n), dtype=out_dtype, device="meta")
+    tma_view(mn_view(out), "the result", True, ("M", "N", "batch"), op)
 
 
 # -- the implementation ------------------------------------------------------------------------------
@@ -184,18 +200,6 @@ def _as_vector(s, batch):
     return s.reshape(batch, -1) if batch > 1 else s.reshape(-1)
 
 
-@functools.lru_cache(maxsize=None)
-def gemm_tree(scale_a: str, scale_b: str, out_dtype: str) -> E.Epilogue:
-    """``out = acc * scale_a * scale_b``: row-wise scales are a row / column vector, single
-    numbers a 1-element device tensor (no host sync)."""
-    x = E.acc()
-    if scale_a != "none":
-        x = x * (E.row_vec("scale_a") if scale_a == "row" else E.scalar_tensor("scale_a"))
-    if scale_b != "none":
-        x = x * (E.col_vec("scale_b") if scale_b == "row" else E.scalar_tensor("scale_b"))
-    return E.Epilogue(E.store(x, "out", out_dtype))
-
-
 def _scale_mode(s) -> str:
     if s is None:
         return "none"
@@ -221,6 +225,8 @@ def _gemm_op(
 @_gemm_op.register_fake
 def _gemm_fake(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False):
     m, n, _, batch, out_dtype = check_shapes(a, b, scale_a, scale_b, out_dtype)
+    check_same_devices(a, b, scale_a, scale_b)
+    check_layouts(a, b, m, n, batch, out_dtype)
     shape = (batch, m, n) if a.dim() == 3 else (m, n)
     return a.new_empty(shape, dtype=out_dtype)
 
@@ -236,7 +242,7 @@ def _gemm_backward(ctx, grad):
     """d(a @ b): grad_a = grad @ b^T (dgrad), grad_b = a^T @ grad (wgrad); both run on coda.gemm
     with transposed views, no copies."""
     a, b = ctx.saved_tensors
-    grad = grad.to(a.dtype)
+    grad = grad.to(a.dtype).contiguous()  # e.g. the expanded gradient of a sum: no TMA strides
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.ops.coda.gemm(grad, b.transpose(-1, -2))
@@ -247,21 +253,12 @@ def _gemm_backward(ctx, grad):
 
 _gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 
-_reference_on_cpu = [False]
-
-
-def reference_on_cpu_enabled() -> bool:
-    return _reference_on_cpu[0]
-
-
 @_gemm_op.register_kernel("cpu")
 def _gemm_cpu(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False):
-    if not reference_on_cpu_enabled():
-        raise ValueError(
-            "coda.gemm runs on CUDA tensors (Hopper, sm_90); got CPU tensors. Move them with "
-            ".cuda(), or wrap the call in coda_cute.reference_on_cpu() to use the fp32 reference."
-        )
+    dispatch.require_reference("coda.gemm")
     from ..reference import gemm_ref
 
-    check_shapes(a, b, scale_a, scale_b, out_dtype)
+    m, n, _, batch, od = check_shapes(a, b, scale_a, scale_b, out_dtype)
+    check_same_devices(a, b, scale_a, scale_b)
+    check_layouts(a, b, m, n, batch, od)
     return gemm_ref(a, b, scale_a, scale_b, out_dtype)

@@ -1,63 +1,120 @@
-"""``torch.ops.coda.lm_head_ce``: final RMSNorm + LM head + cross-entropy without logits.
+"""The final RMSNorm + LM head + cross-entropy without the M x V logits in memory:
+``coda.lm_head_ce`` (the loss alone: inference, evaluation, ``reduction="none"``) and
+``coda.lm_head_ce_train`` (the loss and its gradients, for training).
 
-The GEMM's epilogue r-scales the logits and reduces them to per-(row, column tile) partials: the
-tile max m_t and s_t = sum exp(logit - m_t), plus the target logit gathered by the tile that owns
-column target_m. A tiny torch finalize combines them (coda-math section 2, "CE finalize"):
+    u = y * gamma  (the final norm's weight, on the activations),  r_m from ss
+    logits = r * (u @ W.T);   LSE_m = log sum_v exp(logits_mv);  loss_m = LSE_m - logits[m, t_m]
 
-    LSE_m = M + log sum_t s_t exp(m_t - M),  M = max_t m_t
-    loss_m = LSE_m - logit[m, target_m]      (0 where target_m == ignore_index)
+Gradients (coda-math 3.1; c_m the per-row weight of the reduction, 0 on ignored rows):
 
-The backward recomputes logits in chunks (rows for dy and d ss, vocabulary columns for dw), so
-neither pass holds more than ~``CHUNK_ELEMS`` fp32 logits at a time:
+    dl = c (softmax - onehot),  dl' = r dl (bf16, the GEMM operand),  G = dl' @ W
+    dy = gamma * G - r^2 s y,   s_m = sum_v dl_mv logits_mv / d
+    dW = dl'^T @ u,             dgamma = sum_m G * y
 
-    dlogits = softmax * (c_m + dLSE_m) - onehot(target_m) * c_m,
-    c_m = dloss_m (none) | dloss (sum) | dloss / #valid (mean), 0 on ignored rows.
+Where gamma goes. The layers fold their norm weights into the consumer weight (see
+``coda.residual_gemm_norm_stats``); here the weight is V x d, 7.8x the 16k-token activation at
+V = 128256, and folding it costs 2 V d x 2 bytes per forward (1 GiB at d = 4096) plus 3 V d x 2
+in every backward (dW = dW' gamma, dgamma = sum dW' * W) against one M x d pass for u = y * gamma
+(``coda.fold_gamma``'s kernel) and a column reduction in the dgrad epilogue. So gamma stays on
+the activations.
+
+Design: gradients in the forward, in row chunks (Liger's fused linear cross-entropy shape), or
+the logits recomputed in the backward (CODA's, four GEMMs)? At vocab 128256 the LM head holds
+most of a small model's FLOPs: a fourth GEMM of M V d costs a third more (12.5 ms at 16384 x
+128256 x 2048 on the H200) while the chunk's logits traffic (written by the logits GEMM's
+epilogue, read and rewritten once by our cross-entropy-gradient kernel: 3 x 2 M V bytes, 2 ms at
+copy bandwidth) is a sixth of that. ``lm_head_ce_train`` therefore runs three GEMMs per chunk in
+its forward: the logits GEMM (epilogue: logits stored bf16, per-tile (max, sum exp) partials,
+the target logit), the in-place gradient kernel (``kernels.elementwise.ce_grad``), the dgrad
+GEMM with the RMSNorm backward in its epilogue, and the wgrad GEMM accumulating dW over chunks
+in a fixed order; its backward only scales by dloss. Chunks hold ``CHUNK_BYTES`` of logits (the
+memory target: at most 1.5 GiB beyond inputs and outputs, so 3 chunks at 16384 x 128256); dW
+accumulates in fp32 where that fits next to the chunk, otherwise in the parameter's bf16 (one
+rounding per chunk). The loss-only op keeps the one-GEMM forward and recomputes the logits
+chunk by chunk in its backward (its dlogits come straight out of that GEMM's epilogue, the LSE
+being known), which also serves per-row losses (``reduction="none"``) and a gradient of LSE.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
+from .. import dispatch
 from .. import epilogue as E
-from ..reference import lm_head_ce_ref, reduce_loss, rms_rstd_ref
-from .coda_block import (
-    F32,
-    INDEX_DTYPES,
-    PendingIndexCheck,
-    check_index_range,
-    check_norm_input,
-    check_tensor,
-    mm32,
-    norm_inputs,
-    require_reference,
-    rstd_node,
-)
+from ..kernels.epilogue.plain import gemm_tree
+from ..reference import (ce_coef, ce_dlogits_ref, lm_head_ce_grad_ref, lm_head_ce_ref, reduce_loss,
+                         rms_rstd_ref, scale_columns_ref)
+from .checks import (BF16, F32, INDEX_DTYPES, PendingIndexCheck, check_index_range, check_norm_input,
+                     check_same_device, check_tensor)
+from .fold import fold_gamma_impl
+from .rmsnorm import norm_backward_tree, norm_inputs, rstd_node
 
 OP = "coda.lm_head_ce"
+OP_TRAIN = "coda.lm_head_ce_train"
 REDUCTIONS = ("mean", "sum", "none")
-# fp32 logits per backward chunk: 32 MiB, a few such buffers live at a time.
-CHUNK_ELEMS = 1 << 23
+#: bytes of logits (bf16) one chunk holds, plus an fp32 dW accumulator where one is used
+CHUNK_BYTES = 3 << 29  # 1.5 GiB
+#: chunk rows are whole 128-row GEMM tiles
+CHUNK_ROW_MULTIPLE = 128
+
+
+# -- trees ----------------------------------------------------------------------------------------
+def _logits():
+    return E.acc() * rstd_node()
 
 
 @functools.lru_cache(maxsize=None)
 def lm_head_ce_tree() -> E.Epilogue:
-    logits = E.acc() * rstd_node()
+    """The loss-only forward: per-tile (max, sum exp) partials and the target logit."""
+    logits = _logits()
     return E.Epilogue(E.row_reduce(logits, "lse", "lse"),
                       E.gather(logits, E.row_vec("targets", "int32"), "target_logit"))
 
 
-def check_lm_head(y, w_lm, ss, eps, targets, reduction):
-    # The logits are never stored, so the vocabulary size has no alignment rule.
-    m, _, _ = check_norm_input(OP, y, w_lm, ss, eps, store_cols=False)
-    check_tensor(OP, "targets", targets, 1, INDEX_DTYPES)
+@functools.lru_cache(maxsize=None)
+def logits_tree() -> E.Epilogue:
+    """The training forward's logits GEMM: :func:`lm_head_ce_tree` plus the logits stored bf16."""
+    logits = _logits()
+    return E.Epilogue(E.store(logits, "logits", "bfloat16"), E.row_reduce(logits, "lse", "lse"),
+                      E.gather(logits, E.row_vec("targets", "int32"), "target_logit"))
+
+
+@functools.lru_cache(maxsize=None)
+def dlogits_tree() -> E.Epilogue:
+    """The recomputing backward's logits GEMM, the LSE known: dl' = r dl stored bf16 and the
+    RMSNorm statistic's partials sum dl * logits, with
+    dl = softmax (c + dlse) - onehot c."""
+    logits = _logits()
+    c = E.row_vec("coef")
+    p = E.exp(logits - E.row_vec("lse"))
+    dl = p * (c + E.row_vec("dlse")) - E.where(E.col_index().eq(E.row_vec("targets", "int32")), c, 0.0)
+    return E.Epilogue(E.store(dl * rstd_node(), "dl", "bfloat16"), E.row_reduce(dl * logits, "sum", "zdz"))
+
+
+@functools.lru_cache(maxsize=None)
+def accumulate_tree(dtype: str) -> E.Epilogue:
+    """out = acc + prev: a chunk's dW added to the running sum (in place: prev is out)."""
+    return E.Epilogue(E.store(E.acc() + E.tile("prev", dtype), "out", dtype))
+
+
+# -- checks ---------------------------------------------------------------------------------------
+def check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP):
+    # The logits are never stored whole, so the vocabulary size has no alignment rule.
+    m, _, d = check_norm_input(op, y, w_lm, ss, eps, store_cols=False)
+    check_tensor(op, "targets", targets, 1, INDEX_DTYPES)
     if targets.shape[0] != m:
-        raise ValueError(f"{OP}: targets must have one entry per row of y ({m}), got {targets.shape[0]}")
-    if targets.device != y.device:
-        raise ValueError(f"{OP}: targets is on {targets.device} but y is on {y.device}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{OP}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        raise ValueError(f"{op}: targets must have one entry per row of y ({m}), got {targets.shape[0]}")
+    if gamma is not None:
+        check_tensor(op, "gamma", gamma, 1, (BF16, F32))
+        if gamma.shape[0] != d:
+            raise ValueError(f"{op}: gamma must be (d,) = ({d},), one per column of y, got {tuple(gamma.shape)}")
+    check_same_device(op, y=y, targets=targets, gamma=gamma)
+    allowed = REDUCTIONS if op == OP else ("mean", "sum")
+    if reduction not in allowed:
+        raise ValueError(f"{op}: reduction must be one of {allowed}, got {reduction!r}")
     return m
 
 
@@ -66,29 +123,36 @@ def finalize_ce(lse, target_logit, targets, ignore_index: int, reduction: str):
     return reduce_loss(torch.where(valid, lse - target_logit, 0.0), valid, reduction)
 
 
+def _scaled_input(y, gamma):
+    """u = y * gamma rounded to bf16 (the GEMMs' A operand), y itself without gamma."""
+    return y if gamma is None else fold_gamma_impl(y, gamma.to(y.dtype))
+
+
+# -- the loss-only op -------------------------------------------------------------------------------
 @torch.library.custom_op("coda::lm_head_ce", mutates_args=())
 def lm_head_ce(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float,
-               targets: torch.Tensor, ignore_index: int = -100,
-               reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of logits = r * (y @ w_lm.T), the logits never materialized.
+               targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+               gamma: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of logits = r * ((y * gamma) @ w_lm.T), the logits never materialized.
 
         r_m = (sum_t ss[m, t] / d + eps)^(-1/2)
         LSE_m = log sum_v exp(logits[m, v]),  loss_m = LSE_m - logits[m, targets_m]
 
-    y: (M, d) bf16 (the last residual stream); w_lm: (V, d) bf16 with the final norm's gamma
-    folded in; ss: (M, T) fp32 partials of y; targets: (M,) int64/int32 in [0, V) or
-    ignore_index. d a multiple of 8; V any. Returns (loss, LSE): loss fp32 () for "mean" (over
-    rows whose target is not ignore_index; NaN if none, as torch) and "sum", (M,) for "none"
-    (0 on ignored rows); LSE (M,) fp32 (kept for the backward). Targets out of range raise
-    ValueError before the op returns: their check is queued ahead of the GEMM and read back
-    while the GEMM runs (``PendingIndexCheck``), so the GPU never waits for the host; the wait
-    rules out CUDA-graph capture of the op. (The kernel's gather skips an out-of-range target,
-    so the GEMM that ran meanwhile wrote nothing out of bounds.)
+    y: (M, d) bf16 (the last residual stream); w_lm: (V, d) bf16; ss: (M, T) fp32 partials of
+    y; targets: (M,) int64/int32 in [0, V) or ignore_index; gamma: (d,) the final norm's
+    weight, or None (already folded into w_lm, or no norm weight). d a multiple of 8; V any.
+    Returns (loss, LSE): loss fp32 () for "mean" (over rows whose target is not ignore_index;
+    NaN if none, as torch) and "sum", (M,) for "none" (0 on ignored rows); LSE (M,) fp32.
+    Targets out of range raise ValueError before the op returns: their check is queued ahead of
+    the GEMM and read back while the GEMM runs (``PendingIndexCheck``), so the GPU never waits
+    for the host; the wait rules out CUDA-graph capture of the op. Its backward recomputes the
+    logits chunk by chunk (module docstring); for training prefer :func:`cross_entropy`, which
+    takes ``coda.lm_head_ce_train``.
     """
-    check_lm_head(y, w_lm, ss, eps, targets, reduction)
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
     target_check = PendingIndexCheck(OP, "targets", targets, w_lm.shape[0], ignore_index)
-    inputs = dict(norm_inputs(y, ss, eps), targets=targets.to(torch.int32))
-    out = E.run(lm_head_ce_tree(), y, w_lm.t(), inputs, op=OP)
+    inputs = dict(norm_inputs(y.shape[1], ss, eps), targets=targets.to(torch.int32))
+    out = E.run(lm_head_ce_tree(), _scaled_input(y, gamma), w_lm.t(), inputs, op=OP)
     lse = E.finalize_lse(*out["lse"])
     loss = finalize_ce(lse, out["target_logit"], targets, ignore_index, reduction)
     target_check.wait()
@@ -96,89 +160,283 @@ def lm_head_ce(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float
 
 
 @lm_head_ce.register_fake
-def _lm_head_fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean"):
-    m = check_lm_head(y, w_lm, ss, eps, targets, reduction)
+def _fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None):
+    m = check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
     loss = y.new_empty((m,) if reduction == "none" else (), dtype=F32)
     return loss, y.new_empty((m,), dtype=F32)
 
 
 @lm_head_ce.register_kernel("cpu")
-def _lm_head_cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean"):
-    require_reference(OP)
-    check_lm_head(y, w_lm, ss, eps, targets, reduction)
+def _cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None):
+    dispatch.require_reference(OP)
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
     check_index_range(OP, "targets", targets, w_lm.shape[0], ignore_index)
-    return lm_head_ce_ref(y, w_lm, ss, eps, targets, ignore_index, reduction)
+    return lm_head_ce_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)
 
 
-def _softmax_grad_(logits, lse, coef, dlse, tgt_local):
-    """In place on ``logits`` (rows x a column chunk): softmax * (coef + dlse) - onehot * coef,
-    the one-hot at column ``tgt_local`` where that lies inside the chunk."""
-    grad = logits.sub_(lse.unsqueeze(1)).exp_().mul_((coef + dlse).unsqueeze(1))
-    inside = (tgt_local >= 0) & (tgt_local < grad.shape[1])
-    idx = tgt_local.clamp(0, grad.shape[1] - 1).unsqueeze(1)
-    return grad.scatter_add_(1, idx, (-coef * inside).unsqueeze(1))
-
-
-def lm_head_ce_backward(y, w_lm, ss, eps: float, targets, lse, ignore_index: int, reduction: str,
-                        dloss, dlse, needs=(True, True, True)):
-    """(dy, dw_lm, dss), each None where ``needs`` (y, w_lm, ss) is False.
-
-    Pass 1, over row chunks (dy, d ss): logits for the chunk's rows over the whole vocabulary;
-    dy = (r dlogits) @ w_lm; dr_m = sum_v dlogits acc; d ss = -dr r^3 / (2 d).
-    Pass 2, over vocabulary chunks (dw_lm): logits for all rows over the chunk's columns;
-    dw_lm[chunk] = (r dlogits)^T @ y - each slice of dw computed whole, nothing accumulated
-    across chunks. dlogits are rounded to y's dtype as GEMM operands; products accumulate in fp32.
-    """
-    m, d = y.shape
-    v = w_lm.shape[0]
-    wide = torch.promote_types(y.dtype, F32)
-    r = rms_rstd_ref(ss, d, eps)
-    lse = lse.to(wide)
-    dlse = dlse.to(wide)
-    valid = targets != ignore_index
-    dloss = dloss.to(wide)
-    coef = dloss if reduction == "none" else dloss.expand(m)
-    if reduction == "mean":
-        coef = coef / valid.sum()
-    coef = torch.where(valid, coef, 0.0)
-    tgt = targets.long()
-    dy = dw = dss = None
-    if needs[0] or needs[2]:
-        dy = torch.empty_like(y) if needs[0] else None
-        dr = torch.empty(m, dtype=wide, device=y.device)
-        rows = max(1, CHUNK_ELEMS // max(v, 1))
-        for i in range(0, m, rows):
-            s = slice(i, i + rows)
-            acc = mm32(y[s], w_lm.t())
-            grad = _softmax_grad_(acc * r[s].unsqueeze(1), lse[s], coef[s], dlse[s], tgt[s])
-            dr[s] = acc.mul_(grad).sum(1)
-            del acc
-            if dy is not None:
-                dy[s] = mm32(grad.mul_(r[s].unsqueeze(1)).to(y.dtype), w_lm).to(y.dtype)
-        if needs[2]:
-            dss = (dr * (-0.5 / d) * r ** 3).to(ss.dtype).unsqueeze(1).expand_as(ss)
-    if needs[1]:
-        dw = torch.empty_like(w_lm)
-        cols = max(1, CHUNK_ELEMS // max(m, 1))
-        for j in range(0, v, cols):
-            logits = mm32(y, w_lm[j:j + cols].t()).mul_(r.unsqueeze(1))
-            grad = _softmax_grad_(logits, lse, coef, dlse, tgt - j).mul_(r.unsqueeze(1))
-            dw[j:j + cols] = mm32(grad.to(y.dtype).t(), y).to(w_lm.dtype)
-    return dy, dw, dss
-
-
-def _lm_head_setup(ctx, inputs, output):
-    y, w_lm, ss, eps, targets, ignore_index, reduction = inputs
-    ctx.save_for_backward(y, w_lm, ss, targets, output[1])
+def _setup(ctx, inputs, output):
+    y, w_lm, ss, eps, targets, ignore_index, reduction, gamma = inputs
+    ctx.save_for_backward(y, w_lm, ss, targets, output[1], gamma)
     ctx.args = (eps, ignore_index, reduction)
 
 
-def _lm_head_backward(ctx, dloss, dlse):
-    y, w_lm, ss, targets, lse = ctx.saved_tensors
+def _backward(ctx, dloss, dlse):
+    y, w_lm, ss, targets, lse, gamma = ctx.saved_tensors
     eps, ignore_index, reduction = ctx.args
-    dy, dw, dss = lm_head_ce_backward(y, w_lm, ss, eps, targets, lse, ignore_index, reduction,
-                                      dloss, dlse, ctx.needs_input_grad[:3])
-    return dy, dw, dss, None, None, None, None
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dy, dw, dgamma = lm_head_ce_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index,
+                                         reduction, gamma)
+    return dy, dw, None, None, None, None, None, (dgamma if gamma is not None else None)
 
 
-lm_head_ce.register_autograd(_lm_head_backward, setup_context=_lm_head_setup)
+lm_head_ce.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("coda::lm_head_ce_backward", mutates_args=())
+def lm_head_ce_backward(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float,
+                        targets: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor,
+                        dlse: torch.Tensor, ignore_index: int, reduction: str,
+                        gamma: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dy, dw_lm, dgamma) of ``coda.lm_head_ce``: the logits recomputed chunk by chunk with
+    the forward's LSE; dloss () or (M,) for "none", dlse (M,). dgamma is empty without gamma."""
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    dy, dw, dg, _, _, _ = _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
+                                   dloss=dloss, lse=lse, dlse=dlse)
+    return dy, dw, _gamma_grad(dg, gamma, y)
+
+
+def _gamma_grad(dg, gamma, y):
+    return dg.to(gamma.dtype) if gamma is not None else y.new_empty((0,), dtype=F32)
+
+
+@lm_head_ce_backward.register_fake
+def _bwd_fake(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reduction, gamma=None):
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    dg = gamma.new_empty(gamma.shape) if gamma is not None else y.new_empty((0,), dtype=F32)
+    return y.new_empty(y.shape), w_lm.new_empty(w_lm.shape), dg
+
+
+@lm_head_ce_backward.register_kernel("cpu")
+def _bwd_cpu(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reduction, gamma=None):
+    dispatch.require_reference(OP)
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    dy, dw, dg = lm_head_ce_grad_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
+                                     dloss, dlse)
+    return dy, dw, _gamma_grad(dg, gamma, y)
+
+
+# -- the training op ---------------------------------------------------------------------------------
+@torch.library.custom_op("coda::lm_head_ce_train", mutates_args=())
+def lm_head_ce_train(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float,
+                     targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+                     gamma: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
+    """:func:`lm_head_ce` (reduction "mean" or "sum") that also computes the gradients, in row
+    chunks in the forward (module docstring). Returns (loss, LSE, dy, dgamma, dw_acc, dl_last):
+    dy and dgamma (fp32, empty without gamma) the gradients of loss (dloss = 1) with respect to
+    y (through the norm: ss stands for y's statistic) and gamma; dw_acc the sum of the chunks'
+    dW but the last one's (the accumulator, fp32 or bf16 as :func:`plan_chunks` says; empty
+    with one chunk) and dl_last that chunk's dl' = r dl (its rows of the logits buffer, rows
+    padded to 16 bytes): the backward runs that chunk's wgrad with dloss and the rest of the sum
+    in its epilogue (``coda.lm_head_ce_dw``), so scaling dW by dloss costs no pass of its own.
+    Only loss carries a gradient."""
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP_TRAIN)
+    target_check = PendingIndexCheck(OP_TRAIN, "targets", targets, w_lm.shape[0], ignore_index)
+    dy, dw_acc, dgamma, lse, target_logit, dl_last = _chunked(
+        y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, defer_last=True)
+    loss = finalize_ce(lse, target_logit, targets, ignore_index, reduction)
+    target_check.wait()
+    return (loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32),
+            dw_acc if dw_acc is not None else w_lm.new_empty((0,)), dl_last)
+
+
+def _last_chunk(m: int, v: int, d: int):
+    """(first row of the last chunk, the accumulator dtype or None)."""
+    rows, acc = plan_chunks(m, v, d)
+    return (m - 1) // rows * rows, acc
+
+
+@lm_head_ce_train.register_fake
+def _train_fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None):
+    m = check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP_TRAIN)
+    (v, d), vp = w_lm.shape, _padded_width(w_lm.shape[0])
+    start, acc = _last_chunk(int(m), int(v), int(d))
+    dg = y.new_empty((d if gamma is not None else 0,), dtype=F32)
+    dw = w_lm.new_empty((v, d), dtype=acc) if acc is not None else w_lm.new_empty((0,))
+    dl = y.new_empty_strided((m - start, v), (vp, 1))
+    return y.new_empty((), dtype=F32), y.new_empty((m,), dtype=F32), y.new_empty(y.shape), dg, dw, dl
+
+
+@lm_head_ce_train.register_kernel("cpu")
+def _train_cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None):
+    dispatch.require_reference(OP_TRAIN)
+    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP_TRAIN)
+    check_index_range(OP_TRAIN, "targets", targets, w_lm.shape[0], ignore_index)
+    (m, d), v = y.shape, w_lm.shape[0]
+    loss, lse = lm_head_ce_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)
+    dy, _, dgamma = lm_head_ce_grad_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)
+    _, dl = ce_dlogits_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)
+    dl = (dl * rms_rstd_ref(ss, d, eps).unsqueeze(1)).to(y.dtype).float()  # dl', bf16 as the GEMMs see it
+    start, acc = _last_chunk(m, v, d)
+    u = scale_columns_ref(y, gamma).float()
+    dw = (dl[:start].t() @ u[:start]).to(acc) if acc is not None else w_lm.new_empty((0,))
+    last = torch.empty((m - start, _padded_width(v)), dtype=y.dtype)[:, :v]
+    last.copy_(dl[start:])
+    return loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32), dw, last
+
+
+def _train_setup(ctx, inputs, output):
+    y, w_lm, ss, eps, targets, ignore_index, reduction, gamma = inputs
+    ctx.save_for_backward(y, gamma, *output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
+
+
+def _train_backward(ctx, dloss, *_):
+    y, gamma, dy, dgamma, dw_acc, dl_last = ctx.saved_tensors
+    if dloss is None:
+        return (None,) * 8
+    dloss = dloss.to(F32)
+    dw = lm_head_ce_dw(dl_last, y[y.shape[0] - dl_last.shape[0]:], gamma, dw_acc, dloss)
+    dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
+    return (dy * dloss).to(dy.dtype), dw, None, None, None, None, None, dg
+
+
+lm_head_ce_train.register_autograd(_train_backward, setup_context=_train_setup)
+
+
+@functools.lru_cache(maxsize=None)
+def finish_dw_tree(acc: Optional[str]) -> E.Epilogue:
+    """dW = scale * (acc [+ prev]): the last chunk's wgrad, the other chunks' sum and dloss."""
+    x = E.acc() if acc is None else E.acc() + E.tile("prev", acc)
+    return E.Epilogue(E.store(x * E.scalar_tensor("scale"), "out", "bfloat16"))
+
+
+@torch.library.custom_op("coda::lm_head_ce_dw", mutates_args=())
+def lm_head_ce_dw(dl: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tensor],
+                  dw_acc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dW = scale * (dl^T @ (y * gamma) + dw_acc) (V, d) bf16: the training op's last chunk,
+    in its backward. dl: (rows, V) bf16, rows 16-byte aligned; y: (rows, d) bf16; gamma (d,) or
+    None; dw_acc: (V, d) fp32 or bf16, or empty (a single chunk); scale: () fp32 (dloss)."""
+    u = _scaled_input(y, gamma)
+    acc = str(dw_acc.dtype).removeprefix("torch.") if dw_acc.numel() else None
+    inputs = {"scale": scale.reshape(1)}
+    if acc is not None:
+        inputs["prev"] = dw_acc
+    return E.run(finish_dw_tree(acc), dl.t(), u, inputs, op=OP_TRAIN)["out"]
+
+
+@lm_head_ce_dw.register_fake
+def _dw_fake(dl, y, gamma, dw_acc, scale):
+    return y.new_empty((dl.shape[1], y.shape[1]))
+
+
+@lm_head_ce_dw.register_kernel("cpu")
+def _dw_cpu(dl, y, gamma, dw_acc, scale):
+    dispatch.require_reference(OP_TRAIN)
+    dw = dl.float().t() @ scale_columns_ref(y, gamma).float()
+    if dw_acc.numel():
+        dw = dw + dw_acc.float()
+    return (dw * scale.float()).to(y.dtype)
+
+
+def _padded_width(v: int) -> int:
+    """A row of the logits buffer: V bf16 values padded to 16 bytes (TMA's row alignment)."""
+    return -(-v // 8) * 8
+
+
+def cross_entropy(y, w_lm, ss, eps: float, targets, ignore_index: int = -100,
+                  reduction: str = "mean", gamma=None):
+    """The loss through ``coda.lm_head_ce_train`` where a gradient is wanted and the reduction
+    is "mean" or "sum", else through ``coda.lm_head_ce`` (no gradient work in the forward)."""
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (y, w_lm, gamma))
+    if wants_grad and reduction in ("mean", "sum"):
+        return torch.ops.coda.lm_head_ce_train(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
+    return torch.ops.coda.lm_head_ce(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
+
+
+# -- the chunked gradient pass ------------------------------------------------------------------------
+def plan_chunks(m: int, v: int, d: int, budget: Optional[int] = None):
+    """(rows per chunk, dW accumulator dtype or None): the fewest chunks whose bf16 logits fit
+    ``budget``; one chunk needs no accumulator, more accumulate in fp32 where the V x d fp32
+    sum fits next to a chunk, else in bf16."""
+    budget = CHUNK_BYTES if budget is None else budget
+    row_bytes = 2 * _padded_width(v)
+    chunks = max(1, -(-m * row_bytes // budget))
+    rows = -(-m // chunks)
+    whole = -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE  # whole tiles, within the budget
+    rows = min(m, whole if whole * row_bytes <= budget else rows)
+    if rows >= m:
+        return m, None
+    if 4 * v * d + rows * row_bytes <= budget:
+        return rows, torch.float32
+    return rows, torch.bfloat16
+
+
+def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=None, lse=None,
+             dlse=None, defer_last: bool = False):
+    """(dy, dw_lm, dgamma or None, lse, target logit, the last chunk's dl' or None) over row
+    chunks. Without ``lse`` (the training forward) each chunk's logits GEMM also finds the LSE
+    and the gradient kernel turns the stored logits into dl' in place; with it (the recomputing
+    backward) one GEMM writes dl' directly. Then per chunk: dy rows = the dgrad GEMM with the
+    RMSNorm backward epilogue, and dW += dl'^T @ u (accumulated in chunk order: deterministic).
+    ``defer_last``: the last chunk's dW is left out (dw_lm is then the accumulator of the
+    others, None with one chunk) and its dl' returned."""
+    from ..elementwise import cross_entropy_grad_
+
+    m, d = y.shape
+    v = w_lm.shape[0]
+    u = _scaled_input(y, gamma)
+    r = rms_rstd_ref(ss, d, eps)
+    coef = ce_coef(targets, ignore_index, reduction, dloss)
+    tgt = targets.to(torch.int32)
+    rows, acc_dtype = plan_chunks(m, v, d)
+    buf = torch.empty((rows, _padded_width(v)), dtype=y.dtype, device=y.device)
+    dy = torch.empty_like(y)
+    train = lse is None
+    if train:
+        lse = torch.empty(m, dtype=F32, device=y.device)
+        target_logit = torch.empty(m, dtype=F32, device=y.device)
+    else:
+        target_logit = None
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(F32)
+    gamma_col = None if gamma is None else gamma.to(F32)
+    dgamma = None if gamma is None else torch.zeros(d, dtype=F32, device=y.device)
+    dw = None
+    for i in range(0, m, rows):
+        s = slice(i, min(i + rows, m))
+        dl = buf[: s.stop - i, :v]
+        stats = norm_inputs(d, ss[s], eps)
+        if train:
+            out = E.run(logits_tree(), u[s], w_lm.t(), dict(stats, targets=tgt[s]),
+                        outputs={"logits": dl}, op=OP_TRAIN)
+            lse[s] = E.finalize_lse(*out["lse"])
+            target_logit[s] = out["target_logit"]
+            zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
+        else:
+            zdz = E.run(dlogits_tree(), u[s], w_lm.t(),
+                        dict(stats, lse=lse[s], coef=coef[s], dlse=dlse[s], targets=tgt[s]),
+                        outputs={"dl": dl}, op=OP)["zdz"]
+        inputs = dict(stats, zdz=zdz, y=y[s])
+        if gamma is not None:
+            inputs["gamma"] = gamma_col
+        out = E.run(norm_backward_tree(False, gamma is not None), dl, w_lm, inputs,
+                    outputs={"dy": dy[s]}, op=OP)
+        if gamma is not None:
+            dgamma += out["dgamma"].sum(-1)
+        if defer_last and s.stop == m:
+            return dy, dw, dgamma, lse, target_logit, dl
+        dw = _add_wgrad(dw, dl, u[s], acc_dtype or w_lm.dtype)
+    return dy, dw.to(w_lm.dtype), dgamma, lse, target_logit, None
+
+
+def _add_wgrad(dw, dl, u, dtype):
+    """dw (+)= dl^T @ u in ``dtype``, in place after the first chunk."""
+    name = str(dtype).removeprefix("torch.")
+    if dw is None:
+        return E.run(gemm_tree("none", "none", name), dl.t(), u, {}, op=OP)["out"]
+    E.run(accumulate_tree(name), dl.t(), u, {"prev": dw}, outputs={"out": dw}, op=OP)
+    return dw

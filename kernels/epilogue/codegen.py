@@ -7,6 +7,7 @@ every leaf is fetched through a *context* supplied by the architecture's epilogu
     ctx.row(name, i)      a row vector's value for element i's row
     ctx.col(name, i)      a column vector's value for element i's column
     ctx.tile(name, i)     a tile input's value at element i
+    ctx.tile_half(name, i, h)   a wide tile's value h (0: column 2n, 1: 2n + 1) at element i
     ctx.scalar(name)      a runtime scalar
     ctx.lookup(name, r, c)  a 2-D table read at int32 indices
     ctx.ahead             values read before the sub-tile's math: {(id(lookup node), i): value}
@@ -15,6 +16,9 @@ every leaf is fetched through a *context* supplied by the architecture's epilogu
 
 Elements 2j and 2j+1 of a sub-tile are adjacent output columns of the same row (the WGMMA
 accumulator layout keeps column pairs in one thread), which is what ``pairwise`` relies on.
+Double-width values (wide tiles, ``interleave``) have two values per element: they are indexed
+2i + h, h = 0 for the wide tensor's column 2n and 1 for 2n + 1 of element i's column n, and
+their row-uniform operands are read at element i.
 Transcendentals use the fast hardware paths (ex2/lg2/rsqrt/sin/cos approximations, ~1e-6
 relative; sin and cos after reducing the angle into [-pi, pi]), well inside the bf16 output
 rounding.
@@ -29,9 +33,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import cutlass_arith
 
+from ..common.fastmath import fast_cos, fast_exp, fast_sigmoid, fast_sin
 from . import nodes as N
 
-_LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -41,15 +45,6 @@ def _f(x):
     if isinstance(x, Float32):
         return x
     return Float32(x)
-
-
-def fast_exp(x):
-    """exp(x) as ex2.approx(x * log2 e)."""
-    return cute.math.exp2(x * _LOG2E, fastmath=True)
-
-
-def _sigmoid(x):
-    return cute.arch.rcp_approx(1.0 + fast_exp(-x))
 
 
 def _unary(op: str, x):
@@ -75,15 +70,15 @@ def _unary(op: str, x):
     if op == "recip":
         return 1.0 / x
     if op == "sin":
-        return cute.math.sin(_reduce_angle(x), fastmath=True)
+        return fast_sin(x)
     if op == "cos":
-        return cute.math.cos(_reduce_angle(x), fastmath=True)
+        return fast_cos(x)
     if op == "tanh":
         return cute.math.tanh(x, fastmath=True)
     if op == "sigmoid":
-        return _sigmoid(x)
+        return fast_sigmoid(x)
     if op == "silu":
-        return x * _sigmoid(x)
+        return x * fast_sigmoid(x)
     if op == "gelu":  # tanh approximation (torch's approximate="tanh")
         return 0.5 * x * (1.0 + cute.math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
     if op == "relu":
@@ -91,19 +86,6 @@ def _unary(op: str, x):
     if op == "square":
         return x * x
     raise N.EpilogueError(f"no code for unary op {op!r}")
-
-
-# 2 pi = _TWO_PI_HI + _TWO_PI_LO, _TWO_PI_HI with 8 significant bits: n * _TWO_PI_HI is exact in
-# fp32 for |n| < 2^16, i.e. angles up to ~4e5.
-_TWO_PI_HI = 6.28125
-_TWO_PI_LO = 2.0 * math.pi - 6.28125
-
-
-def _reduce_angle(x):
-    """x - 2 pi n in [-pi, pi] (Cody-Waite), where the hardware sin/cos approximations are
-    accurate to ~1e-6 absolute; outside that range their error grows with |x|."""
-    n = cute.math.roundeven(x * (0.5 / math.pi))
-    return cute.math.fma(-n, Float32(_TWO_PI_LO), cute.math.fma(-n, Float32(_TWO_PI_HI), x))
 
 
 def _plain_int(coord):
@@ -255,11 +237,17 @@ class Emitter:
         self.memo = {}
 
     def value(self, node: N.Node, i: int):
+        """``node``'s value at index ``i`` of its domain (2i + h for a double-width node)."""
         key = (id(node), i)
         hit = self.memo.get(key)
         if hit is None:
             hit = self.memo[key] = self._emit(node, i)
         return hit
+
+    def _kid(self, node: N.Node, c: N.Node, i: int):
+        """Child ``c`` of ``node`` at ``node``'s index ``i``: a double-width node's narrower
+        operands are read at the element its value pair belongs to."""
+        return self.value(c, i // 2 if node.domain == N.DOUBLE and c.domain != N.DOUBLE else i)
 
     def _emit(self, node: N.Node, i: int):
         ctx = self.ctx
@@ -282,7 +270,9 @@ class Emitter:
         if isinstance(node, N.ColVec):
             return ctx.col(node.name, i)
         if isinstance(node, N.Tile):
-            return ctx.tile(node.name, i)
+            return ctx.tile_half(node.name, i // 2, i % 2) if node.wide else ctx.tile(node.name, i)
+        if isinstance(node, N.Interleave):
+            return _f(self.value(node.children[i % 2], i // 2))
         if isinstance(node, N.RowIndex):
             return _plain_int(ctx.row_index(i))
         if isinstance(node, N.ColIndex):
@@ -290,9 +280,9 @@ class Emitter:
         if isinstance(node, N.PairArg):
             return self.binding[node.which]
         if isinstance(node, N.Unary):
-            return _unary(node.op, self.value(node.children[0], i))
+            return _unary(node.op, self._kid(node, node.children[0], i))
         if isinstance(node, N.Binary):
-            x, y = (self.value(c, i) for c in node.children)
+            x, y = (self._kid(node, c, i) for c in node.children)
             c = node.children[1]
             if (node.dtype == "int32" and node.op in ("floordiv", "mod") and isinstance(c, N.Const)
                     and c.value > 0 and c.value & (c.value - 1) == 0):
@@ -302,32 +292,38 @@ class Emitter:
                 return x >> shift if node.op == "floordiv" else x & (int(c.value) - 1)
             return _binary(node.op, x, y, node.dtype == "int32")
         if isinstance(node, N.Compare):
-            x, y = (self.value(c, i) for c in node.children)
+            x, y = (self._kid(node, c, i) for c in node.children)
             if node.children[0].dtype != "int32" or node.children[1].dtype != "int32":
                 x, y = _f(x), _f(y)
             return _compare(node.op, x, y)
         if isinstance(node, N.Select):
             cond = node.children[0]
             if id(cond) in self.assume:
-                return _f(self.value(node.children[1 if self.assume[id(cond)] else 2], i))
-            c, a, b = (self.value(ch, i) for ch in node.children)
+                return _f(self._kid(node, node.children[1 if self.assume[id(cond)] else 2], i))
+            c, a, b = (self._kid(node, ch, i) for ch in node.children)
             return Float32(cutlass.select_(c, _f(a), _f(b)))
         if isinstance(node, N.Cast):
-            x = _f(self.value(node.children[0], i))
+            x = _f(self._kid(node, node.children[0], i))
             if node.to == "float32":
                 return x
             return _DSL[node.to](x).to(Float32)
         if isinstance(node, N.Pairwise):
-            base = i - i % 2
             x = node.children[0]
+            one = len(node.body) == 1
+            # The pair's indices in x's domain, and the element the body's leaves are read at.
+            if x.domain == N.DOUBLE:
+                base, at = (2 * i, i) if one else (i - i % 2, i // 2)
+            else:
+                base = at = i - i % 2
             pair = (_f(self.value(x, base)), _f(self.value(x, base + 1)))
             body = Emitter(self.ctx, pair, self.assume)
-            # Leaves inside the body (rows, indices, lookups) are read once, at the even element;
-            # both outputs of a pair come from that one evaluation.
-            outs = [_f(body.value(b, base)) for b in node.body]
-            if len(outs) == 2:
-                self.memo[(id(node), base + 1)] = outs[1]
-            return outs[0] if len(outs) == 1 else outs[i % 2]
+            # Leaves inside the body (rows, indices, lookups) are read once per pair; both
+            # outputs of a pair come from that one evaluation.
+            outs = [_f(body.value(b, at)) for b in node.body]
+            if one:
+                return outs[0]
+            self.memo[(id(node), base + 1)] = outs[1]
+            return outs[i % 2]
         raise N.EpilogueError(f"no code for node kind {node.kind!r}")
 
 

@@ -9,6 +9,8 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
               row_vec(name, dtype)    v[l, m]      (one per output row, e.g. RMSNorm's r)
               col_vec(name, dtype)    v[l, n]      (one per output column, e.g. a bias)
               tile(name, dtype)       T[l, m, n]   (an (M, N) input, e.g. the residual)
+              wide_tile(name, dtype)  T[l, m, 2n], T[l, m, 2n + 1]: an (M, 2N) input, two values
+                                      per output column (e.g. SwiGLU's gate/up pre-activation)
               row_index(), col_index()           m and n (int32)
               const(value)            a compile-time constant
               row_sum(name)           sum_t P[l, m, t] of an (M, T) input (finalizes partials)
@@ -17,11 +19,13 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
               unary math (exp, log, rsqrt, silu, sigmoid, gelu, ...), cast(x, dtype) (round
               to a narrower type and back),
               pairwise(fn, x): fn(x[2j], x[2j+1]) on adjacent columns, returning one value (the
-              result has N/2 columns) or a pair (written back to columns 2j and 2j+1)
+              result has half as many columns) or a pair (written back to columns 2j and 2j+1)
+              interleave(a, b): the 1 -> 2 pairwise node, columns 2n = a[n] and 2n + 1 = b[n]
+              (a double-width value)
               segment_reduce(x, op, w): sum / sum of squares of x over each row's aligned
               w-column segment (per-head statistics), usable as a value; fn may
               use the pair, scalars, row vectors and indices
-    sinks     store(x, name, dtype)           an (M, N) or (M, N/2) output
+    sinks     store(x, name, dtype)           an (M, N), (M, N/2) or (M, 2N) output
               row_reduce(x, op, name)         per-tile partials over the tile's columns:
                                               (L, M, n_tiles) fp32; op sum | sumsq | max | lse
                                               (lse: two outputs, ``name`` max and sum of exp)
@@ -49,7 +53,10 @@ INT_ONLY_OPS = ("floordiv", "mod")
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 ROW_REDUCE_OPS = ("sum", "sumsq", "max", "lse")
 COL_REDUCE_OPS = ("sum", "sumsq", "max")
-FULL, HALF = "full", "half"
+FULL, HALF, DOUBLE = "full", "half", "double"
+#: columns of a value of each domain per GEMM output column
+DOMAIN_WIDTH = {HALF: 0.5, FULL: 1, DOUBLE: 2}
+WIDE_DTYPES = ("bfloat16", "float16")
 
 
 class EpilogueError(ValueError):
@@ -57,8 +64,9 @@ class EpilogueError(ValueError):
 
 
 class Node:
-    """A value in the epilogue DAG. ``domain`` is FULL (one value per output column) or HALF (one
-    per column pair, after a single-output ``pairwise``)."""
+    """A value in the epilogue DAG. ``domain`` is FULL (one value per output column), HALF (one
+    per column pair, after a single-output ``pairwise``), DOUBLE (two per output column: a wide
+    tile, an ``interleave``) or None (the same for every column of a row: row-uniform)."""
 
     kind = "node"
     dtype = "float32"
@@ -69,8 +77,9 @@ class Node:
         doms = {c.domain for c in self.children if c.domain is not None}
         if len(doms) > 1:
             raise EpilogueError(
-                f"{self.kind}: cannot combine full-width values with half-width values (the "
-                "output of a single-value pairwise node has N/2 columns)"
+                f"{self.kind}: cannot combine values of different widths {sorted(doms)} (a "
+                "single-value pairwise node halves the width, a wide tile or interleave doubles "
+                "it: combine values of one width, or use pairwise / interleave to change it)"
             )
         self.domain = domain if domain is not None else (doms.pop() if doms else None)
 
@@ -177,13 +186,23 @@ class ColVec(Leaf):
 
 
 class Tile(Leaf):
+    """An (M, N) input, or with ``wide`` an (M, 2N) one whose column pair (2n, 2n + 1) belongs to
+    output column n (the kernel reads the pair as one 32-bit element)."""
+
     kind = "tile"
     role = "input"
 
-    def __init__(self, name, dtype="bfloat16"):
+    def __init__(self, name, dtype="bfloat16", wide: bool = False):
         if dtype == "int32":
             raise EpilogueError(f"tile {name!r}: tile inputs are float32, bfloat16 or float16")
-        super().__init__(name, dtype, domain=FULL)
+        if wide and dtype not in WIDE_DTYPES:
+            raise EpilogueError(f"wide_tile {name!r}: wide tiles are bfloat16 or float16 (a column "
+                                f"pair is read as one 32-bit element), got {dtype!r}")
+        super().__init__(name, dtype, domain=DOUBLE if wide else FULL)
+        self.wide = wide
+
+    def params(self):
+        return (self.dtype, self.wide)
 
 
 class RowIndex(Leaf):
@@ -333,20 +352,23 @@ class Cast(Node):
 
 
 class Pairwise(Node):
-    """fn(x[2j], x[2j+1]) per column pair; ``outputs`` is 1 (HALF domain) or 2 (FULL domain)."""
+    """fn(x[2j], x[2j+1]) per column pair of a full-width or double-width ``x``; one output halves
+    the width (FULL -> HALF, DOUBLE -> FULL), two keep it."""
 
     kind = "pairwise"
 
     def __init__(self, fn: Callable, x: Node):
-        if x.domain != FULL:
+        if x.domain not in (FULL, DOUBLE):
             raise EpilogueError("pairwise: its input must be a full-width value (depend on acc, "
-                                "a column vector or a tile)")
+                                "a column vector or a tile) or a double-width one (a wide tile, "
+                                "an interleave)")
         even, odd = PairArg(0), PairArg(1)
         body = fn(even, odd)
         body = tuple(_lift(b) for b in body) if isinstance(body, tuple) else (_lift(body),)
         if len(body) not in (1, 2):
             raise EpilogueError("pairwise: fn must return one value or a pair of values")
-        super().__init__(x, domain=HALF if len(body) == 1 else FULL)
+        narrow = HALF if x.domain == FULL else FULL
+        super().__init__(x, domain=narrow if len(body) == 1 else x.domain)
         self.body = body
         for b in body:
             for n in walk(b):
@@ -359,6 +381,23 @@ class Pairwise(Node):
 
     def params(self):
         return (len(self.body),)
+
+
+class Interleave(Node):
+    """The 1 -> 2 pairwise node: a double-width value whose columns 2n and 2n + 1 are the
+    full-width ``even`` and ``odd`` at column n (e.g. a gradient pair per SwiGLU output column)."""
+
+    kind = "interleave"
+
+    def __init__(self, even: Node, odd: Node):
+        for what, v in (("even", even), ("odd", odd)):
+            if v.domain not in (FULL, None):
+                raise EpilogueError(f"interleave: {what} must be a full-width (or row-uniform) "
+                                    f"value, got a {v.domain}-width one")
+        if FULL not in (even.domain, odd.domain):
+            raise EpilogueError("interleave: at least one of even / odd must vary over the tile")
+        super().__init__(even, odd)
+        self.domain = DOUBLE
 
 
 # -- sinks ------------------------------------------------------------------------------------------
@@ -387,14 +426,21 @@ class Store(Sink):
         if x.domain is None:
             raise EpilogueError(f"store {name!r}: the value does not vary over the tile (it uses "
                                 "neither acc, a column vector, a tile nor col_index)")
+        if x.domain == DOUBLE and dtype not in WIDE_DTYPES:
+            raise EpilogueError(f"store {name!r}: double-width values are stored as bfloat16 or "
+                                f"float16 (a column pair is written as one 32-bit element), got {dtype!r}")
         self.dtype = dtype
 
     @property
     def half(self) -> bool:
         return self.x.domain == HALF
 
+    @property
+    def wide(self) -> bool:
+        return self.x.domain == DOUBLE
+
     def params(self):
-        return (self.dtype, self.half)
+        return (self.dtype, self.half, self.wide)
 
 
 class RowReduce(Sink):
@@ -404,6 +450,9 @@ class RowReduce(Sink):
         super().__init__(x, name)
         if op not in ROW_REDUCE_OPS:
             raise EpilogueError(f"row_reduce {name!r}: op must be one of {ROW_REDUCE_OPS}, got {op!r}")
+        if x.domain == DOUBLE:
+            raise EpilogueError(f"row_reduce {name!r}: reduce full- or half-width values (split a "
+                                "double-width one with pairwise first)")
         self.op = op
 
     def params(self):
@@ -417,8 +466,8 @@ class ColReduce(Sink):
         super().__init__(x, name)
         if op not in COL_REDUCE_OPS:
             raise EpilogueError(f"col_reduce {name!r}: op must be one of {COL_REDUCE_OPS}, got {op!r}")
-        if x.domain == HALF:
-            raise EpilogueError(f"col_reduce {name!r}: half-width values have no column reduction")
+        if x.domain in (HALF, DOUBLE):
+            raise EpilogueError(f"col_reduce {name!r}: only full-width values have a column reduction")
         self.op = op
 
     def params(self):
@@ -432,7 +481,7 @@ class Gather(Sink):
         super().__init__(x, name)
         if not isinstance(index, RowVec) or index.dtype != "int32":
             raise EpilogueError(f"gather {name!r}: index must be an int32 row_vec")
-        if x.domain == HALF:
+        if x.domain in (HALF, DOUBLE):
             raise EpilogueError(f"gather {name!r}: gathers read full-width values")
         self.index = index
 
@@ -478,6 +527,12 @@ class InputSpec:
     name: str
     kind: str  # scalar | scalar_tensor | row_vec | col_vec | tile | row_sum | lookup
     dtype: str
+    wide: bool = False  # a wide tile: (M, 2N), read as 32-bit column pairs
+
+    @property
+    def kernel_dtype(self) -> str:
+        """The element type the kernel moves (a wide tile's column pair is one 32-bit word)."""
+        return "float32" if self.wide else self.dtype
 
 
 @dataclass(frozen=True)
@@ -487,6 +542,11 @@ class OutputSpec:
     dtype: str
     half: bool = False
     op: str = ""
+    wide: bool = False  # a double-width store: (M, 2N), written as 32-bit column pairs
+
+    @property
+    def kernel_dtype(self) -> str:
+        return "float32" if self.wide else self.dtype
 
 
 class Epilogue:
@@ -512,21 +572,21 @@ class Epilogue:
                         if n.name is None or not n.name.isidentifier():
                             raise EpilogueError(f"{n.kind}: input name must be an identifier, got {n.name!r}")
                         prev = inputs.get(n.name)
-                        if prev is not None and (prev.kind, prev.dtype) != (n.kind, n.dtype):
-                            raise EpilogueError(f"input {n.name!r} is used as {prev.kind}[{prev.dtype}] "
-                                                f"and as {n.kind}[{n.dtype}]")
+                        if prev is not None and (prev.kind, prev.dtype, _wide(prev)) != (n.kind, n.dtype, _wide(n)):
+                            raise EpilogueError(f"input {n.name!r} is used as {_describe(prev)} "
+                                                f"and as {_describe(n)}")
                         inputs.setdefault(n.name, n)
         clash = set(inputs) & set(names)
         if clash:
             raise EpilogueError(f"names used for both an input and an output: {sorted(clash)}")
-        self.inputs = tuple(InputSpec(n.name, n.kind, n.dtype) for n in inputs.values())
+        self.inputs = tuple(InputSpec(n.name, n.kind, n.dtype, _wide(n)) for n in inputs.values())
         self.outputs = tuple(_output_spec(s) for s in sinks)
         memo: dict = {}
         slots = {name: k for k, name in enumerate(inputs)}
         self.key = (
             tuple((s.kind, s.params(), structure(s.x, slots, memo),
                    structure(s.index, slots, memo) if isinstance(s, Gather) else None) for s in sinks),
-            tuple((i.kind, i.dtype) for i in self.inputs),
+            tuple((i.kind, i.dtype, i.wide) for i in self.inputs),
         )
 
     def input_order(self) -> tuple:
@@ -536,9 +596,17 @@ class Epilogue:
         return "Epilogue(" + ", ".join(f"{s.kind}:{s.name}" for s in self.sinks) + ")"
 
 
+def _wide(n: Node) -> bool:
+    return bool(getattr(n, "wide", False))
+
+
+def _describe(n: Node) -> str:
+    return f"{'wide_' if _wide(n) else ''}{n.kind}[{n.dtype}]"
+
+
 def _output_spec(s: Sink) -> OutputSpec:
     if isinstance(s, Store):
-        return OutputSpec(s.name, "store", s.dtype, s.half)
+        return OutputSpec(s.name, "store", s.dtype, s.half, wide=s.wide)
     if isinstance(s, RowReduce):
         return OutputSpec(s.name, "row_reduce", "float32", s.x.domain == HALF, s.op)
     if isinstance(s, ColReduce):
@@ -554,6 +622,8 @@ def scalar_tensor(name: str) -> Node: return ScalarTensor(name)
 def row_vec(name: str, dtype: str = "float32") -> Node: return RowVec(name, dtype)
 def col_vec(name: str, dtype: str = "float32") -> Node: return ColVec(name, dtype)
 def tile(name: str, dtype: str = "bfloat16") -> Node: return Tile(name, dtype)
+def wide_tile(name: str, dtype: str = "bfloat16") -> Node: return Tile(name, dtype, wide=True)
+def interleave(even, odd) -> Node: return Interleave(_lift(even), _lift(odd))
 def row_index() -> Node: return RowIndex()
 def col_index() -> Node: return ColIndex()
 def where(cond: Node, a, b) -> Node: return Select(cond, _lift(a), _lift(b))

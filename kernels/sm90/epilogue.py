@@ -29,14 +29,16 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.config import GemmConfig, pipeline_stages
 from ..epilogue import nodes as N
-from ..epilogue.codegen import (Emitter, assumed_walk, fast_exp, lookups_ahead, read_lookups_ahead,
-                               split_value, tile_uniform_split)
+from ..common.fastmath import fast_exp
+from .acc_vectors import AccVectors
+from ..epilogue.codegen import (Emitter, assumed_walk, lookups_ahead, read_lookups_ahead, split_value,
+                               tile_uniform_split)
 
 DSL_TYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "int32": cutlass.Int32}
@@ -50,8 +52,10 @@ MIN_LOAD_STAGES = 2
 WIDE_MIN_AB_STAGES = 3
 #: most accumulator + staged sub-tile registers per thread a wider sub-tile may need.
 WIDE_MAX_REGISTERS = 200
-#: most distinct column values a thread keeps in registers for a whole tile.
-EAGER_COLS = 16
+#: sub-tile elements an lse reduction collects before folding them into its running (max, sum
+#: of exp): fewer live values against one rescale (an exp) per fold and row
+LSE_FOLD = 4
+GATHER_SELECT = False
 _NEG_INF = -math.inf
 
 
@@ -80,6 +84,11 @@ class Sm90TreeEpilogue:
         self.row_reds = [s for s in sinks if isinstance(s, N.RowReduce)]
         self.col_reds = [s for s in sinks if isinstance(s, N.ColReduce)]
         self.gathers = [s for s in sinks if isinstance(s, N.Gather)]
+        # Gathers keep their row's hit in registers until the tile's end (a select per element)
+        # next to stored outputs, else store it at once (a branch per element): the choice
+        # ptxas kept spill-free (logits store + lse + gather on ping-pong 128 x 128: 48 bytes
+        # spilled with branches; lse + gather alone: 16 bytes with selects).
+        self.gather_select = bool(self.full_stores or self.half_stores)
         self.tile_inputs = [i for i in tree.inputs if i.kind == "tile"]
         self.tensor_inputs = [i for i in tree.inputs if i.kind != "scalar"]
         self.scalar_inputs = [i for i in tree.inputs if i.kind == "scalar"]
@@ -150,9 +159,9 @@ class Sm90TreeEpilogue:
         em, en = epi_tile or self.epi_tile
         ring = self.load_stages if load_stages is None else load_stages
         stages = epi_stage_count(self.tile_mn, (em, en))
-        sizes = [stages * em * en * BYTES[s.dtype] for s in self.full_stores]
+        sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
-        sizes += [ring * em * en * BYTES[t.dtype] for t in self.tile_inputs]
+        sizes += [ring * em * en * BYTES[_kdt(t)] for t in self.tile_inputs]
         sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
         mbarriers = 2 * ring * 8 if self.tile_inputs else 0
         return sum(-(-b // 1024) * 1024 for b in sizes) + mbarriers
@@ -163,7 +172,7 @@ class Sm90TreeEpilogue:
         layouts, which the kernel receives as arguments."""
         em, en = self.epi_tile
         full_layouts = [
-            sm90_utils.make_smem_layout_epi(DSL_TYPES[s.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile, self.stages)
+            sm90_utils.make_smem_layout_epi(DSL_TYPES[_kdt(s)], LayoutEnum.ROW_MAJOR, self.epi_tile, self.stages)
             for s in self.full_stores
         ]
         half_layouts = [
@@ -171,7 +180,7 @@ class Sm90TreeEpilogue:
             for _ in self.half_stores
         ]
         tile_layouts = [
-            sm90_utils.make_smem_layout_epi(DSL_TYPES[t.dtype], LayoutEnum.ROW_MAJOR, self.epi_tile,
+            sm90_utils.make_smem_layout_epi(DSL_TYPES[_kdt(t)], LayoutEnum.ROW_MAJOR, self.epi_tile,
                                             self.load_stages)
             for t in self.tile_inputs
         ]
@@ -200,10 +209,10 @@ class Sm90TreeEpilogue:
         full_layouts, half_layouts, tile_layouts = layouts
         bufs = []
         for s, lay in zip(self.full_stores, full_layouts):
-            bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay.outer, 1024, swizzle=lay.inner))
+            bufs.append(smem.allocate_tensor(DSL_TYPES[_kdt(s)], lay.outer, 1024, swizzle=lay.inner))
         for s, lay in zip(self.half_stores, half_layouts):
             bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay, 1024))
-        tiles = [smem.allocate_tensor(DSL_TYPES[t.dtype], lay.outer, 1024, swizzle=lay.inner)
+        tiles = [smem.allocate_tensor(DSL_TYPES[_kdt(t)], lay.outer, 1024, swizzle=lay.inner)
                  for t, lay in zip(self.tile_inputs, tile_layouts)]
         scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
                    for _ in self.col_reds]
@@ -211,7 +220,7 @@ class Sm90TreeEpilogue:
         if const_expr(len(self.tile_inputs) > 0):
             mbar = smem.allocate_array(cutlass.Int64, 2 * self.load_stages, byte_alignment=8)
             em, en = self.epi_tile
-            tx = sum(em * en * BYTES[t.dtype] for t in self.tile_inputs)
+            tx = sum(em * en * BYTES[_kdt(t)] for t in self.tile_inputs)
             load_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar, num_stages=self.load_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -323,7 +332,7 @@ class Sm90TreeEpilogue:
         epi_grid = (self.tile_mn[0] // em, self.tile_mn[1] // en)
         order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
 
-        full_copies = [self._r2s(tiled_mma, s.dtype, tidx, buf)
+        full_copies = [self._r2s(tiled_mma, _kdt(s), tidx, buf)
                        for s, buf in zip(self.full_stores, bufs[:len(self.full_stores)])]
         store_parts = []
         for atom, t, buf in zip(store_atoms, store_tensors, bufs):
@@ -331,10 +340,11 @@ class Sm90TreeEpilogue:
             g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
             store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
 
-        tile_copies = [self._s2r(tiled_mma, t.dtype, tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
+        tile_copies = [self._s2r(tiled_mma, _kdt(t), tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
         segments = self._segment_prepass(acc, frag, state, acc_coords, tile_coords, n_frag, order,
                                          problem_mnl, assume)
         row_acc = [self._row_init(r) for r in self.row_reds]
+        found = [[(Boolean(False), Float32(0.0))] * self.row_slots for _ in self.gathers]
         lookups = lookups_ahead(self.tree, assume)
         ahead_args = (frag, state, acc_coords, tile_coords, segments, order, n_frag, n_epi, lookups)
         ahead = self._read_ahead(0, *ahead_args)
@@ -358,25 +368,11 @@ class Sm90TreeEpilogue:
                 if is_store_warp:
                     store_pipe.producer_acquire()
                 barrier.arrive_and_wait()
-            for k, s in enumerate(self.full_stores):
-                staged = cute.make_rmem_tensor(n_frag, Float32)
-                for v in cutlass.range_constexpr(n_frag):
-                    staged[v] = _as_float(emit.value(s.x, v))
-                tiled_r2s, tRS_sD, shape = full_copies[k]
-                out = cute.make_rmem_tensor(shape, DSL_TYPES[s.dtype])
-                out.store(cute.make_tensor(staged.iterator, cute.make_layout(shape)).load().to(DSL_TYPES[s.dtype]))
+            staged = self._evaluate(emit, ctx, n_frag, [c[2] for c in full_copies], row_acc, found,
+                                    scratch, warp_in_epi, bufs, buf, problem_mnl,
+                                    [outs[self.out_slots[g.name]] for g in self.gathers], tl)
+            for (tiled_r2s, tRS_sD, _), out in zip(full_copies, staged):
                 cute.copy(tiled_r2s, out, tRS_sD[(None, None, None, buf)])
-            for k, s in enumerate(self.half_stores):
-                sH = bufs[len(self.full_stores) + k]
-                for p in cutlass.range_constexpr(n_frag // 2):
-                    ml, nl = ctx.local(2 * p)
-                    sH[(ml, nl // 2, buf)] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, 2 * p)))
-            for k, r in enumerate(self.row_reds):
-                row_acc[k] = self._row_fold(r, row_acc[k], emit, ctx, n_frag, e, problem_mnl)
-            for k, c in enumerate(self.col_reds):
-                self._col_fold(c, scratch[k], emit, ctx, n_frag, warp_in_epi, problem_mnl)
-            for g in self.gathers:
-                self._gather(g, emit, ctx, n_frag, outs[self.out_slots[g.name]], problem_mnl, tl)
             if const_expr(len(self.tile_inputs) > 0):
                 load_pipe.consumer_release(load_state)
                 load_state.advance()
@@ -390,12 +386,56 @@ class Sm90TreeEpilogue:
                     store_pipe.producer_commit()
         for k, r in enumerate(self.row_reds):
             self._row_finish(r, row_acc[k], outs, acc_coords, tn, tl, problem_mnl)
+        for g, hits in zip(self.gathers, found):
+            self._gather_finish(hits, outs[self.out_slots[g.name]], acc_coords, tl, problem_mnl)
         if const_expr(len(self.col_reds) > 0):
             barrier.arrive_and_wait()
             for k, c in enumerate(self.col_reds):
                 self._col_finish(c, scratch[k], outs[self.out_slots[c.name]], tidx, tn, tm, tl, problem_mnl)
             barrier.arrive_and_wait()
         return buffer_base + n_epi, load_state
+
+    def _evaluate(self, emit, ctx, n_frag: int, shapes, row_acc, found, scratch, warp_in_epi, bufs,
+                  buf, problem_mnl, outs_g, tl):
+        """Every sink of the tree over one sub-tile, element after element (a quad at a time, as
+        the column reductions fold rows in pairs): each element's values are rounded into the
+        store fragments and folded into the reductions right away, so the intermediates of one
+        element die before the next is computed (sink after sink, every element's intermediates
+        would stay live from the first sink to the last). Returns the store fragments (a
+        double-width store's as 32-bit words: the pair of element i's column in word i, the
+        even value in the low half, as in memory)."""
+        frags = [cute.make_rmem_tensor(2 * n_frag if s.wide else shape, DSL_TYPES[s.dtype])
+                 for s, shape in zip(self.full_stores, shapes)]
+        lse_items = [{} for _ in self.row_reds]
+        for quad in range(n_frag // 4):
+            for v in range(4 * quad, 4 * quad + 4):
+                for s, frag in zip(self.full_stores, frags):
+                    for h in (0, 1) if s.wide else (None,):
+                        i = v if h is None else 2 * v + h
+                        frag[i] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, i)))
+                if v % 2 == 0:
+                    for k, s in enumerate(self.half_stores):
+                        ml, nl = ctx.local(v)
+                        sH = bufs[len(self.full_stores) + k]
+                        sH[(ml, nl // 2, buf)] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, v)))
+                for k, r in enumerate(self.row_reds):
+                    if r.x.domain != N.HALF or v % 2 == 0:
+                        row_acc[k] = self._row_step(r, row_acc[k], lse_items[k], emit, ctx, v, problem_mnl)
+                    if r.op == "lse" and (v + 1) % LSE_FOLD == 0:
+                        row_acc[k] = _lse_fold(row_acc[k], lse_items[k])
+                        lse_items[k] = {}
+                for k, g in enumerate(self.gathers):
+                    if const_expr(self.gather_select):
+                        found[k] = self._gather_step(g, found[k], emit, ctx, v, problem_mnl)
+                    else:
+                        self._gather_now(g, emit, ctx, v, outs_g[k], problem_mnl, tl)
+        # Column reductions after the sub-tile's elements: their shuffles interleaved with the
+        # element math made ptxas spill (e.g. 152 bytes on cooperative 128 x 256 tiles).
+        for quad in range(n_frag // 4):
+            for k, c in enumerate(self.col_reds):
+                self._col_fold(c, scratch[k], emit, ctx, quad, warp_in_epi, problem_mnl)
+        return [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Float32), cute.make_layout(shape))
+                if s.wide else f for s, f, shape in zip(self.full_stores, frags, shapes)]
 
     def _read_ahead(self, e: int, frag, state, acc_coords, tile_coords, segments, order, n_frag,
                     n_epi, lookups) -> dict:
@@ -489,35 +529,22 @@ class Sm90TreeEpilogue:
         """Distinct rows per thread in a tile (2 per 64-row WGMMA atom the thread covers)."""
         return 2 * (self.tile_mn[0] // (64 * (1 if self.pingpong else 2)))
 
-    def _row_fold(self, r, accum, emit, ctx, n_frag, e, problem_mnl):
-        half = r.x.domain == N.HALF
-        step = 2 if half else 1
-        vals = {}
-        for v in range(0, n_frag, step):
-            x = _as_float(emit.value(r.x, v))
-            if r.op == "sumsq":
-                x = x * x
-            valid = ctx.col_index(v) < problem_mnl[1]
-            slot = ctx.row_slot(v)
-            vals.setdefault(slot, []).append((valid, x))
+    def _row_step(self, r, accum, lse_items: dict, emit, ctx, v: int, problem_mnl):
+        """Fold element v into a row reduction: sum / sumsq / max at once; an lse collects a
+        quad's values per row first (its rescale costs an exp per quad, not per value)."""
+        x = _as_float(emit.value(r.x, v))
+        if r.op == "sumsq":
+            x = x * x
+        valid = ctx.col_index(v) < problem_mnl[1]
+        slot = ctx.row_slot(v)
         if r.op == "lse":
-            mx, sm = list(accum[0]), list(accum[1])
-            for slot, items in vals.items():
-                m_sub = mx[slot]
-                for valid, x in items:
-                    m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
-                s_new = _rescale(sm[slot], mx[slot], m_sub)
-                for valid, x in items:
-                    s_new = s_new + Float32(cutlass.select_(valid, fast_exp(x - m_sub), Float32(0.0)))
-                mx[slot], sm[slot] = m_sub, s_new
-            return (mx, sm)
+            lse_items.setdefault(slot, []).append((valid, x))
+            return accum
         out = list(accum)
-        for slot, items in vals.items():
-            for valid, x in items:
-                if r.op == "max":
-                    out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
-                else:
-                    out[slot] = out[slot] + Float32(cutlass.select_(valid, x, Float32(0.0)))
+        if r.op == "max":
+            out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+        else:
+            out[slot] = out[slot] + Float32(cutlass.select_(valid, x, Float32(0.0)))
         return out
 
     @cute.jit
@@ -553,13 +580,14 @@ class Sm90TreeEpilogue:
         return ((0, slot % 2, 0), slot // 2, 0)
 
     @cute.jit
-    def _col_fold(self, c, scratch, emit, ctx, n_frag: cutlass.Constexpr, warp_in_epi, problem_mnl):
-        """Sum (or max) this sub-tile's rows per column into the warp's scratch row."""
+    def _col_fold(self, c, scratch, emit, ctx, quad: cutlass.Constexpr, warp_in_epi, problem_mnl):
+        """Sum (or max) the rows of sub-tile elements 4 quad ... 4 quad + 3 per column into the
+        warp's scratch row."""
         is_max = c.op == "max"
         identity = Float32(_NEG_INF) if is_max else Float32(0.0)
         # Sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk: fold the two row halves
         # in-thread, then the warp's 8 row groups (lanes 4 apart), then warps via scratch.
-        for j in cutlass.range_constexpr(n_frag // 4):
+        for j in cutlass.range_constexpr(quad, quad + 1):
             for pair in cutlass.range_constexpr(2):
                 v = 4 * j + pair
                 parts = []
@@ -604,15 +632,35 @@ class Sm90TreeEpilogue:
                     s[idx] = identity
 
     @cute.jit
-    def _gather(self, g, emit, ctx, n_frag, out, problem_mnl, tl):
-        for v in cutlass.range_constexpr(n_frag):
-            m = ctx.row_index(v)
-            n = ctx.col_index(v)
-            hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
-            x = _as_float(emit.value(g.x, v))
-            if hit:
+    def _gather_now(self, g, emit, ctx, v: cutlass.Constexpr, out, problem_mnl, tl):
+        m = ctx.row_index(v)
+        n = ctx.col_index(v)
+        hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
+        x = _as_float(emit.value(g.x, v))
+        if hit:
+            if m < problem_mnl[0]:
+                out[(m, tl)] = x
+
+    def _gather_step(self, g, hits, emit, ctx, v: int, problem_mnl):
+        """Keep element v's value in its row slot if its column is the row's index (a row's
+        index lies in at most one column: a select, no branch per element)."""
+        n = ctx.col_index(v)
+        hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
+        slot = ctx.row_slot(v)
+        out = list(hits)
+        seen, val = out[slot]
+        out[slot] = (seen | hit, Float32(cutlass.select_(hit, _as_float(emit.value(g.x, v)), val)))
+        return out
+
+    @cute.jit
+    def _gather_finish(self, hits, out, acc_coords, tl, problem_mnl):
+        """Write the gathered values of the tile's rows whose index column was in the tile."""
+        for slot in cutlass.range_constexpr(self.row_slots):
+            m = acc_coords[self.row_slot_index(slot)][0]
+            seen, val = hits[slot]
+            if seen:
                 if m < problem_mnl[0]:
-                    out[(m, tl)] = x
+                    out[(m, tl)] = val
 
 
 class _Ctx:
@@ -662,6 +710,16 @@ class _Ctx:
         k = [t.name for t in self.epi.tile_inputs].index(name)
         return Float32(self.tiles[k][i])
 
+    def tile_half(self, name, i, h):
+        """Value ``h`` of a wide tile's column pair at element i: the 32-bit word read as two
+        16-bit values (the even column in the low half)."""
+        k = [t.name for t in self.epi.tile_inputs].index(name)
+        spec = self.epi.tile_inputs[k]
+        words = self.tiles[k]
+        pairs = cute.make_tensor(cute.recast_ptr(words.iterator, dtype=DSL_TYPES[spec.dtype]),
+                                 cute.make_layout(2 * cute.size(words)))
+        return Float32(pairs[2 * i + h])
+
     def row_index(self, i):
         return self.coords[self.offset + i][0]
 
@@ -685,6 +743,12 @@ class _Ctx:
         return i1 + 2 * (mm % (self.epi.row_slots // 2))
 
 
+def _kdt(x) -> str:
+    """The element type the kernel moves for a store sink or tile input: a double-width column
+    pair is one 32-bit word."""
+    return "float32" if getattr(x, "wide", False) else x.dtype
+
+
 def _combine(is_max: bool, a, b):
     return cutlass.max(a, b) if is_max else a + b
 
@@ -693,97 +757,20 @@ def _as_float(x):
     return x if isinstance(x, Float32) else Float32(x)
 
 
+def _lse_fold(accum, items: dict):
+    """Fold a sub-tile's values per row slot into running (max, sum of exp) pairs."""
+    mx, sm = list(accum[0]), list(accum[1])
+    for slot, vals in items.items():
+        m_sub = mx[slot]
+        for valid, x in vals:
+            m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+        s_new = _rescale(sm[slot], mx[slot], m_sub)
+        for valid, x in vals:
+            s_new = s_new + Float32(cutlass.select_(valid, fast_exp(x - m_sub), Float32(0.0)))
+        mx[slot], sm[slot] = m_sub, s_new
+    return (mx, sm)
+
+
 def _rescale(s, m_old, m_new):
     """s * exp(m_old - m_new), with an empty running sum (m_old = -inf) staying 0."""
     return Float32(cutlass.select_(m_old == m_new, s, s * fast_exp(m_old - m_new)))
-
-
-class _LazyCols:
-    """Column vector read from global memory at the use (L1-resident after the first sub-tile).
-    Unclamped, like :meth:`AccVectors.cols`."""
-
-    def __init__(self, vectors: "AccVectors", vec: cute.Tensor, dtype):
-        self.vectors = vectors
-        self.vec = vec
-        self.dtype = dtype
-
-    def __getitem__(self, i):
-        n = self.vectors.coords[i][1]
-        return _convert(self.vec[(n, self.vectors.batch)], self.dtype)
-
-
-def _convert(x, dtype):
-    return Int32(x) if dtype is cutlass.Int32 else Float32(x)
-
-
-class AccVectors:
-    """Loads per-row / per-column vectors into registers laid out like the accumulator.
-
-    A WGMMA accumulator fragment is ``((col pair, row half, 8-col chunk), MMA_M, MMA_N)``; a row
-    vector only varies with (row half, MMA_M) and a column vector with (col pair, chunk, MMA_N).
-    The register tensors returned here have the accumulator's shape with zero strides on the other
-    modes, so ``vec[i]`` is the value for accumulator register ``i`` while only the distinct
-    values occupy registers (2 * MMA_M rows, tile_n / 4 columns per thread). Rows past the problem
-    edge read the last valid entry, and column vectors arrive padded to whole clusters of tiles
-    (the runner's launch): results past the edge are never stored, and a column read needs no clamp.
-    """
-
-    def __init__(self, acc_coords: cute.Tensor, problem_mnl, batch: Int32):
-        self.coords = acc_coords
-        self.problem = problem_mnl
-        self.batch = batch
-        self.shape = acc_coords.shape
-        (_, _, self.chunks), self.mma_m, self.mma_n = self.shape
-
-    @cute.jit
-    def rows(self, vec: cute.Tensor, dtype):
-        out = cute.make_rmem_tensor(cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), dtype)
-        for mm in cutlass.range_constexpr(self.mma_m):
-            for half in cutlass.range_constexpr(2):
-                crd = ((0, half, 0), mm, 0)
-                m = self.coords[crd][0]
-                out[crd] = _convert(vec[(cutlass.min(m, self.problem[0] - 1), self.batch)], dtype)
-        return out
-
-    @cute.jit
-    def row_sums(self, parts: cute.Tensor):
-        """Per row: the sum of an (M, T, L) tensor over T (per-tile partials of an earlier
-        epilogue, finalized here instead of in a separate kernel).
-
-        The four threads of a quad hold the same rows: each sums every fourth partial, all of
-        its rows' loads independent (no load waits on the previous add), and a butterfly over the
-        quad completes the sums. A serial walk over T would put T dependent L2 round trips per
-        row on the tile's critical path.
-        """
-        out = cute.make_rmem_tensor(cute.make_layout(self.shape, stride=((0, 1, 0), 2, 0)), Float32)
-        rows = []
-        for mm in cutlass.range_constexpr(self.mma_m):
-            for half in cutlass.range_constexpr(2):
-                crd = ((0, half, 0), mm, 0)
-                rows.append((crd, cutlass.min(self.coords[crd][0], self.problem[0] - 1)))
-                out[crd] = Float32(0.0)
-        for t in cutlass.range(cute.arch.lane_idx() % 4, cute.size(parts, mode=[1]), 4, unroll=2):
-            for crd, m in rows:
-                out[crd] = out[crd] + parts[(m, t, self.batch)]
-        for crd, _ in rows:
-            x = out[crd]
-            for off in (1, 2):
-                x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
-            out[crd] = x
-        return out
-
-    @cute.jit
-    def cols(self, vec: cute.Tensor, dtype):
-        """Wide tiles (more than ``EAGER_COLS`` distinct columns per thread) would spill next to
-        the accumulator; their columns are read lazily, per epilogue sub-tile, instead."""
-        if const_expr(2 * self.chunks * self.mma_n > EAGER_COLS):
-            return _LazyCols(self, vec, dtype)
-        out = cute.make_rmem_tensor(
-            cute.make_layout(self.shape, stride=((1, 0, 2), 0, 2 * self.chunks)), dtype)
-        for mn in cutlass.range_constexpr(self.mma_n):
-            for j in cutlass.range_constexpr(self.chunks):
-                for pair in cutlass.range_constexpr(2):
-                    crd = ((pair, 0, j), 0, mn)
-                    n = self.coords[crd][1]
-                    out[crd] = _convert(vec[(n, self.batch)], dtype)
-        return out

@@ -1,0 +1,158 @@
+"""The element-wise (bandwidth-bound) kernels: their specs, fake compile signatures and launchers.
+
+A spec names everything a binary depends on (dtype, compile-time constants, target arch) and
+``build()`` returns the kernel object and fake arguments with symbolic extents, which is how
+``coda_cute.compiler`` compiles it (no GPU needed) and caches it (in-process and on disk, like
+the GEMMs). The launchers check nothing: the ops that call them validate first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
+
+__all__ = ["ScaleColumnsSpec", "CrossEntropyGradSpec", "RopeBackwardSpec", "compile_elementwise",
+           "cross_entropy_grad_", "rope_backward_kernel"]
+
+
+def _fake(dtype: str, shape, stride, align: int = 4):
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), shape, stride=stride, assumed_align=align)
+
+
+@dataclass(frozen=True)
+class ScaleColumnsSpec:
+    """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype.
+    The kernel uses no architecture-specific instruction; it is built per target like the GEMMs."""
+
+    dtype: str
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"scale_columns_{self.arch}_{short_dtype(self.dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.scale_columns import ScaleColumns
+
+        n, k = cute.sym_int(), cute.sym_int()
+
+        def matrix():
+            return _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
+
+        gamma = _fake(self.dtype, (k,), (1,), 16)
+        return ScaleColumns(cutlass_dtype(self.dtype)), (matrix(), gamma, matrix())
+
+
+@dataclass(frozen=True)
+class CrossEntropyGradSpec:
+    """The cross-entropy gradient in place (``kernels.elementwise.ce_grad``), bf16 logits."""
+
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"ce_grad_{self.arch}_bf16"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.ce_grad import CrossEntropyGrad
+
+        m, v = cute.sym_int(), cute.sym_int()
+        vec = (m,)
+        return CrossEntropyGrad(), (
+            _fake("bfloat16", (m, v), (cute.sym_int64(divisibility=8), 1), 16),
+            _fake("float32", vec, (1,)), _fake("float32", vec, (1,)), _fake("float32", vec, (1,)),
+            _fake("int32", vec, (1,)),
+            _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), 1)),
+        )
+
+
+def cross_entropy_grad_(logits: torch.Tensor, lse, rstd, coef, targets) -> torch.Tensor:
+    """In place on ``logits`` (M, V) bf16 (rows 16-byte aligned): rstd coef (softmax - onehot);
+    returns the (M, T) fp32 partials of coef sum_v (softmax - onehot) logits per column chunk
+    (``kernels.elementwise.ce_grad``)."""
+    from .kernels.elementwise.ce_grad import num_chunks
+
+    from . import dispatch
+
+    m, v = logits.shape
+    partials = torch.empty((m, num_chunks(v)), dtype=torch.float32, device=logits.device)
+    get_kernel(CrossEntropyGradSpec(dispatch.arch_of(logits.device))).fn(
+        logits, lse, rstd, coef, targets, partials)
+    return partials
+
+
+@dataclass(frozen=True)
+class RopeBackwardSpec:
+    """The RoPE (+ QK-norm) backward (``kernels.elementwise.rope_backward``) for one head layout."""
+
+    qk_norm: bool
+    head_dim: int
+    n_heads: int
+    n_kv_heads: int
+    arch: str = "sm_90a"
+    num_sms: int = 132
+
+    @property
+    def name(self) -> str:
+        qk = "_qknorm" if self.qk_norm else ""
+        return f"rope_backward_{self.arch}_h{self.n_heads}x{self.n_kv_heads}_d{self.head_dim}{qk}"
+
+    def build(self):
+        import cutlass
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.rope_backward import RopeBackward
+
+        kernel = RopeBackward(self.qk_norm, self.head_dim, self.n_heads, self.n_kv_heads, self.num_sms)
+        b, s, m = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        d, n = self.head_dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
+
+        def d8():
+            return cute.sym_int64(divisibility=8)
+
+        def heads(h):
+            return _fake("bfloat16", (b, h, s, d), (d8(), d8(), d8(), 1), 16)
+
+        def rows():
+            return _fake("bfloat16", (m, n), (d8(), 1), 16)
+
+        args = [heads(self.n_heads), heads(self.n_kv_heads), heads(self.n_kv_heads), rows(),
+                _fake("float32", (m,), (1,)), _fake("int32", (m,), (1,)),
+                _fake("float32", (d // 2,), (1,), 16), rows(), _fake("float32", (m,), (1,))]
+        if self.qk_norm:
+            args += [rows(), _fake("float32", (n_qk,), (1,), 16),
+                     _fake("float32", (cute.sym_int(), n_qk), (cute.sym_int64(divisibility=4), 1), 16)]
+        else:
+            args += [None, None, None]
+        return kernel, (*args, cutlass.Float32(1e-6))
+
+
+def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, qk_w, qk_eps: float):
+    """(g, zdz (M, 1), dw (n_qk,) or None): one pass of the RoPE (+ QK-norm) backward kernel;
+    ``qk_w`` the per-column QK-norm weight (n_qk,) fp32 with QK-norm, else None."""
+    from . import dispatch
+    from .kernels.elementwise.rope_backward import num_row_blocks
+
+    b, h, s, d = dq.shape
+    spec = RopeBackwardSpec(pre is not None, d, h, dk.shape[1], dispatch.arch_of(qkv.device),
+                            dispatch.num_sms(qkv.device))
+    m, n = qkv.shape
+    g = torch.empty_like(qkv)
+    zdz = torch.empty((m, 1), dtype=torch.float32, device=qkv.device)
+    partials = None
+    if pre is not None:
+        partials = torch.empty((num_row_blocks(m, spec.num_sms), qk_w.shape[0]), dtype=torch.float32,
+                               device=qkv.device)
+    get_kernel(spec).fn(dq, dk, dv, qkv, rstd, positions, inv_freq, g, zdz.view(m), pre, qk_w, partials,
+                        float(qk_eps))
+    return g, zdz, (partials.sum(0) if partials is not None else None)

@@ -1,0 +1,143 @@
+"""Argument rules shared by the CODA ops: one function per rule.
+
+Every op runs the same checks on its CUDA path, its fake (tracing) path and its CPU reference
+path, so a call the GPU would reject is rejected while tracing and on the CPU too, before any
+launch. Each failure names the op, the argument and the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..operands import check_pointer_aligned
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(op: str, name: str, t, dims: int, dtypes: tuple, aligned: bool = False):
+    """A ``dims``-D contiguous tensor of one of ``dtypes``; ``aligned``: its data pointer on a
+    16-byte boundary (tensors TMA reads or writes)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{op}: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous, got strides {tuple(t.stride())}")
+    if aligned:
+        check_pointer_aligned(t, name, op)
+
+
+def check_shape(op: str, name: str, t, shape: tuple, what: str = ""):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must be {what}{tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_aligned(op: str, what: str, n: int):
+    if n % 8:
+        raise ValueError(f"{op}: {what} = {n} must be a multiple of 8 (rows of bf16 values must "
+                         "start on 16-byte boundaries for TMA)")
+
+
+def check_same_device(op: str, **tensors):
+    devs = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {devs}")
+
+
+def check_eps(op: str, name: str, eps: float):
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"{op}: {name} must be a finite number >= 0, got {eps}")
+
+
+def check_linear(op: str, x_name: str, x, w, w_name: str = "w"):
+    """x (M, K) @ w.T with w stored like nn.Linear (N, K), both bf16, contiguous and 16-byte
+    aligned, K a multiple of 8. Returns (M, N, K)."""
+    check_tensor(op, x_name, x, 2, (BF16,), aligned=True)
+    check_tensor(op, w_name, w, 2, (BF16,), aligned=True)
+    m, k = x.shape
+    n, kw = w.shape
+    if kw != k:
+        raise ValueError(f"{op}: {w_name} is {tuple(w.shape)} but {x_name} has {k} columns ({w_name} is "
+                         "stored like nn.Linear: out_features x in_features)")
+    check_aligned(op, f"the inner dimension (columns of {x_name})", k)
+    check_same_device(op, **{x_name: x, w_name: w})
+    return m, n, k
+
+
+def check_dgrad(op: str, g_name: str, g, w_name: str, w, what: str):
+    """g (M, N) @ w (N, K), w a weight as stored (nn.Linear: out_features x in_features), both
+    bf16, contiguous and 16-byte aligned, N a multiple of 8. Returns (M, N, K). ``what`` names
+    N for the message."""
+    check_tensor(op, g_name, g, 2, (BF16,), aligned=True)
+    check_tensor(op, w_name, w, 2, (BF16,), aligned=True)
+    m, n = g.shape
+    if w.shape[0] != n:
+        raise ValueError(f"{op}: {w_name} is {tuple(w.shape)} but {g_name} has {n} columns ({w_name} is "
+                         f"the weight as stored, out_features x in_features, with out_features = {what})")
+    check_aligned(op, f"{what} (columns of {g_name})", n)
+    return m, n, w.shape[1]
+
+
+def check_stats(op: str, name: str, ss, m: int):
+    """Per-row partial sums (M, T) fp32, T >= 1 (norm statistics, gradient statistics)."""
+    check_tensor(op, name, ss, 2, (F32,))
+    if ss.shape[0] != m or ss.shape[1] < 1:
+        raise ValueError(f"{op}: {name} must be (M, T) per-row partials with M = {m}, got shape "
+                         f"{tuple(ss.shape)}")
+
+
+def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True):
+    """Rules shared by the ops that consume y with its norm statistics. Returns (M, N, d)."""
+    m, n, d = check_linear(op, "y", y, w)
+    check_stats(op, "ss", ss, m)
+    if store_cols:
+        check_aligned(op, "the output width (rows of w)", n)
+    check_eps(op, "eps", eps)
+    check_same_device(op, y=y, w=w, ss=ss)
+    return m, n, d
+
+
+def _out_of_range(t: torch.Tensor, hi: int, ignore: Optional[int]) -> torch.Tensor:
+    bad = (t < 0) | (t >= hi)
+    if ignore is not None:
+        bad &= t != ignore
+    return bad
+
+
+def _range_error(op: str, name: str, t, hi: int, ignore: Optional[int]) -> ValueError:
+    first = int(t[_out_of_range(t, hi, ignore)][0])
+    extra = "" if ignore is None else f" (or {ignore}, the ignore_index)"
+    return ValueError(f"{op}: {name} must lie in [0, {hi}){extra}; found {first}")
+
+
+def check_index_range(op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
+    """Values of ``t`` must lie in [0, hi) (or equal ``ignore``). Costs one reduction and a host
+    sync; a device-side assert instead would poison the CUDA context."""
+    if bool(_out_of_range(t, hi, ignore).any()):
+        raise _range_error(op, name, t, hi, ignore)
+
+
+class PendingIndexCheck:
+    """:func:`check_index_range` without stalling the GPU: the reduction is queued now and its
+    flag copied to pinned host memory; :meth:`wait` blocks only until that copy has landed (the
+    work queued after it, e.g. the GEMM, keeps the GPU busy meanwhile) and raises if it failed.
+    A synchronous check would leave the GPU idle between the sync and the next launch."""
+
+    def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
+        self.args = (op, name, t, hi, ignore)
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.flag.copy_(_out_of_range(t, hi, ignore).any(), non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def wait(self):
+        self.done.synchronize()
+        if bool(self.flag):
+            raise _range_error(*self.args)

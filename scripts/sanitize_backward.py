@@ -1,0 +1,56 @@
+"""Run every backward kernel once on small ragged shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_backward.py
+
+The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
+the cross-entropy gradient and the deferred LM-head wgrad (several chunks, a vocabulary that is
+no multiple of 8), and the two sublayer ops forward and backward.
+"""
+
+import torch
+
+from coda_cute import reference as R
+from coda_cute.ops import lm_head_ce as LH
+from coda_cute.ops.attention import attention_backward, attention_forward, qkv_heads
+
+
+def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def main():
+    torch.manual_seed(0)
+    m, d, f, eps = 333, 256, 384, 1e-5
+    y = rand(m, d)
+    ss = R.norm_stats_partials_ref(y, 128)
+    torch.ops.coda.swiglu_backward(rand(m, d), rand(d, f, scale=0.05), rand(m, 2 * f), ss, eps)
+    torch.ops.coda.norm_backward(rand(m, 2 * f), rand(2 * f, d, scale=0.05), y, ss, rand(m, 3, dtype=torch.float32), eps, rand(m, d))
+    b, s, h, hkv = 3, 111, 4, 2
+    for hd, qk in ((64, False), (128, True)):
+        n = (h + 2 * hkv) * hd
+        q, k, v = qkv_heads(rand(b * s, n), b, h, hkv, hd)
+        o, lse, ra, rb = attention_forward(q, k, v)
+        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse, ra, rb)
+        pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)
+        extra = (rand(b * s, n), 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1), 1e-6) if qk else ()
+        torch.ops.coda.rope_backward(dq, dk, dv, rand(b * s, n), torch.rand(b * s, device="cuda") + 0.5, pos,
+                                     R.rope_inv_freq(hd, 10000.0, "cuda"), *extra)
+    v_ = 1003
+    LH.CHUNK_BYTES = 128 * 2 * 1008  # 128-row chunks: three of them, dW accumulated in bf16
+    w = rand(v_, d, scale=d ** -0.5).requires_grad_()
+    yy = y.clone().requires_grad_()
+    t = torch.randint(0, v_, (m,), device="cuda")
+    t[::7] = -100
+    LH.cross_entropy(yy, w, ss, eps, t, gamma=1 + rand(d, scale=0.1)).backward()
+    from coda_cute.nn import CodaLlama, LlamaConfig
+
+    cfg = LlamaConfig(d, 1, h, hkv, f, v_, head_dim=64, qk_norm=True)
+    model = CodaLlama(cfg, device="cuda")
+    tokens = torch.randint(0, v_, (b, s), device="cuda")
+    model(tokens, torch.roll(tokens, -1, 1)).backward()
+    torch.cuda.synchronize()
+    print("sanitize_backward: every backward kernel ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""CPU tests of the backward ops and the sublayer ops (no GPU: the reference path, fake tensors).
+
+* The backward references (the analytic formulas the kernels implement) against float64
+  autograd of the forward references, with ss recomputed from y (the ops' convention: ss is
+  y's norm statistic and carries no gradient of its own).
+* Every new op in ``reference_on_cpu`` mode is its reference; fake shapes on fake CUDA tensors;
+  ``torch.library.opcheck``; bad input raises a clear error before any launch, also on the fake
+  path.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import coda_cute
+from coda_cute import reference as R
+from coda_cute.ops import lm_head_ce as LH
+from coda_cute.ops.attention import qkv_heads
+from coda_cute.ops.swiglu import zdz_tile_n
+from coda_block_helpers import rand
+from helpers import rel_err
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+B, S, H, HKV, HD, D, FF, V, EPS = 2, 19, 4, 2, 16, 64, 48, 50, 1e-5
+M, NQKV, NQK = B * S, (H + 2 * HKV) * HD, (H + HKV) * HD
+INV_FREQ = R.rope_inv_freq(HD, 10000.0)
+OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def stats(y):
+    return R.norm_stats_partials_ref(y, 16)
+
+
+def grads(fn, args, idx, cot=None):
+    args = [a.detach().clone().requires_grad_() if i in idx else a for i, a in enumerate(args)]
+    out = fn(*args)
+    cot = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3)) if cot is None else cot
+    return out.detach(), cot, torch.autograd.grad((out * cot).sum(), [args[i] for i in idx])
+
+
+# -- the backward references vs float64 autograd -----------------------------------------------------
+def test_mlp_backward_refs_equal_autograd():
+    """swiglu_backward_ref + norm_backward_ref (+ the wgrads) = d/d(y, W_gu, W_down) of
+    y2 = y + SwiGLU(RMSNorm(y) W_gu^T) W_down^T."""
+    torch.manual_seed(0)
+    y, w_gu, w_down = rand(M, D, dtype=F64), rand(2 * FF, D, dtype=F64, scale=0.2), rand(D, FF, dtype=F64, scale=0.2)
+
+    def mlp(y, w_gu, w_down):
+        z, h = R.norm_swiglu_ref(y, w_gu, stats(y), EPS)
+        return y + h @ w_down.t()
+
+    _, c, (gy, ggu, gd) = grads(mlp, [y, w_gu, w_down], [0, 1, 2])
+    ss = stats(y)
+    z, h = R.norm_swiglu_ref(y, w_gu, ss, EPS)
+    dzp, h2, zdz = R.swiglu_backward_ref(c, w_down, z, ss, EPS, 16)
+    assert rel_err(h2, h) < 1e-12 and zdz.shape == (M, 3)
+    assert rel_err(R.norm_backward_ref(dzp, w_gu, y, ss, zdz, EPS, c), gy) < 1e-10
+    assert rel_err(dzp.t() @ y, ggu) < 1e-10 and rel_err(c.t() @ h, gd) < 1e-10
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_backward_ref_equals_autograd(qk_norm):
+    torch.manual_seed(1)
+    y, w = rand(M, D, dtype=F64), rand(NQKV, D, dtype=F64, scale=0.2)
+    pos = torch.arange(S).repeat(B)
+    qn = (torch.rand(HD, dtype=F64) + 0.5) if qk_norm else None
+    kn = (torch.rand(HD, dtype=F64) + 0.5) if qk_norm else None
+
+    def qkv(y, w, qn, kn):
+        return R.norm_rope_qkv_ref(y, w, stats(y), EPS, pos, INV_FREQ, H, HKV, HD, qn, kn, 1e-6)
+
+    idx = [0, 1] + ([2, 3] if qk_norm else [])
+    out, cot, want = grads(qkv, [y, w, qn, kn], idx)
+    ss = stats(y)
+    r = R.rms_rstd_ref(ss, D, EPS)
+    pre = (r.unsqueeze(1) * (y @ w.t())) if qk_norm else None
+    dq, dk, dv = qkv_heads(cot, B, H, HKV, HD)  # the cotangent in the attention core's layout
+    g, zdz, dqn, dkn = R.rope_backward_ref(dq, dk, dv, out, r, pos, INV_FREQ, pre, qn, kn, 1e-6)
+    assert rel_err(R.norm_backward_ref(g, w, y, ss, zdz, EPS), want[0]) < 1e-10
+    assert rel_err(g.t() @ y, want[1]) < 1e-10
+    if qk_norm:
+        assert rel_err(dqn, want[2]) < 1e-10 and rel_err(dkn, want[3]) < 1e-10
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("gamma", [False, True])
+def test_lm_head_grad_ref_equals_autograd(reduction, gamma):
+    torch.manual_seed(2)
+    y, w = rand(M, D, dtype=F64), rand(V, D, dtype=F64, scale=0.3)
+    g = (1 + rand(D, dtype=F64, scale=0.1)) if gamma else None
+    t = torch.randint(0, V, (M,))
+    t[::5] = -100
+    dlse = rand(M, dtype=F64, scale=0.1)
+
+    def loss_fn(y, w, g):
+        loss, lse = R.lm_head_ce_ref(y, w, stats(y), EPS, t, -100, reduction, g)
+        return loss, lse
+
+    ins = [y.clone().requires_grad_(), w.clone().requires_grad_(), g.clone().requires_grad_() if gamma else None]
+    loss, lse = loss_fn(*ins)
+    dloss = rand(*loss.shape, dtype=F64) if reduction == "none" else torch.tensor(0.7, dtype=F64)
+    total = (loss * dloss).sum() + (lse * dlse).sum()
+    want = torch.autograd.grad(total, [i for i in ins if i is not None])
+    got = R.lm_head_ce_grad_ref(y, w, stats(y), EPS, t, -100, reduction, g, dloss, dlse)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-10
+
+
+def test_attention_ref_is_causal_gqa_sdpa():
+    torch.manual_seed(3)
+    q, k, v = qkv_heads(rand(M, NQKV, dtype=F64), B, H, HKV, HD)
+    o, lse = R.attention_ref(q, k, v)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert rel_err(o, want) < 1e-12
+    s = (q @ k.repeat_interleave(H // HKV, 1).transpose(-1, -2)) * HD ** -0.5
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    assert rel_err(lse, s.logsumexp(-1)) < 1e-12
+
+
+# -- the ops: reference mode, fake tensors, opcheck ----------------------------------------------------
+def cases():
+    torch.manual_seed(4)
+    x = rand(B, S, D)
+    ss = stats(x.reshape(M, D))
+    w_qkv, w_o = rand(NQKV, D, scale=D ** -0.5), rand(D, H * HD, scale=(H * HD) ** -0.5)
+    pos = torch.arange(S, dtype=torch.int32).repeat(B)
+    qn, kn = 1 + rand(HD, scale=0.1), 1 + rand(HD, scale=0.1)
+    attn = (x, ss, w_qkv, w_o, pos, INV_FREQ, EPS, H, HKV, HD)
+    yield "attention_block", attn, {}
+    yield "attention_block+qk_norm", attn + (qn, kn, 1e-6), {}
+    y = x.reshape(M, D).contiguous()
+    w_gu, w_down = rand(2 * FF, D, scale=D ** -0.5), rand(D, FF, scale=FF ** -0.5)
+    yield "mlp_block", (y, ss, w_gu, w_down, EPS), {}
+    z = rand(M, 2 * FF)
+    yield "swiglu_backward", (rand(M, D), w_down, z, ss, EPS), {}
+    yield "norm_backward", (rand(M, 2 * FF), w_gu, y, ss, rand(M, 3, dtype=F32), EPS, rand(M, D)), {}
+    q, k, v = qkv_heads(rand(M, NQKV), B, H, HKV, HD)
+    qkv = rand(M, NQKV)
+    r = torch.rand(M) + 0.5
+    yield "rope_backward", (q, k, v, qkv, r, pos, INV_FREQ), {}
+    yield "rope_backward+qk_norm", (q, k, v, qkv, r, pos, INV_FREQ, rand(M, NQKV), qn, kn, 1e-6), {}
+    w_lm = rand(V, D, scale=D ** -0.5)
+    t = torch.randint(0, V, (M,))
+    t[::5] = -100
+    g = 1 + rand(D, scale=0.1)
+    yield "lm_head_ce_train", (y, w_lm, ss, EPS, t, -100, "mean", g), {}
+    yield "lm_head_ce_train[sum]", (y, w_lm, ss, EPS, t, -100, "sum", None), {}
+    lse = torch.randn(M)
+    yield "lm_head_ce_backward", (y, w_lm, ss, EPS, t, lse, torch.randn(M), torch.randn(M), -100, "none", g), {}
+
+
+def base(name):
+    return name.split("+")[0].split("[")[0]
+
+
+def ref_call(name, args):
+    """The op's outputs from the references alone."""
+    b = base(name)
+    if b == "mlp_block":
+        y, ss, w_gu, w_down, eps = args
+        z, h = R.norm_swiglu_ref(y, w_gu, ss, eps)
+        y2, ss2 = R.residual_gemm_norm_stats_ref(h, w_down, y, 64)
+        return y2, z
+    if b == "swiglu_backward":
+        dy, w_down = args[:2]
+        return R.swiglu_backward_ref(*args, zdz_tile_n(dy, w_down))
+    if b == "norm_backward":
+        return (R.norm_backward_ref(*args),)
+    if b == "rope_backward":
+        return tuple(o for o in R.rope_backward_ref(*args) if o is not None)
+    if b == "lm_head_ce_train":  # one chunk at these sizes: no accumulator, the whole dl' deferred
+        y, w, ss, eps, t, ig, red, g = args
+        dy, _, dg = R.lm_head_ce_grad_ref(*args)
+        r = R.rms_rstd_ref(ss, D, eps).unsqueeze(1)
+        dl = (R.ce_dlogits_ref(*args)[1] * r).to(y.dtype)
+        return (*R.lm_head_ce_ref(*args), dy, *((dg,) if dg is not None else ()), dl)
+    if b == "lm_head_ce_backward":
+        y, w, ss, eps, t, lse, dloss, dlse, ig, red, g = args
+        dy, dw, dg = R.lm_head_ce_grad_ref(y, w, ss, eps, t, ig, red, g, dloss, dlse)
+        return dy, dw, dg.to(g.dtype)  # the gradient of gamma in gamma's dtype
+    return None
+
+
+@pytest.mark.parametrize("case", list(cases()), ids=lambda c: c[0])
+def test_op_in_reference_mode_is_the_reference(case):
+    name, args, _ = case
+    op = getattr(torch.ops.coda, base(name))
+    with pytest.raises(ValueError, match="reference_on_cpu"):
+        op(*args)
+    with coda_cute.reference_on_cpu():
+        got = op(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    want = ref_call(name, args)
+    if want is None:  # the attention block: its pieces' references, composed
+        assert got[0].shape == args[0].shape and got[0].dtype == BF16
+        return
+    if base(name) == "mlp_block":
+        got = (got[0], got[2])
+    got = [g for g in got if g.numel()]  # empty weight gradients without QK-norm / gamma
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+        assert rel_err(g, w) < 1e-6
+
+
+def test_attention_block_reference_is_the_plain_composition():
+    name, args, _ = next(c for c in cases() if c[0] == "attention_block+qk_norm")
+    x, ss, w_qkv, w_o, pos, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps = args
+    with coda_cute.reference_on_cpu():
+        y = torch.ops.coda.attention_block(*args)[0]
+    x2 = x.reshape(M, D)
+    qkv = R.norm_rope_qkv_ref(x2, w_qkv, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps)
+    o, _ = R.attention_ref(*qkv_heads(qkv, B, h, hkv, hd))
+    want, _ = R.residual_gemm_norm_stats_ref(o.transpose(1, 2).reshape(M, -1), w_o, x2, 64)
+    assert y.reshape(M, D).equal(want)
+
+
+def fake_args(name):
+    """(op, arguments (fake CUDA tensors: call inside FakeTensorMode), output shapes, None where
+    the heuristic's tile decides) at Llama-3-8B's sizes, 16384 tokens."""
+    m, d, f, v = 16384, 4096, 14336, 128256
+
+    def t(*shape, dtype=BF16):
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+    ss, y = t(m, 32, dtype=F32), t(m, d)
+    if name == "attention_block":
+        return torch.ops.coda.attention_block, (t(4, 4096, d), ss, t(6144, d), t(d, 4096), t(m, dtype=torch.int32),
+                                                t(64, dtype=F32), EPS, 32, 8, 128), \
+            [(4, 4096, d), (m, None), (m, 6144), (4, 32, 4096, 128), (4, 32, 4096)]
+    if name == "mlp_block":
+        return torch.ops.coda.mlp_block, (y, ss, t(2 * f, d), t(d, f), EPS), [(m, d), (m, None), (m, 2 * f)]
+    if name == "swiglu_backward":
+        return torch.ops.coda.swiglu_backward, (y, t(d, f), t(m, 2 * f), ss, EPS), [(m, 2 * f), (m, f), (m, None)]
+    if name == "norm_backward":
+        return torch.ops.coda.norm_backward, (t(m, 2 * f), t(2 * f, d), y, ss, t(m, 7, dtype=F32), EPS, y), [(m, d)]
+    return torch.ops.coda.lm_head_ce_train, (y, t(v, d), ss, EPS, t(m, dtype=torch.int64), -100, "mean", t(d)), \
+        [(), (m,), (m, d), (d,), (v, d), (None, v)]
+
+
+@pytest.mark.parametrize("name", ["attention_block", "mlp_block", "swiglu_backward", "norm_backward", "lm_head_ce_train"])
+def test_fake_cuda_shapes(name):
+    with FakeTensorMode():
+        op, args, want = fake_args(name)
+        out = op(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    for o, shape in zip(out, want):
+        assert o.device.type == "cuda"
+        assert o.dim() == len(shape) and all(s is None or a == s for a, s in zip(o.shape, shape)), (o.shape, shape)
+
+
+@pytest.mark.parametrize("case", [c for c in cases() if c[0] != "lm_head_ce_backward"], ids=lambda c: c[0])
+def test_opcheck(case):
+    name, args, kwargs = case
+    skip = {id(INV_FREQ)}
+    args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 and id(a) not in skip and base(name) in ("mlp_block", "attention_block", "lm_head_ce_train")
+                 else a for a in args)
+    with coda_cute.reference_on_cpu():
+        result = torch.library.opcheck(getattr(torch.ops.coda, base(name)).default, args, kwargs,
+                                       test_utils=OPCHECKS)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_lm_head_chunk_plan():
+    """The benchmark shape: 3 chunks of whole 128-row tiles within 1.5 GiB, dW in bf16; small
+    problems one chunk (no accumulation); fp32 accumulation where it fits next to a chunk."""
+    rows, acc = LH.plan_chunks(16384, 128256, 2048)
+    assert rows % 128 == 0 and -(-16384 // rows) == 3 and rows * 128256 * 2 <= LH.CHUNK_BYTES and acc == BF16
+    assert LH.plan_chunks(4133, 32003, 1024) == (4133, None)
+    whole = 4133 * 2 * 32008  # bytes of all the logits
+    assert LH.plan_chunks(4133, 32003, 256, budget=int(0.9 * whole)) == (2176, F32)
+    assert LH.plan_chunks(4133, 32003, 1024, budget=int(0.3 * whole)) == (1152, BF16)
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+def _bad():
+    c = dict((n, a) for n, a, _ in cases())
+    y, ss, w_gu, w_down, eps = c["mlp_block"]
+    yield "mlp w_down shape", lambda: torch.ops.coda.mlp_block(y, ss, w_gu, w_down[:, :40].contiguous(), eps), ValueError, r"w_down must be \(d, f\)"
+    dy, wd, z, ss_, eps = c["swiglu_backward"]
+    yield "swiglu_bwd z shape", lambda: torch.ops.coda.swiglu_backward(dy, wd, z[:, :48].contiguous(), ss_, eps), ValueError, r"z must be the saved pre-activation \(M, 2f\)"
+    yield "swiglu_bwd dy dtype", lambda: torch.ops.coda.swiglu_backward(dy.float(), wd, z, ss_, eps), TypeError, "dy must be"
+    g, w, yy, ss2, zdz, eps, dres = c["norm_backward"]
+    yield "norm_bwd w rows", lambda: torch.ops.coda.norm_backward(g, w[:40], yy, ss2, zdz, eps), ValueError, "out_features = the consumer.s output width N"
+    yield "norm_bwd residual shape", lambda: torch.ops.coda.norm_backward(g, w, yy, ss2, zdz, eps, dres[:5]), ValueError, "residual_grad must be"
+    yield "norm_bwd zdz rows", lambda: torch.ops.coda.norm_backward(g, w, yy, ss2, zdz[:5], eps), ValueError, "zdz must be"
+    q, k, v, qkv, r, pos, inv = c["rope_backward"]
+    rb = torch.ops.coda.rope_backward
+    yield "rope_bwd pre without weights", lambda: rb(q, k, v, qkv, r, pos, inv, qkv), ValueError, "pre .* goes with"
+    yield "rope_bwd dk heads", lambda: rb(q, k[:, :1], v, qkv, r, pos, inv), ValueError, "dv must be"
+    yield "rope_bwd qkv shape", lambda: rb(q, k, v, qkv[:, :64].contiguous(), r, pos, inv), ValueError, "qkv must be"
+    yield "rope_bwd strided head_dim", lambda: rb(q.transpose(2, 3), k, v, qkv, r, pos, inv), ValueError, "contiguous head_dim"
+    args = c["lm_head_ce_train"]
+    yield "train reduction none", lambda: torch.ops.coda.lm_head_ce_train(*args[:6], "none", args[7]), ValueError, "reduction must be one of"
+    yield "train gamma shape", lambda: torch.ops.coda.lm_head_ce_train(*args[:7], args[7][:8]), ValueError, r"gamma must be \(d,\)"
+    yield "train target range", lambda: torch.ops.coda.lm_head_ce_train(args[0], args[1], args[2], EPS, torch.full((M,), V)), ValueError, r"\[0, 50\)"
+    a = c["attention_block"]
+    yield "attention w_o shape", lambda: torch.ops.coda.attention_block(a[0], a[1], a[2], a[3][:, :32].contiguous(), *a[4:]), ValueError, "w_o must be"
+    yield "attention x 2-D", lambda: torch.ops.coda.attention_block(a[0].reshape(M, D), *a[1:]), ValueError, "x must be 3-D"
+
+
+@pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
+def test_bad_input_raises_before_launch(case):
+    _, call, exc, match = case
+    with coda_cute.reference_on_cpu(), pytest.raises(exc, match=match):
+        call()
+
+
+def test_attention_backward_ref_equals_autograd():
+    torch.manual_seed(5)
+    q, k, v = (t.detach().requires_grad_() for t in qkv_heads(rand(M, NQKV, dtype=F64), B, H, HKV, HD))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    do = torch.randn_like(o)
+    want = torch.autograd.grad(o, (q, k, v), do)
+    for g, w in zip(R.attention_backward_ref(do, q.detach(), k.detach(), v.detach()), want):
+        assert rel_err(g, w) < 1e-10
+
+
+@pytest.mark.parametrize("fraction,acc", [(None, None), (0.7, F32), (0.3, BF16)])
+def test_lm_head_train_gradients_through_autograd(fraction, acc, monkeypatch):
+    """cross_entropy's training op, its deferred last-chunk wgrad and dloss: the gradients equal
+    the reference's (times dloss) for one chunk and for several (fp32 / bf16 accumulation)."""
+    torch.manual_seed(6)
+    m, d = 1000, 64
+    y, w, g = rand(m, d), rand(V, d, scale=d ** -0.5), 1 + rand(d, scale=0.1)
+    ss, t = stats(y), torch.randint(0, V, (m,))
+    t[::5] = -100
+    if fraction is not None:
+        monkeypatch.setattr(LH, "CHUNK_BYTES", int(fraction * m * 2 * 56))
+    assert LH.plan_chunks(m, V, d)[1] == acc
+    ins = [y.clone().requires_grad_(), w.clone().requires_grad_(), g.clone().requires_grad_()]
+    with coda_cute.reference_on_cpu():
+        loss = LH.cross_entropy(ins[0], ins[1], ss, EPS, t, gamma=ins[2])
+        (loss * 0.37).backward()
+    want = R.lm_head_ce_grad_ref(y, w, ss, EPS, t, -100, "mean", g, dloss=torch.tensor(0.37))
+    for i, wt in zip(ins, want):
+        assert rel_err(i.grad, wt) < 1e-2, (rel_err(i.grad, wt))

@@ -1,0 +1,90 @@
+"""CPU tests of the RoPE (+ QK-norm) backward kernel (``coda_cute.kernels.elementwise.rope_backward``).
+
+1. It builds for sm_90a on fake tensors with symbolic extents and strides (one binary for every
+   B, S and stride; ``coda_cute.elementwise.RopeBackwardSpec``), both variants, with 16-byte
+   global accesses only, the hardware sin / cos approximations and no register spills.
+2. The closed form the kernel uses for a head's share of the statistic s, and the row split
+   behind ``dw_partials``. (The op's math, ``coda_cute.reference.rope_backward_ref``, is held
+   against autograd in ``test_backward_cpu.py``.)
+"""
+
+import functools
+import re
+
+import pytest
+import torch
+
+from coda_cute.elementwise import RopeBackwardSpec, compile_elementwise
+from coda_cute.kernels.elementwise.rope_backward import (
+    MIN_ROWS, NUM_SMS, RopeBackward, num_row_blocks,
+)
+
+
+def row_blocks(m, p):
+    """The kernel's rows of CTA i < p: an even split, the first m % p CTAs one row more."""
+    share, extra = divmod(m, p)
+    starts = [i * share + min(i, extra) for i in range(p + 1)]
+    return [(starts[i], starts[i + 1]) for i in range(p)]
+
+
+def test_closed_form_of_a_heads_share_of_s():
+    """The kernel adds qk_eps rs^3 sum(x gw) per head for sum(x dz): the same number (the
+    literal sum cancels down to ~qk_eps and loses its digits in fp32)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    gw = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    eps = 1e-6
+    rs = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    xh = x * rs
+    dz = rs * (gw - xh * (gw * xh).mean(-1, keepdim=True))
+    closed = (eps * rs ** 3).squeeze(-1) * (x * gw).sum(-1)
+    torch.testing.assert_close((x * dz).sum(-1), closed, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [0, 1, 15, 16, 17, 1000, 16384, 16384 * 8 + 5])
+def test_row_blocks_cover_every_row_once_in_equal_shares(m):
+    p = num_row_blocks(m)
+    assert p == min(-(-m // MIN_ROWS), NUM_SMS) and p <= NUM_SMS
+    if m == 0:
+        return
+    blocks = row_blocks(m, p)
+    assert blocks[0][0] == 0 and blocks[-1][1] == m
+    assert all(a1 == b0 for (_, a1), (b0, _) in zip(blocks, blocks[1:]))
+    sizes = {b - a for a, b in blocks}
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(qk_norm=False, head_dim=12, n_heads=4, n_kv_heads=2), "multiple of 8"),
+    (dict(qk_norm=True, head_dim=24, n_heads=4, n_kv_heads=2), "D/8 must divide 32"),
+    (dict(qk_norm=False, head_dim=64, n_heads=0, n_kv_heads=2), "at least one"),
+])
+def test_kernel_rejects_unsupported_shapes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RopeBackward(**kwargs)
+
+
+# -- the kernel builds -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _build(qk_norm, head_dim):
+    """(PTX, ptxas statistics) of the kernel for 32 / 8 heads, sm_90a."""
+    kernel = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8), keep_artifacts=True)
+    return kernel.ptx, kernel.stats
+
+
+@pytest.mark.parametrize("qk_norm, head_dim", [(False, 64), (True, 128)])
+def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, head_dim):
+    ptx, stats = _build(qk_norm, head_dim)
+    assert ".target sm_90a" in ptx
+    # global data moves 16 bytes at a time (loads into registers or cp.async into shared
+    # memory); no 2-byte bf16 access anywhere
+    loads16 = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global[^;]*, 16;", ptx)
+    stores16 = re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)
+    assert len(loads16) >= 2 and len(stores16) >= 1, (loads16, stores16)
+    assert not re.search(r"(?:ld|st)\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    # cos / sin computed in the kernel with the hardware approximations (no table in memory)
+    assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
+    if qk_norm:  # the per-head sums: butterflies within a head's lanes, and its rsqrt
+        assert "shfl.sync.bfly.b32" in ptx and "rsqrt.approx" in ptx
+    assert stats.get("spill_stores", 0) == 0 and stats.get("spill_loads", 0) == 0, stats
+    assert stats.get("registers", 0) > 0, stats
