@@ -27,6 +27,7 @@ from ..elementwise import rope_backward_kernel
 from ..reference import (norm_rope_qkv_ref, qk_norm_weight, rms_rstd_ref, rope_backward_ref)
 from .checks import (BF16, F32, INDEX_DTYPES, check_eps, check_norm_input, check_same_device,
                      check_shape, check_tensor)
+from .proj import norm_proj
 from .rmsnorm import norm_backward, norm_inputs, rstd_node
 
 OP = "coda.norm_rope_qkv"
@@ -202,8 +203,6 @@ def _cpu(y, w_qkv, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim,
 def pre_norm_values(y, w_qkv, ss, eps):
     """x = r * (y @ w_qkv.T), the standalone op's pre-QK-norm values for its backward (the block
     op stores them in its forward instead)."""
-    from .proj import norm_proj
-
     return norm_proj(y, w_qkv, ss, eps)
 
 

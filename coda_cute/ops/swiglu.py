@@ -28,7 +28,7 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..reference import norm_swiglu_ref, rms_rstd_ref, swiglu_backward_ref
+from ..reference import norm_swiglu_ref, rms_rstd_ref, swiglu_backward_ref, swiglu_grad_ref
 from .checks import (BF16, F32, check_aligned, check_dgrad, check_eps, check_norm_input,
                      check_same_device, check_shape, check_stats, check_tensor)
 from .rmsnorm import norm_backward, norm_inputs, rstd_node, tile_n_of
@@ -89,12 +89,7 @@ def _cpu(y, w_gu, ss, eps):
 def swiglu_grad(z, dh, r):
     """dz' = r * [dg, du] (bf16, interleaved) and zdz = sum_j (g dg + u du) (M, 1) fp32, with
     torch elementwise math: the standalone op's backward, where no GEMM produces dh."""
-    zw = z.float()
-    g, u = zw[:, 0::2], zw[:, 1::2]
-    sg = torch.sigmoid(g)
-    dhw = dh.float()
-    dg = dhw * u * sg * (1 + g * (1 - sg))
-    du = dhw * g * sg
+    g, u, dg, du = swiglu_grad_ref(z, dh)
     zdz = (g * dg + u * du).sum(1, keepdim=True)
     return (torch.stack((dg, du), -1).flatten(-2) * r.unsqueeze(1)).to(z.dtype), zdz
 

@@ -397,43 +397,40 @@ class Sm90TreeEpilogue:
 
     def _evaluate(self, emit, ctx, n_frag: int, shapes, row_acc, found, scratch, warp_in_epi, bufs,
                   buf, problem_mnl, outs_g, tl):
-        """Every sink of the tree over one sub-tile, element after element (a quad at a time, as
-        the column reductions fold rows in pairs): each element's values are rounded into the
-        store fragments and folded into the reductions right away, so the intermediates of one
-        element die before the next is computed (sink after sink, every element's intermediates
-        would stay live from the first sink to the last). Returns the store fragments (a
-        double-width store's as 32-bit words: the pair of element i's column in word i, the
-        even value in the low half, as in memory)."""
+        """Every sink of the tree over one sub-tile, element after element: each element's
+        values are rounded into the store fragments and folded into the row reductions and
+        gathers right away, so the intermediates of one element die before the next is computed
+        (sink after sink, every element's intermediates would stay live from the first sink to
+        the last). Returns the store fragments (a double-width store's as 32-bit words: the pair
+        of element i's column in word i, the even value in the low half, as in memory)."""
         frags = [cute.make_rmem_tensor(2 * n_frag if s.wide else shape, DSL_TYPES[s.dtype])
                  for s, shape in zip(self.full_stores, shapes)]
         lse_items = [{} for _ in self.row_reds]
-        for quad in range(n_frag // 4):
-            for v in range(4 * quad, 4 * quad + 4):
-                for s, frag in zip(self.full_stores, frags):
-                    for h in (0, 1) if s.wide else (None,):
-                        i = v if h is None else 2 * v + h
-                        frag[i] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, i)))
-                if v % 2 == 0:
-                    for k, s in enumerate(self.half_stores):
-                        ml, nl = ctx.local(v)
-                        sH = bufs[len(self.full_stores) + k]
-                        sH[(ml, nl // 2, buf)] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, v)))
-                for k, r in enumerate(self.row_reds):
-                    if r.x.domain != N.HALF or v % 2 == 0:
-                        row_acc[k] = self._row_step(r, row_acc[k], lse_items[k], emit, ctx, v, problem_mnl)
-                    if r.op == "lse" and (v + 1) % LSE_FOLD == 0:
-                        row_acc[k] = _lse_fold(row_acc[k], lse_items[k])
-                        lse_items[k] = {}
-                for k, g in enumerate(self.gathers):
-                    if const_expr(self.gather_select):
-                        found[k] = self._gather_step(g, found[k], emit, ctx, v, problem_mnl)
-                    else:
-                        self._gather_now(g, emit, ctx, v, outs_g[k], problem_mnl, tl)
+        for v in range(n_frag):
+            for s, frag in zip(self.full_stores, frags):
+                for h in (0, 1) if s.wide else (None,):
+                    i = v if h is None else 2 * v + h
+                    frag[i] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, i)))
+            if v % 2 == 0:
+                for k, s in enumerate(self.half_stores):
+                    ml, nl = ctx.local(v)
+                    sH = bufs[len(self.full_stores) + k]
+                    sH[(ml, nl // 2, buf)] = DSL_TYPES[s.dtype](_as_float(emit.value(s.x, v)))
+            for k, r in enumerate(self.row_reds):
+                if r.x.domain != N.HALF or v % 2 == 0:
+                    row_acc[k] = self._row_step(r, row_acc[k], lse_items[k], emit, ctx, v, problem_mnl)
+                if r.op == "lse" and (v + 1) % LSE_FOLD == 0:
+                    row_acc[k] = _lse_fold(row_acc[k], lse_items[k])
+                    lse_items[k] = {}
+            for k, g in enumerate(self.gathers):
+                if self.gather_select:
+                    found[k] = self._gather_step(g, found[k], emit, ctx, v, problem_mnl)
+                else:
+                    self._gather_now(g, emit, ctx, v, outs_g[k], problem_mnl, tl)
         # Column reductions after the sub-tile's elements: their shuffles interleaved with the
         # element math made ptxas spill (e.g. 152 bytes on cooperative 128 x 256 tiles).
-        for quad in range(n_frag // 4):
-            for k, c in enumerate(self.col_reds):
-                self._col_fold(c, scratch[k], emit, ctx, quad, warp_in_epi, problem_mnl)
+        for k, c in enumerate(self.col_reds):
+            self._col_fold(c, scratch[k], emit, ctx, n_frag, warp_in_epi, problem_mnl)
         return [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Float32), cute.make_layout(shape))
                 if s.wide else f for s, f, shape in zip(self.full_stores, frags, shapes)]
 
@@ -580,14 +577,13 @@ class Sm90TreeEpilogue:
         return ((0, slot % 2, 0), slot // 2, 0)
 
     @cute.jit
-    def _col_fold(self, c, scratch, emit, ctx, quad: cutlass.Constexpr, warp_in_epi, problem_mnl):
-        """Sum (or max) the rows of sub-tile elements 4 quad ... 4 quad + 3 per column into the
-        warp's scratch row."""
+    def _col_fold(self, c, scratch, emit, ctx, n_frag: cutlass.Constexpr, warp_in_epi, problem_mnl):
+        """Sum (or max) this sub-tile's rows per column into the warp's scratch row."""
         is_max = c.op == "max"
         identity = Float32(_NEG_INF) if is_max else Float32(0.0)
         # Sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk: fold the two row halves
         # in-thread, then the warp's 8 row groups (lanes 4 apart), then warps via scratch.
-        for j in cutlass.range_constexpr(quad, quad + 1):
+        for j in cutlass.range_constexpr(n_frag // 4):
             for pair in cutlass.range_constexpr(2):
                 v = 4 * j + pair
                 parts = []
