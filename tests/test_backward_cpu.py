@@ -25,6 +25,7 @@ BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 B, S, H, HKV, HD, D, FF, V, EPS = 2, 19, 4, 2, 16, 64, 48, 50, 1e-5
 M, NQKV, NQK = B * S, (H + 2 * HKV) * HD, (H + HKV) * HD
 INV_FREQ = R.rope_inv_freq(HD, 10000.0)
+VW = 56  # a vocabulary of whole 16-byte rows
 OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
@@ -250,7 +251,7 @@ def test_fake_cuda_shapes(name):
         assert o.dim() == len(shape) and all(s is None or a == s for a, s in zip(o.shape, shape)), (o.shape, shape)
 
 
-@pytest.mark.parametrize("case", [c for c in cases() if c[0] != "lm_head_ce_backward"], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", list(cases()), ids=lambda c: c[0])
 def test_opcheck(case):
     name, args, kwargs = case
     skip = {id(INV_FREQ)}
@@ -263,15 +264,81 @@ def test_opcheck(case):
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+def core_cases():
+    """The ops the sublayers and the LM-head training op call inside: the attention core forward
+    and backward, and the deferred last-chunk wgrad (with an fp32 and a bf16 accumulator of the
+    other chunks, without one, without gamma)."""
+    torch.manual_seed(9)
+    q, k, v = (rand(B, n, S, HD) for n in (H, HKV, HKV))
+    with coda_cute.reference_on_cpu():
+        o, lse, ra, rb = torch.ops.coda.attention_forward(q, k, v)
+    yield "attention_forward", torch.ops.coda.attention_forward, (q, k, v)
+    yield "attention_backward", torch.ops.coda.attention_backward, (rand(B, H, S, HD), q, k, v, o, lse, ra, rb)
+    # a vocabulary whose dl rows are whole 16-byte words (opcheck re-creates inputs contiguous;
+    # the training op passes a column slice of a padded buffer otherwise)
+    dl, y, g, scale = rand(M, VW), rand(M, D), 1 + rand(D, scale=0.1), torch.tensor(0.37)
+    dw = torch.ops.coda.lm_head_ce_dw
+    yield "lm_head_ce_dw[fp32]", dw, (dl, y, g, rand(VW, D, dtype=F32), scale)
+    yield "lm_head_ce_dw[bf16]", dw, (dl, y, g, rand(VW, D), scale)
+    yield "lm_head_ce_dw[one chunk]", dw, (dl, y, None, torch.empty(0, dtype=BF16), scale)
+    yield "lm_head_ce_dw_[in place]", torch.ops.coda.lm_head_ce_dw_, (dl, y, g, rand(VW, D), scale)
+
+
+@pytest.mark.parametrize("case", list(core_cases()), ids=lambda c: c[0])
+def test_core_ops_opcheck_and_reference(case):
+    """opcheck, and the reference mode: attention against the float64 SDPA-math reference, the
+    dW ops against dl^T (y gamma) + acc, times the scale (the in-place one in its accumulator)."""
+    name, op, args = case
+    in_place = name.startswith("lm_head_ce_dw_")
+    with coda_cute.reference_on_cpu():
+        result = torch.library.opcheck(op.default, args, test_utils=OPCHECKS)
+        if in_place:
+            acc = args[3].clone()
+            assert op(*args) is None
+            got, args = args[3], args[:3] + (acc,) + args[4:]
+        else:
+            got = op(*args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+    if name == "attention_forward":
+        want = R.attention_ref(*args)[0]
+        assert got[0].shape == want.shape and rel_err(got[0], want) < 1e-2
+    elif name == "attention_backward":
+        for g, w in zip(got, R.attention_backward_ref(*args[:4])):
+            assert g.shape == w.shape and g.dtype == BF16 and rel_err(g, w) < 1e-2
+    else:
+        dl, y, g, acc, scale = args
+        u = y.double() * (g.double() if g is not None else 1)
+        want = (dl.double().t() @ u + (acc.double() if acc.numel() else 0)) * float(scale)
+        assert got.shape == (VW, D) and got.dtype == BF16 and rel_err(got, want) < 1e-2
+
+
+def test_lm_head_bf16_accumulator_refuses_a_second_backward(monkeypatch):
+    """With a bf16 dW accumulator the last chunk's wgrad turns it into the gradient in place: a
+    retained graph's second backward raises (autograd's version check) instead of adding to a
+    changed sum."""
+    torch.manual_seed(2)
+    m = 1000
+    y, w = rand(m, D).requires_grad_(), rand(V, D, scale=D ** -0.5).requires_grad_()
+    monkeypatch.setattr(LH, "CHUNK_BYTES", int(0.3 * m * 2 * 56))
+    assert LH.plan_chunks(m, V, D)[1] == BF16
+    with coda_cute.reference_on_cpu():
+        loss = LH.cross_entropy(y, w, stats(y.detach()), EPS, torch.randint(0, V, (m,)))
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_lm_head_chunk_plan():
-    """The benchmark shape: 3 chunks of whole 128-row tiles within 1.5 GiB, dW in bf16; small
-    problems one chunk (no accumulation); fp32 accumulation where it fits next to a chunk."""
+    """The benchmark shape: 4 chunks of 4096 rows (a power of two times 128) within 1.5 GiB, dW
+    in bf16; small problems one chunk (no accumulation); fp32 accumulation where it fits next to
+    a chunk."""
     rows, acc = LH.plan_chunks(16384, 128256, 2048)
-    assert rows % 128 == 0 and -(-16384 // rows) == 3 and rows * 128256 * 2 <= LH.CHUNK_BYTES and acc == BF16
+    assert rows == 4096 and rows * 128256 * 2 <= LH.CHUNK_BYTES and acc == BF16
     assert LH.plan_chunks(4133, 32003, 1024) == (4133, None)
     whole = 4133 * 2 * 32008  # bytes of all the logits
-    assert LH.plan_chunks(4133, 32003, 256, budget=int(0.9 * whole)) == (2176, F32)
-    assert LH.plan_chunks(4133, 32003, 1024, budget=int(0.3 * whole)) == (1152, BF16)
+    assert LH.plan_chunks(4133, 32003, 256, budget=int(0.9 * whole)) == (2048, F32)
+    assert LH.plan_chunks(4133, 32003, 1024, budget=int(0.3 * whole)) == (1024, BF16)
+    assert LH.plan_chunks(100, 32003, 1024, budget=1000) == (100, None)  # below one 128-row chunk
 
 
 # -- bad input -------------------------------------------------------------------------------------------
@@ -296,6 +363,18 @@ def _bad():
     yield "train reduction none", lambda: torch.ops.coda.lm_head_ce_train(*args[:6], "none", args[7]), ValueError, "reduction must be one of"
     yield "train gamma shape", lambda: torch.ops.coda.lm_head_ce_train(*args[:7], args[7][:8]), ValueError, r"gamma must be \(d,\)"
     yield "train target range", lambda: torch.ops.coda.lm_head_ce_train(args[0], args[1], args[2], EPS, torch.full((M,), V)), ValueError, r"\[0, 50\)"
+    dl, y_, g_, acc, scale = next(a for n, _, a in core_cases() if n == "lm_head_ce_dw[bf16]")
+    dw, dw_ = torch.ops.coda.lm_head_ce_dw, torch.ops.coda.lm_head_ce_dw_
+    yield "dw dl dtype", lambda: dw(dl.float(), y_, g_, acc, scale), TypeError, "dl must be a 2-D bfloat16"
+    yield "dw dl column-major", lambda: dw(dl.t().contiguous().t(), y_, g_, acc, scale), ValueError, "dl must be row-major"
+    yield "dw dl unpadded rows", lambda: dw(dl[:, :V].contiguous(), y_, g_, acc[:V], scale), ValueError, "row stride that is a multiple of 8"
+    yield "dw dl padded rows", lambda: dw(dl[:, :V], y_, g_, acc[:V].contiguous(), scale).shape, None, None
+    yield "dw y rows", lambda: dw(dl, y_[:5], g_, acc, scale), ValueError, "one row per row of dl"
+    yield "dw gamma shape", lambda: dw(dl, y_, g_[:8], acc, scale), ValueError, r"gamma must be \(d,\)"
+    yield "dw acc shape", lambda: dw(dl, y_, g_, acc[:7], scale), ValueError, "dw must be the .V, d. accumulator"
+    yield "dw scale dtype", lambda: dw(dl, y_, g_, acc, scale.double()), ValueError, "scale must be one float32"
+    yield "dw_ fp32 accumulator", lambda: dw_(dl, y_, g_, acc.float(), scale), TypeError, "dw must be torch.bfloat16"
+    yield "dw_ empty accumulator", lambda: dw_(dl, y_, g_, acc[:0], scale), ValueError, "dw must be the .V, d. accumulator"
     a = c["attention_block"]
     yield "attention w_o shape", lambda: torch.ops.coda.attention_block(a[0], a[1], a[2], a[3][:, :32].contiguous(), *a[4:]), ValueError, "w_o must be"
     yield "attention x 2-D", lambda: torch.ops.coda.attention_block(a[0].reshape(M, D), *a[1:]), ValueError, "x must be 3-D"
@@ -303,9 +382,14 @@ def _bad():
 
 @pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
 def test_bad_input_raises_before_launch(case):
+    """Each rule's violation raises naming the argument; the control cases (exc None) pass."""
     _, call, exc, match = case
-    with coda_cute.reference_on_cpu(), pytest.raises(exc, match=match):
-        call()
+    with coda_cute.reference_on_cpu():
+        if exc is None:
+            call()
+            return
+        with pytest.raises(exc, match=match):
+            call()
 
 
 def test_attention_backward_ref_equals_autograd():

@@ -18,12 +18,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
 
 @pytest.fixture(scope="module")
 def bt():
+    """The benchmark and its two modules (train_models, train_shadow) as one namespace."""
     spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_train"] = mod  # dataclasses look their module up while the class is built
     try:
         spec.loader.exec_module(mod)
-        yield mod
+        parts = [sys.modules["train_models"], sys.modules["train_shadow"], mod]
+        yield SimpleNamespace(**{k: v for m in parts for k, v in vars(m).items()})
     finally:
         sys.modules.pop("bench_train", None)
 

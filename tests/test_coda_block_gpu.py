@@ -6,6 +6,11 @@ reference; the registered autograd against float64 autograd of the forward refer
 recomputed from y: the ops' convention); the LM head's memory; the block's and the model's
 gradients against an fp32 plain Llama, with the fused path's error no larger than the plain
 bf16 path's (run with -s to see the ratios); determinism; no fp32 GEMM operands in a step.
+
+Every test starts on a poisoned allocator (``poisoned_cache``): the CUDA caching allocator's free
+memory is filled with NaN, so an op output that a kernel leaves partly unwritten (a missed tile
+of a ragged edge, a skipped chunk) is NaN and fails its comparison, instead of holding a value a
+previous test left there.
 """
 
 import dataclasses
@@ -31,6 +36,22 @@ CFG = LlamaConfig(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=2816, v
                   rope_theta=500000.0, max_seq_len=4096)
 MS = [1000, 4133]
 EPS = CFG.norm_eps
+
+
+#: bytes of NaN the allocator's cache holds at the start of each test: one large segment, and
+#: small-pool segments (allocations up to 1 MiB come from 2 MiB segments of their own)
+POISON_BYTES, POISON_SMALL = 6 << 30, 256
+
+
+@pytest.fixture(autouse=True)
+def poisoned_cache():
+    """Fill the caching allocator's free memory with NaN: outputs the ops allocate (torch.empty)
+    are carved out of it."""
+    torch.cuda.empty_cache()
+    torch.full((POISON_BYTES // 2,), float("nan"), dtype=BF16, device="cuda")
+    small = [torch.full(((1 << 20) // 2,), float("nan"), dtype=BF16, device="cuda") for _ in range(POISON_SMALL)]
+    del small
+    yield
 
 
 def cuda(*shape, dtype=BF16, scale=1.0):
@@ -244,6 +265,20 @@ def test_lm_head_train_op(m, reduction, gamma, d, fraction, acc, monkeypatch):
         assert i.grad.dtype == i.dtype and rel_err(i.grad, wt) < 2e-2, rel_err(i.grad, wt)
 
 
+def test_lm_head_bf16_accumulator_refuses_a_second_backward(monkeypatch):
+    """The in-place last-chunk wgrad (coda.lm_head_ce_dw_) bumps the accumulator's version on the
+    GPU path too: a retained graph's second backward raises."""
+    m, d, v = 4133, 1024, CFG.vocab_size
+    y, w = cuda(m, d).requires_grad_(), cuda(v, d, scale=d ** -0.5).requires_grad_()
+    ss = R.norm_stats_partials_ref(y.detach(), 128)
+    monkeypatch.setattr(LH, "CHUNK_BYTES", int(0.3 * m * 2 * (-(-v // 8) * 8)))
+    assert LH.plan_chunks(m, v, d)[1] == BF16
+    loss = LH.cross_entropy(y, w, ss, EPS, torch.randint(0, v, (m,), device="cuda"))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("m", MS)
 def test_lm_head_recompute_backward(m):
     """reduction="none" with a gradient on LSE too: the loss-only op's recomputing backward."""
@@ -409,6 +444,6 @@ def test_lm_head_config_choices_do_not_spill():
     from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tree, mnk in ((LH.logits_tree(), (5504, 128256, 2048)),):
+    for tree, mnk in ((LH.logits_tree(), (4096, 128256, 2048)),):
         cfg = choose_config(tree, *mnk, 1, False, False, sms)
         assert spill_bytes(get_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", sms))) == 0

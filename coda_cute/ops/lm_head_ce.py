@@ -28,9 +28,11 @@ its forward: the logits GEMM (epilogue: logits stored bf16, per-tile (max, sum e
 the target logit), the in-place gradient kernel (``kernels.elementwise.ce_grad``), the dgrad
 GEMM with the RMSNorm backward in its epilogue, and the wgrad GEMM accumulating dW over chunks
 in a fixed order; its backward only scales by dloss. Chunks hold ``CHUNK_BYTES`` of logits (the
-memory target: at most 1.5 GiB beyond inputs and outputs, so 3 chunks at 16384 x 128256); dW
+memory target: at most 1.5 GiB beyond inputs and outputs; power-of-two chunk rows, so 4 chunks
+of 4096 rows at 16384 x 128256); dW
 accumulates in fp32 where that fits next to the chunk, otherwise in the parameter's bf16 (one
-rounding per chunk). The loss-only op keeps the one-GEMM forward and recomputes the logits
+rounding per chunk), where the backward's last-chunk wgrad turns the sum into the gradient in
+place (``coda.lm_head_ce_dw_``: no second V x d buffer). The loss-only op keeps the one-GEMM forward and recomputes the logits
 chunk by chunk in its backward (its dlogits come straight out of that GEMM's epilogue, the LSE
 being known), which also serves per-row losses (``reduction="none"``) and a gradient of LSE.
 """
@@ -47,13 +49,14 @@ from .. import epilogue as E
 from ..kernels.epilogue.plain import gemm_tree
 from ..reference import (ce_coef, ce_dlogits_ref, lm_head_ce_grad_ref, lm_head_ce_ref, reduce_loss,
                          rms_rstd_ref, scale_columns_ref)
-from .checks import (BF16, F32, INDEX_DTYPES, PendingIndexCheck, check_index_range, check_norm_input,
-                     check_same_device, check_tensor)
+from .checks import (BF16, F32, INDEX_DTYPES, PendingIndexCheck, check_aligned, check_index_range,
+                     check_norm_input, check_same_device, check_shape, check_tensor)
 from .fold import fold_gamma_impl
 from .rmsnorm import norm_backward_tree, norm_inputs, rstd_node
 
 OP = "coda.lm_head_ce"
 OP_TRAIN = "coda.lm_head_ce_train"
+OP_DW, OP_DW_INPLACE = "coda.lm_head_ce_dw", "coda.lm_head_ce_dw_"
 REDUCTIONS = ("mean", "sum", "none")
 #: bytes of logits (bf16) one chunk holds, plus an fp32 dW accumulator where one is used
 CHUNK_BYTES = 3 << 29  # 1.5 GiB
@@ -116,6 +119,34 @@ def check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP):
     if reduction not in allowed:
         raise ValueError(f"{op}: reduction must be one of {allowed}, got {reduction!r}")
     return m
+
+
+def check_lm_head_dw(op, dl, y, gamma, dw, scale, in_place: bool):
+    """The last-chunk wgrad's arguments: dl (rows, V) bf16 row-major (a column slice of the
+    logits buffer: unit stride along V, rows 16-byte aligned); y (rows, d) bf16; gamma (d,) or
+    None; dw (V, d): the accumulator (bf16 in place; fp32, bf16 or empty otherwise); scale one fp32."""
+    if not isinstance(dl, torch.Tensor) or dl.dtype != BF16 or dl.dim() != 2:
+        raise TypeError(f"{op}: dl must be a 2-D bfloat16 tensor, got "
+                        f"{getattr(dl, 'dtype', type(dl).__name__)} {tuple(getattr(dl, 'shape', ()))}")
+    rows, v = dl.shape
+    if dl.stride(1) != 1 or dl.stride(0) < v or dl.stride(0) % 8:
+        raise ValueError(f"{op}: dl must be row-major with a row stride that is a multiple of 8 "
+                         f"(16-byte rows for TMA), got strides {tuple(dl.stride())}")
+    check_tensor(op, "y", y, 2, (BF16,), aligned=True)
+    if y.shape[0] != rows:
+        raise ValueError(f"{op}: y must have one row per row of dl ({rows}), got {tuple(y.shape)}")
+    d = y.shape[1]
+    check_aligned(op, "the model width d (columns of y)", d)
+    if gamma is not None:
+        check_tensor(op, "gamma", gamma, 1, (BF16, F32))
+        check_shape(op, "gamma", gamma, (d,), "(d,) = ")
+    if in_place or dw.numel():
+        check_tensor(op, "dw", dw, 2, (BF16,) if in_place else (F32, BF16), aligned=True)
+        check_shape(op, "dw", dw, (v, d), "the (V, d) accumulator ")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != F32 or scale.numel() != 1:
+        raise ValueError(f"{op}: scale must be one float32 number (dloss) as a tensor, got "
+                         f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
+    check_same_device(op, dl=dl, y=y, gamma=gamma, dw=dw, scale=scale)
 
 
 def finalize_ce(lse, target_logit, targets, ignore_index: int, reduction: str):
@@ -299,7 +330,13 @@ def _train_backward(ctx, dloss, *_):
     if dloss is None:
         return (None,) * 8
     dloss = dloss.to(F32)
-    dw = lm_head_ce_dw(dl_last, y[y.shape[0] - dl_last.shape[0]:], gamma, dw_acc, dloss)
+    y_last = y[y.shape[0] - dl_last.shape[0]:]
+    if dw_acc.numel() and dw_acc.dtype == y.dtype:
+        # the other chunks' bf16 sum becomes the gradient in place: no second (V, d) buffer
+        lm_head_ce_dw_(dl_last, y_last, gamma, dw_acc, dloss)
+        dw = dw_acc
+    else:
+        dw = lm_head_ce_dw(dl_last, y_last, gamma, dw_acc, dloss)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
     return (dy * dloss).to(dy.dtype), dw, None, None, None, None, None, dg
 
@@ -320,26 +357,53 @@ def lm_head_ce_dw(dl: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tenso
     """dW = scale * (dl^T @ (y * gamma) + dw_acc) (V, d) bf16: the training op's last chunk,
     in its backward. dl: (rows, V) bf16, rows 16-byte aligned; y: (rows, d) bf16; gamma (d,) or
     None; dw_acc: (V, d) fp32 or bf16, or empty (a single chunk); scale: () fp32 (dloss)."""
+    check_lm_head_dw(OP_DW, dl, y, gamma, dw_acc, scale, in_place=False)
     u = _scaled_input(y, gamma)
     acc = str(dw_acc.dtype).removeprefix("torch.") if dw_acc.numel() else None
     inputs = {"scale": scale.reshape(1)}
     if acc is not None:
         inputs["prev"] = dw_acc
-    return E.run(finish_dw_tree(acc), dl.t(), u, inputs, op=OP_TRAIN)["out"]
+    return E.run(finish_dw_tree(acc), dl.t(), u, inputs, op=OP_DW)["out"]
 
 
 @lm_head_ce_dw.register_fake
 def _dw_fake(dl, y, gamma, dw_acc, scale):
+    check_lm_head_dw(OP_DW, dl, y, gamma, dw_acc, scale, in_place=False)
     return y.new_empty((dl.shape[1], y.shape[1]))
+
+
+@torch.library.custom_op("coda::lm_head_ce_dw_", mutates_args=("dw",))
+def lm_head_ce_dw_(dl: torch.Tensor, y: torch.Tensor, gamma: Optional[torch.Tensor], dw: torch.Tensor,
+                   scale: torch.Tensor) -> None:
+    """:func:`lm_head_ce_dw` in place, for a bf16 accumulator: dw <- scale * (dl^T @ (y * gamma)
+    + dw), (V, d) bf16. The epilogue reads each tile of dw before its CTA stores that tile, so the
+    sum of the other chunks turns into the gradient without a second V x d buffer (1 GiB at
+    128256 x 4096). A retained graph's second backward then finds its saved accumulator changed
+    and raises (autograd's version check)."""
+    check_lm_head_dw(OP_DW_INPLACE, dl, y, gamma, dw, scale, in_place=True)
+    E.run(finish_dw_tree(str(dw.dtype).removeprefix("torch.")), dl.t(), _scaled_input(y, gamma),
+          {"scale": scale.reshape(1), "prev": dw}, outputs={"out": dw}, op=OP_DW_INPLACE)
+
+
+@lm_head_ce_dw_.register_fake
+def _dw_inplace_fake(dl, y, gamma, dw, scale):
+    check_lm_head_dw(OP_DW_INPLACE, dl, y, gamma, dw, scale, in_place=True)
 
 
 @lm_head_ce_dw.register_kernel("cpu")
 def _dw_cpu(dl, y, gamma, dw_acc, scale):
     dispatch.require_reference(OP_TRAIN)
+    check_lm_head_dw(OP_DW, dl, y, gamma, dw_acc, scale, in_place=False)
     dw = dl.float().t() @ scale_columns_ref(y, gamma).float()
     if dw_acc.numel():
         dw = dw + dw_acc.float()
     return (dw * scale.float()).to(y.dtype)
+
+
+@lm_head_ce_dw_.register_kernel("cpu")
+def _dw_inplace_cpu(dl, y, gamma, dw, scale):
+    check_lm_head_dw(OP_DW_INPLACE, dl, y, gamma, dw, scale, in_place=True)
+    dw.copy_(_dw_cpu(dl, y, gamma, dw, scale))
 
 
 def _padded_width(v: int) -> int:
@@ -360,16 +424,20 @@ def cross_entropy(y, w_lm, ss, eps: float, targets, ignore_index: int = -100,
 
 # -- the chunked gradient pass ------------------------------------------------------------------------
 def plan_chunks(m: int, v: int, d: int, budget: Optional[int] = None):
-    """(rows per chunk, dW accumulator dtype or None): the fewest chunks whose bf16 logits fit
-    ``budget``; one chunk needs no accumulator, more accumulate in fp32 where the V x d fp32
-    sum fits next to a chunk, else in bf16."""
+    """(rows per chunk, dW accumulator dtype or None): one chunk when M rows of bf16 logits fit
+    ``budget``, else the largest power-of-two multiple of ``CHUNK_ROW_MULTIPLE`` rows that fits.
+    Power-of-two chunks are whole 2-CTA clusters of 128-row tiles and whole raster bands, which
+    the heuristic's configs need to run at full speed (H200, bf16, in turns with cuBLAS at
+    d = 4096: 4096-row chunks' logits and dgrad GEMMs 1.062x and 1.006x cuBLAS, 5504-row chunks
+    0.965x and 0.969x). More than one chunk accumulates dW in fp32 where the V x d fp32 sum fits
+    next to a chunk, else in bf16."""
     budget = CHUNK_BYTES if budget is None else budget
     row_bytes = 2 * _padded_width(v)
-    chunks = max(1, -(-m * row_bytes // budget))
-    rows = -(-m // chunks)
-    whole = -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE  # whole tiles, within the budget
-    rows = min(m, whole if whole * row_bytes <= budget else rows)
-    if rows >= m:
+    if m * row_bytes <= budget:
+        return m, None
+    tiles = max(1, budget // row_bytes // CHUNK_ROW_MULTIPLE)
+    rows = CHUNK_ROW_MULTIPLE << (tiles.bit_length() - 1)
+    if rows >= m:  # a budget below one 128-row chunk: one chunk of all rows all the same
         return m, None
     if 4 * v * d + rows * row_bytes <= budget:
         return rows, torch.float32

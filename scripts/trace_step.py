@@ -1,0 +1,121 @@
+"""Where the GPU waits during a CODA training step: idle gaps between kernels, and what the CPU
+was doing when the kernel after each gap was launched.
+
+One step (forward + ``loss.backward()``) of the 2-layer ``CodaLlama`` of
+``scripts/bench_train.py``, after warm-up, under torch.profiler (CPU and CUDA activity). From the
+trace: every kernel's device interval, the gaps between consecutive kernels longer than
+``--min-gap-us``, and for each the CPU ops around the launch of the kernel that ended it (the
+outermost and the innermost op whose span holds that launch). The sum of all gaps is the step
+time the GPU spends waiting for the host.
+
+    python scripts/trace_step.py [--config 8b] [--min-gap-us 20] [--trace out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_models as TM  # noqa: E402  (the benchmark models of scripts/bench_train.py)
+
+from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
+
+
+def gaps_of(trace: dict, min_gap_us: float) -> tuple[list, dict]:
+    ev = trace["traceEvents"]
+    kernels = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    starts = [o["ts"] for o in ops]
+    rows, total = [], 0.0
+    for prev, nxt in zip(kernels, kernels[1:]):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap <= 0:
+            continue
+        total += gap
+        if gap < min_gap_us:
+            continue
+        launch = launches.get(nxt["args"].get("correlation"))
+        around = []
+        if launch is not None:
+            t = launch["ts"]
+            i = bisect.bisect_right(starts, t)
+            around = [o["name"] for o in ops[:i] if o["ts"] + o["dur"] >= t]
+        rows.append(dict(gap_us=gap, kernel=nxt["name"][:80], outer=around[0] if around else "?",
+                         inner=around[-1] if around else "?"))
+    syncs = []
+    for e in ev:
+        if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in ("Synchronize", "Memcpy", "Malloc", "Free")):
+            i = bisect.bisect_right(starts, e["ts"])
+            around = [o["name"] for o in ops[:i] if o["ts"] + o["dur"] >= e["ts"]]
+            syncs.append(dict(call=e["name"], us=e["dur"], outer=around[0] if around else "?",
+                              inner=" < ".join(around[-3:][::-1]) if around else "?"))
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    step = next((e for e in ev if e.get("name") == "step" and e.get("ph") == "X"
+                 and e.get("cat") in ("cpu_op", "user_annotation")), None)
+    lead = (kernels[0]["ts"] - step["ts"]) / 1e3 if step else float("nan")
+    cpu = step["dur"] / 1e3 if step else float("nan")
+    busy = sum(k["dur"] for k in kernels)
+    return rows, dict(span_ms=span / 1e3, busy_ms=busy / 1e3, gaps_ms=total / 1e3, kernels=len(kernels),
+                      lead_ms=lead, cpu_ms=cpu, syncs=syncs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="8b", choices=sorted(TM.SPECS))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--min-gap-us", type=float, default=20.0)
+    ap.add_argument("--trace", help="also keep the chrome trace here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("trace_step needs a CUDA GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = TM.SPECS[args.config]
+    torch.manual_seed(0)
+    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(args.layers)), device="cuda")
+    tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
+    params = list(model.parameters())
+    step = TM.coda_step(model, tokens, TM.shift_labels(tokens), params)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("step"):
+            step()
+        torch.cuda.synchronize()
+    path = args.trace or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    rows, summary = gaps_of(json.load(open(path)), args.min_gap_us)
+    console = Console(width=200)
+    t = Table(title=f"{args.config}: GPU idle gaps >= {args.min_gap_us:.0f} us in one step")
+    for col in ("gap us", "next kernel", "outermost CPU op", "innermost CPU op"):
+        t.add_column(col, justify="right" if col == "gap us" else "left", overflow="fold")
+    for r in sorted(rows, key=lambda r: -r["gap_us"])[:40]:
+        t.add_row(f"{r['gap_us']:.0f}", r["kernel"], r["outer"], r["inner"])
+    console.print(t)
+    st = Table(title="host calls that wait for the GPU or the allocator (synchronize, memcpy, malloc, free)")
+    for col in ("call", "us", "outermost CPU op", "innermost CPU ops"):
+        st.add_column(col, justify="right" if col == "us" else "left", overflow="fold")
+    for r in sorted(summary["syncs"], key=lambda r: -r["us"])[:25]:
+        st.add_row(r["call"], f"{r['us']:.0f}", r["outer"], r["inner"])
+    console.print(st)
+    console.print(f"kernels {summary['kernels']}, first kernel to last {summary['span_ms']:.2f} ms, busy "
+                  f"{summary['busy_ms']:.2f} ms, idle gaps {summary['gaps_ms']:.2f} ms "
+                  f"({len(rows)} of them >= {args.min_gap_us:.0f} us); the step's host code ran "
+                  f"{summary['cpu_ms']:.2f} ms and launched its first kernel after {summary['lead_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
