@@ -33,7 +33,8 @@ def arch_of(device) -> str:
     if device.type != "cuda":
         raise ValueError(
             f"coda_cute GEMMs run on CUDA tensors; got tensors on {device.type!r}. "
-            "Move them with .cuda() (or use coda_cute.reference for a CPU result)."
+            "Move them with .cuda(), or run the call inside coda_cute.reference_on_cpu() for "
+            "the torch reference on CPU tensors."
         )
     cap, _, name = _device_props(device.index if device.index is not None else _current_device())
     if cap == (9, 0):

@@ -312,6 +312,22 @@ def test_core_ops_opcheck_and_reference(case):
         assert got.shape == (VW, D) and got.dtype == BF16 and rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("case", list(cases()), ids=lambda c: c[0])
+def test_reference_ops_compile_no_kernel(case, monkeypatch):
+    """The CPU reference path of every op runs no kernel and asks no build about spills (a
+    compile of about 2 s per op and process on a machine without a GPU)."""
+    from coda_cute.epilogue import runner
+    from coda_cute.ops import rmsnorm
+
+    def no_build(*a, **k):
+        raise AssertionError("the CPU reference path asked a kernel build about spills")
+    monkeypatch.setattr(runner, "spills", no_build)
+    rmsnorm.tile_n_of.cache_clear()
+    name, args, _ = case
+    with coda_cute.reference_on_cpu():
+        getattr(torch.ops.coda, base(name))(*args)
+
+
 def test_lm_head_bf16_accumulator_refuses_a_second_backward(monkeypatch):
     """With a bf16 dW accumulator the last chunk's wgrad turns it into the gradient in place: a
     retained graph's second backward raises (autograd's version check) instead of adding to a

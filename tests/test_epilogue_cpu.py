@@ -789,6 +789,50 @@ def test_cpu_tensors_need_reference_mode():
 
 
 @pytest.mark.parametrize("which", ["single", "multi"])
+def test_run_on_cpu_in_reference_mode_is_evaluate(which, monkeypatch):
+    """E.gemm_epilogue / E.run on CPU tensors: outside reference_on_cpu() the CUDA-only error;
+    inside, the torch evaluator of a @ b (no kernel), the launch's argument rules, and
+    preallocated outputs filled in place."""
+    monkeypatch.setattr(run_mod, "spills", lambda *a, **k: pytest.fail("a kernel build was asked"))
+    torch.manual_seed(5)
+    m, n, k = 40, 48, 32
+    _, tree, _ = registered(which)
+    args = _op_args(which, m, n, k, "cpu")
+    names = [i.name for i in tree.inputs if i.kind != "scalar"] + [i.name for i in tree.inputs if i.kind == "scalar"]
+    inputs = dict(zip(names, args[2:]))
+    with pytest.raises(ValueError, match="reference_on_cpu"):
+        E.gemm_epilogue(tree, args[0], args[1], **inputs)
+    with coda_cute.reference_on_cpu():
+        got = E.gemm_epilogue(tree, args[0], args[1], **inputs)
+        cfg = run_mod.config_on("cpu", tree, m, n, k, 1, False, False, 132)
+        want = E.evaluate(tree, args[0].float() @ args[1].float(), inputs, (cfg.tile_m, cfg.tile_n))
+        assert got.keys() == want.keys()
+        for name in want:
+            for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got[name], want[name]))):
+                assert g.equal(w)
+        store = next(o.name for o in tree.outputs if o.kind == "store")
+        buf = torch.full_like(want[store], float("nan"))
+        out = E.run(tree, args[0], args[1], inputs, outputs={store: buf})
+        assert out[store] is buf and buf.equal(want[store])
+        with pytest.raises(ValueError, match="must be a .* tensor of shape"):
+            E.run(tree, args[0], args[1], inputs, outputs={store: buf[:, :8]})
+        with pytest.raises(ValueError, match="missing epilogue input"):
+            E.run(tree, args[0], args[1], {})
+        with pytest.raises(ValueError, match="inner dimensions differ"):
+            E.run(tree, args[0][:, :16], args[1], inputs)
+
+
+def test_reference_on_cpu_compiles_no_kernel(monkeypatch):
+    """The CPU reference path runs no kernel, so it never compiles one to ask about spills."""
+    def no_build(*a, **k):
+        raise AssertionError("the CPU reference path asked a kernel build about spills")
+    monkeypatch.setattr(run_mod, "spills", no_build)
+    _, _, op = registered("multi")
+    with coda_cute.reference_on_cpu():
+        op(*_op_args("multi", 44, 56, 32, "cpu"))
+
+
+@pytest.mark.parametrize("which", ["single", "multi"])
 def test_reference_on_cpu_matches_evaluate(which):
     torch.manual_seed(2)
     m, n, k = 40, 48, 32
@@ -796,7 +840,7 @@ def test_reference_on_cpu_matches_evaluate(which):
     args = _op_args(which, m, n, k, "cpu")
     with coda_cute.reference_on_cpu():
         got = op(*args)
-    cfg = run_mod.choose_config(tree, m, n, k, 1, False, False, 132)
+    cfg = run_mod.config_on("cpu", tree, m, n, k, 1, False, False, 132)
     tensors = [i.name for i in tree.inputs if i.kind != "scalar"] + [i.name for i in tree.inputs if i.kind == "scalar"]
     want = E.evaluate(tree, args[0].float() @ args[1].float(), dict(zip(tensors, args[2:])), (cfg.tile_m, cfg.tile_n))
     flat = [t for o in tree.outputs for t in (want[o.name] if isinstance(want[o.name], tuple) else (want[o.name],))]

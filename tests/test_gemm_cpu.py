@@ -183,7 +183,7 @@ def hopper_host(monkeypatch):
         return types.SimpleNamespace(fn=launch, stats={})
 
     monkeypatch.setattr(gemm_mod, "check_device", lambda *args: "sm_90a")
-    monkeypatch.setattr(run_mod, "_check_devices", lambda *args: "sm_90a")
+    monkeypatch.setattr(dispatch, "arch_of", lambda device: "sm_90a")
     monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
     monkeypatch.setattr(run_mod, "get_gemm", fake_kernel)
     monkeypatch.setattr(run_mod, "_plans", {})

@@ -16,7 +16,7 @@ from .. import dispatch
 from ..kernels.epilogue.nodes import Epilogue, EpilogueError
 from ..operands import check_operands
 from .reference import evaluate
-from .runner import choose_config, output_shapes, run
+from .runner import config_on, output_shapes, run
 
 _libs: dict[str, torch.library.Library] = {}
 
@@ -53,7 +53,7 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
     def config_for(a, b):
         m, n, k, batch, fp8 = check_operands(a, b, qual)
         sms = dispatch.num_sms_or_default(a.device)
-        return m, n, batch, choose_config(tree, m, n, k, batch, fp8, False, sms)
+        return m, n, batch, config_on(a.device, tree, m, n, k, batch, fp8, False, sms)
 
     def fake_impl(a, b, *rest):
         m, n, batch, cfg = config_for(a, b)

@@ -18,7 +18,7 @@ from ..compiler import KernelSpec, get_gemm, spill_bytes
 from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, check_pointer_aligned, dtype_name, mn_view, operand_view, tma_view
-from .reference import torch_dtype
+from .reference import evaluate, torch_dtype
 
 _MAX_PLANS = 4096
 _plans: dict = {}
@@ -97,6 +97,17 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
         if not spills(tree, c, fp8, sms):
             return c
     return ranked[0]
+
+
+def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
+    """The config whose tile sizes an op's outputs take on ``device``: :func:`choose_config` for
+    CUDA tensors, real or fake (tracing must size per-tile partials exactly as the launch will);
+    on the CPU reference path, which runs no kernel, the first of :func:`ranked_configs`, so
+    that no build is compiled to ask ptxas about spills (about 2 s per op and process on a
+    machine without a GPU). The two differ only where that first candidate spills."""
+    if getattr(device, "type", device) == "cpu":
+        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms)[0]
+    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms)
 
 
 class Plan:
@@ -205,6 +216,8 @@ def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
            len(inputs), config, use_fast_accum)
     plan = _plans.get(key)
     if plan is None:
+        if a.device.type == "cpu" and dispatch.reference_on_cpu_enabled():
+            return _reference_run(tree, a, b, inputs, config, outputs, op)
         plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
@@ -234,9 +247,9 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
 def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
-    arch = _check_devices(a, b, inputs, tree, op)
-    if any(o.kind == "store" and o.half for o in tree.outputs) and n % 2:
-        raise ValueError(f"{op}: pairwise (half-width) outputs need an even N, got N={n}")
+    _check_inputs(a, b, inputs, tree, op)
+    arch = dispatch.arch_of(a.device)
+    _check_half_width(tree, n, op)
     plan = Plan()
     plan.tree = tree
     plan.op = op
@@ -255,19 +268,9 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
                               f"width {sorted(segment_widths(tree))}")
     plan.config = config
     _tail_workspace(plan, m, n, k, batch, sms, a.device)
-    plan.empty = m == 0 or n == 0 or batch == 0 or k == 0
-    if plan.empty and k == 0 and m and n and batch:
-        raise ValueError(f"{op}: K = 0 gives an all-zero accumulator; run the epilogue in "
-                         "torch instead (coda_cute.epilogue.evaluate)")
+    plan.empty = _check_extents(m, n, k, batch, op)
     if not plan.empty:
-        a_view, a_major = operand_view(a, "a", False, "m", op)
-        b_view, b_major = operand_view(b, "b", True, "n", op)
-        if fp8 and (a_major != "k" or b_major != "k"):
-            raise ValueError(
-                f"{op}: FP8 operands must be K-major (FP8 WGMMA reads K-contiguous tiles): a "
-                "row-major (stride (K, 1)) and b column-major (b = w.t() of a row-major w), as for "
-                f"torch._scaled_mm; got a strides {tuple(a.stride())}, b strides {tuple(b.stride())}"
-            )
+        (a_view, a_major), (b_view, b_major) = _operand_views(a, b, fp8, op)
     plan.out_allocs = []
     for name, shape, dtype, fill in output_shapes(tree, m, n, batch, batched, config):
         kind = _out_kind(name, tree)
@@ -284,17 +287,73 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
     plan.in_views = [(i.name, _input_view(i, inputs, m, n, batch, batched, op, n_tiles),
                       n_tiles if i.kind == "col_vec" and n_tiles != n else None, i.wide)
                      for i in tree.inputs if i.kind != "scalar"]
-    plan.scalar_names = [i.name for i in tree.inputs if i.kind == "scalar"]
-    for name in plan.scalar_names:
-        if not isinstance(inputs.get(name), (int, float)) or isinstance(inputs.get(name), bool):
-            raise TypeError(f"{op}: scalar input {name!r} must be a Python number")
+    plan.scalar_names = _check_scalars(tree, inputs, op)
     spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
                          arch, sms)
     plan.kernel = get_gemm(spec).fn
     return plan
 
 
-def _check_devices(a, b, inputs, tree, op):
+def _reference_run(tree, a, b, inputs, config, outputs, op) -> dict:
+    """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules,
+    then the torch evaluator on the fp32 product (no kernel); preallocated outputs are filled."""
+    m, n, k, batch, fp8 = check_operands(a, b, op)
+    batched = a.dim() == 3
+    _check_inputs(a, b, inputs, tree, op)
+    _check_half_width(tree, n, op)
+    if not _check_extents(m, n, k, batch, op):
+        _operand_views(a, b, fp8, op)
+    for i in tree.inputs:
+        if i.kind != "scalar":
+            _input_view(i, inputs, m, n, batch, batched, op, n)
+    _check_scalars(tree, inputs, op)
+    if config is None:
+        config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device))
+    out = evaluate(tree, torch.matmul(a.float(), b.float()), inputs, (config.tile_m, config.tile_n))
+    for name, t in (outputs or {}).items():
+        want = out[name]
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise ValueError(f"{op}: {name} must be a {want.dtype} tensor of shape {tuple(want.shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        out[name] = t.copy_(want)
+    return out
+
+
+def _check_half_width(tree, n: int, op):
+    if any(o.kind == "store" and o.half for o in tree.outputs) and n % 2:
+        raise ValueError(f"{op}: pairwise (half-width) outputs need an even N, got N={n}")
+
+
+def _check_extents(m, n, k, batch, op) -> bool:
+    """Whether the product is empty; K = 0 with outputs to write is an error."""
+    if k == 0 and m and n and batch:
+        raise ValueError(f"{op}: K = 0 gives an all-zero accumulator; run the epilogue in "
+                         "torch instead (coda_cute.epilogue.evaluate)")
+    return m == 0 or n == 0 or batch == 0 or k == 0
+
+
+def _operand_views(a, b, fp8: bool, op):
+    """((a view, a major), (b view, b major)): the layouts TMA reads, FP8 only K-major."""
+    a_view, a_major = operand_view(a, "a", False, "m", op)
+    b_view, b_major = operand_view(b, "b", True, "n", op)
+    if fp8 and (a_major != "k" or b_major != "k"):
+        raise ValueError(
+            f"{op}: FP8 operands must be K-major (FP8 WGMMA reads K-contiguous tiles): a "
+            "row-major (stride (K, 1)) and b column-major (b = w.t() of a row-major w), as for "
+            f"torch._scaled_mm; got a strides {tuple(a.stride())}, b strides {tuple(b.stride())}"
+        )
+    return (a_view, a_major), (b_view, b_major)
+
+
+def _check_scalars(tree, inputs, op) -> list:
+    names = [i.name for i in tree.inputs if i.kind == "scalar"]
+    for name in names:
+        if not isinstance(inputs.get(name), (int, float)) or isinstance(inputs.get(name), bool):
+            raise TypeError(f"{op}: scalar input {name!r} must be a Python number")
+    return names
+
+
+def _check_inputs(a, b, inputs, tree, op):
     if a.device != b.device:
         raise ValueError(f"{op}: a is on {a.device} but b is on {b.device}")
     for i in tree.inputs:
@@ -310,7 +369,6 @@ def _check_devices(a, b, inputs, tree, op):
     if extra:
         raise ValueError(f"{op}: unknown epilogue inputs {sorted(extra)}; the tree reads "
                          f"{[i.name for i in tree.inputs]}")
-    return dispatch.arch_of(a.device)
 
 
 def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: int):

@@ -31,7 +31,7 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..epilogue.runner import choose_config
+from ..epilogue.runner import config_on
 from ..reference import norm_backward_ref
 from .checks import (BF16, check_aligned, check_dgrad, check_eps, check_same_device, check_shape,
                      check_stats, check_tensor)
@@ -45,10 +45,11 @@ def rstd_node():
 
 
 @functools.lru_cache(maxsize=1024)
-def tile_n_of(tree: E.Epilogue, m: int, n: int, k: int, sms: int) -> int:
-    """The tile width of the config the runner picks for ``tree`` at (M, N, K): the width of its
-    row-reduction partials (which the fake implementations must size)."""
-    return choose_config(tree, m, n, k, 1, False, False, sms).tile_n
+def tile_n_of(tree: E.Epilogue, m: int, n: int, k: int, sms: int, device_type: str = "cuda") -> int:
+    """The tile width of the config the runner picks for ``tree`` at (M, N, K) on a device of
+    ``device_type`` (``config_on``): the width of its row-reduction partials (which the fake
+    implementations must size)."""
+    return config_on(device_type, tree, m, n, k, 1, False, False, sms).tile_n
 
 
 def norm_inputs(d: int, ss, eps: float) -> dict:
