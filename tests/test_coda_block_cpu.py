@@ -480,3 +480,46 @@ def test_norm_trees_evaluate_to_reference():
     got_lse = E.finalize_lse(*out["lse"])
     assert rel_err(got_lse, lse) < 1e-5
     assert rel_err(LH.finalize_ce(got_lse, out["target_logit"], t, ig, "none"), loss) < 1e-5
+
+
+BAD_CONFIGS = [
+    (dict(dim=100, n_heads=3, n_kv_heads=1), "LlamaConfig.dim = 100: must be a multiple of 8"),
+    (dict(dim=96, n_heads=5, n_kv_heads=1), "LlamaConfig.dim = 96: must be a multiple of n_heads"),
+    (dict(n_kv_heads=3), "LlamaConfig.n_kv_heads = 3: must divide n_heads"),
+    (dict(norm_eps=-1e-5), "LlamaConfig.norm_eps = -1e-05: must be a finite number >= 0"),
+    (dict(head_dim=12), r"LlamaConfig.head_dim = 12: must be a multiple of 8 in \[8, 256\]"),
+    (dict(ffn_dim=100), "LlamaConfig.ffn_dim = 100: must be a multiple of 8"),
+    (dict(n_layers=0), "LlamaConfig.n_layers = 0: must be a positive integer"),
+    (dict(vocab_size=2.5), "LlamaConfig.vocab_size = 2.5: must be a positive integer"),
+    (dict(rope_theta=0.0), "LlamaConfig.rope_theta = 0.0: must be a finite number > 0"),
+    (dict(qk_norm=True, head_dim=56), "LlamaConfig.head_dim = 56: with qk_norm must divide a GEMM tile width"),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD_CONFIGS, ids=[m.split(":")[0] for _, m in BAD_CONFIGS])
+def test_llama_config_validates_at_construction(change, match):
+    base = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50)
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**{**base, **change})
+    assert LlamaConfig(**base).head_dim == 16
+
+
+def test_from_hf_names_the_missing_or_unknown_key():
+    c = cfg(qk_norm=False, n_layers=2)
+    sd = model_state_dict(c)
+    missing = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"layer 1 has no 'self_attn.k_proj.weight'"):
+        CodaLlama.from_hf(c, missing)
+    bias = dict(sd, **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(8)})
+    with pytest.raises(ValueError, match=r"does not model .*'model.layers.0.self_attn.q_proj.bias'"):
+        CodaLlama.from_hf(c, bias)
+    deeper = dict(sd, **{k.replace("layers.1.", "layers.2."): v for k, v in sd.items() if ".layers.1." in k})
+    with pytest.raises(ValueError, match=r"layers past n_layers=2"):
+        CodaLlama.from_hf(c, deeper)
+    qk = cfg(qk_norm=True, n_layers=2)
+    with pytest.raises(ValueError, match=r"does not model .*q_norm"):
+        CodaLlama.from_hf(c, model_state_dict(qk))
+    with pytest.raises(ValueError, match=r"layer 0 has no 'self_attn.q_norm.weight'"):
+        CodaLlama.from_hf(qk, sd)
+    buffers = dict(sd, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    CodaLlama.from_hf(c, buffers)  # HF's old rotary buffers carry no weight

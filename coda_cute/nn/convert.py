@@ -85,6 +85,37 @@ def split_gate_up(w_gu, concat: bool = False):
     return torch.cat([gate, up]) if concat else (gate, up)
 
 
+#: state-dict entries HF keeps that carry no weight (rotary frequency buffers of older versions)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_hf_keys(cfg, sd: dict):
+    """An HF Llama state dict holds exactly what a CodaLlama of ``cfg`` loads: raises naming the
+    layer and key that is missing, or the keys it does not model (biases, QK-norm weights
+    without ``cfg.qk_norm``, layers past ``cfg.n_layers``), so nothing is silently dropped."""
+    want = {"model.embed_tokens.weight", "model.norm.weight"}
+    optional = {"lm_head.weight"}  # absent: tied embeddings
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        layer = [*HF_BLOCK_KEYS.values(), *(f"self_attn.{x}_proj.weight" for x in "qkv")]
+        if cfg.qk_norm:
+            layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        fused = pre + "mlp.gate_up_proj.weight" in sd
+        layer += ["mlp.gate_up_proj.weight"] if fused else ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+        for key in layer:
+            if pre + key not in sd:
+                raise ValueError(f"from_hf: layer {i} has no {key!r} (state-dict key {pre + key!r}); "
+                                 f"the config has n_layers={cfg.n_layers}, qk_norm={cfg.qk_norm}")
+        want |= {pre + key for key in layer}
+    if "model.embed_tokens.weight" not in sd or "model.norm.weight" not in sd:
+        raise ValueError("from_hf: the state dict needs 'model.embed_tokens.weight' and 'model.norm.weight'")
+    extra = sorted(k for k in sd if k not in want | optional and not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"from_hf: keys CodaLlama does not model (biases, QK-norm weights without "
+                         f"qk_norm, layers past n_layers={cfg.n_layers}): {extra[:8]}"
+                         + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+
+
 def block_from_hf(p: dict, n_heads: int, n_kv_heads: int, head_dim: int,
                   rope: str = "rotate_half") -> dict:
     """One decoder layer's HF tensors (names relative to the layer, e.g. "self_attn.q_proj.weight";

@@ -26,6 +26,7 @@ it with ``.to(device)``, not ``.to(dtype)``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,8 +35,9 @@ from torch import nn
 
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.proj import norm_proj
+from ..ops.qkv import segment_widths as qk_norm_head_dims
 from ..reference import rope_inv_freq
-from .convert import block_from_hf, block_to_hf
+from .convert import block_from_hf, block_to_hf, check_hf_keys
 from .fold import FoldCache
 
 
@@ -55,8 +57,35 @@ class LlamaConfig:
     max_seq_len: int = 8192
 
     def __post_init__(self):
+        """Validate now, naming the field: a config the kernels cannot run fails here, not in
+        the first forward."""
+        def bad(field, rule):
+            raise ValueError(f"LlamaConfig.{field} = {getattr(self, field)!r}: {rule}")
+
+        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(field, "must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            bad("n_kv_heads", f"must divide n_heads ({self.n_heads}) for grouped-query attention")
+        for field in ("dim", "ffn_dim"):
+            if getattr(self, field) % 8:
+                bad(field, "must be a multiple of 8 (rows of bf16 values start on 16-byte boundaries for TMA)")
         if self.head_dim is None:
+            if self.dim % self.n_heads:
+                bad("dim", f"must be a multiple of n_heads ({self.n_heads}) when head_dim is not given")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        hd = self.head_dim
+        if isinstance(hd, bool) or not isinstance(hd, int) or hd < 8 or hd > 256 or hd % 8:
+            bad("head_dim", "must be a multiple of 8 in [8, 256] (the RoPE and attention kernels' rule)")
+        if self.qk_norm and hd not in qk_norm_head_dims():
+            bad("head_dim", f"with qk_norm must divide a GEMM tile width: one of {sorted(qk_norm_head_dims())}")
+        for field in ("norm_eps", "qk_norm_eps"):
+            v = getattr(self, field)
+            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                bad(field, "must be a finite number >= 0")
+        if not isinstance(self.rope_theta, (int, float)) or not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            bad("rope_theta", "must be a finite number > 0")
 
 
 def embedding_norm_stats(x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +225,9 @@ class CodaLlama(nn.Module):
         """Build from an HF ``LlamaForCausalLM`` state dict ("model.embed_tokens.weight",
         "model.layers.{i}.…", "model.norm.weight", "lm_head.weight"; a missing lm_head means
         tied embeddings, copied here - the two are trained separately afterwards)."""
-        model = cls(cfg, device, dtype, cache_folds)
         sd = state_dict
+        check_hf_keys(cfg, sd)
+        model = cls(cfg, device, dtype, cache_folds)
         with torch.no_grad():
             model.embed.weight.copy_(sd["model.embed_tokens.weight"])
             model.head.norm.copy_(sd["model.norm.weight"])
