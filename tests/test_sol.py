@@ -290,3 +290,19 @@ def test_coda_block_ops_are_measurable():
     shape = sol.parse_shapes(["llama3-1b"])[0]
     with pytest.raises(NotImplementedError, match="bf16"):
         sol.OPS["scaled_swiglu"].build(shape, "fp8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ops", "nope"], "argument --ops: unknown op 'nope'; known: "),
+    (["--shapes", "12,x"], "argument --shapes: shape '12,x' is neither a preset"),
+    (["--shapes", "0,8,8"], "argument --shapes: shape '0,8,8': M, N and K must be positive"),
+    (["--tokens", "-3"], "argument --tokens: must be a positive integer, got -3"),
+    (["--tokens", "many"], "argument --tokens: 'many' is not an integer"),
+])
+def test_cli_bad_arguments_are_argparse_errors(argv, message, capsys):
+    """Bad --ops / --shapes / --tokens: a usage error (exit 2) naming the argument, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["sol", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

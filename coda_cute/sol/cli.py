@@ -6,6 +6,7 @@ without one the model runs for the ``--device`` named (default h200).
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -14,15 +15,44 @@ import torch
 from . import devices
 from .measure import DEFAULT_OPS, Record, estimate, measure
 from .registry import OPS, groups
-from .shapes import DEFAULT_TOKENS, LLAMA3
+from .shapes import DEFAULT_TOKENS, LLAMA3, parse_shapes
+
+
+def op_name(name: str) -> str:
+    """argparse type of ``--ops``: an op or a group of the registry."""
+    known = list(groups()) + list(OPS)
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"unknown op {name!r}; known: {', '.join(known)}")
+    return name
+
+
+def shape_spec(spec: str) -> str:
+    """argparse type of ``--shapes``: a preset or M,N,K with positive sizes."""
+    try:
+        shapes = parse_shapes(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if any(min(s.m, s.n, s.k) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"shape {spec!r}: M, N and K must be positive")
+    return spec
+
+
+def positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ops", nargs="+", default=list(DEFAULT_OPS), metavar="OP",
+    p.add_argument("--ops", nargs="+", type=op_name, default=list(DEFAULT_OPS), metavar="OP",
                    help=f"ops or groups ({', '.join(list(groups()) + list(OPS))}); default: %(default)s")
-    p.add_argument("--shapes", nargs="+", default=["llama3-8b"], metavar="SHAPE",
+    p.add_argument("--shapes", nargs="+", type=shape_spec, default=["llama3-8b"], metavar="SHAPE",
                    help=f"presets ({', '.join(LLAMA3)}: one block's GEMMs + LM head) or M,N,K")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="token rows M of the presets")
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS, help="token rows M of the presets")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp8"])
     p.add_argument("--device", help="datasheet to compare with: " + ", ".join(devices.known_devices())
                    + " (default: the GPU present, else h200)")
