@@ -3,7 +3,10 @@
 * :class:`CodaLlamaBlock`, :class:`CodaLlamaHead`, :class:`CodaLlama`, :class:`LlamaConfig`
   (:mod:`coda_cute.nn.llama`).
 * :mod:`coda_cute.nn.convert`: standard (HF) Llama weights <-> the layouts the ops need.
+* :func:`apply_coda` (:mod:`coda_cute.nn.hf`): an HF Llama / Qwen3 / Mistral causal LM on the
+  CODA ops, in place.
 """
 
 from . import convert  # noqa: F401
 from .llama import CodaLlama, CodaLlamaBlock, CodaLlamaHead, LlamaConfig, embedding_norm_stats  # noqa: F401
+from .hf import apply_coda  # noqa: F401,E402

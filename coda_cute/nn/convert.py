@@ -130,8 +130,8 @@ def block_from_hf(p: dict, n_heads: int, n_kv_heads: int, head_dim: int,
     else:
         out["w_gu"] = interleave_gate_up(p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"])
     if "self_attn.q_norm.weight" in p:
-        out["q_norm"] = _norm_weight(p["self_attn.q_norm.weight"], head_dim, rope, to_pairs=True)
-        out["k_norm"] = _norm_weight(p["self_attn.k_norm.weight"], head_dim, rope, to_pairs=True)
+        out["q_norm"] = head_norm_weight(p["self_attn.q_norm.weight"], head_dim, rope, to_pairs=True)
+        out["k_norm"] = head_norm_weight(p["self_attn.k_norm.weight"], head_dim, rope, to_pairs=True)
     return out
 
 
@@ -147,12 +147,12 @@ def block_to_hf(c: dict, n_heads: int, n_kv_heads: int, head_dim: int, rope: str
     else:
         out["mlp.gate_proj.weight"], out["mlp.up_proj.weight"] = split_gate_up(c["w_gu"])
     if "q_norm" in c:
-        out["self_attn.q_norm.weight"] = _norm_weight(c["q_norm"], head_dim, rope, to_pairs=False)
-        out["self_attn.k_norm.weight"] = _norm_weight(c["k_norm"], head_dim, rope, to_pairs=False)
+        out["self_attn.q_norm.weight"] = head_norm_weight(c["q_norm"], head_dim, rope, to_pairs=False)
+        out["self_attn.k_norm.weight"] = head_norm_weight(c["k_norm"], head_dim, rope, to_pairs=False)
     return out
 
 
-def _norm_weight(w, head_dim: int, rope: str, to_pairs: bool):
+def head_norm_weight(w, head_dim: int, rope: str, to_pairs: bool):
     """A per-head QK-norm weight (head_dim,) follows its head's row permutation."""
     if rope == "pairs":
         return w

@@ -104,6 +104,20 @@ def _norm(d, device, dtype):
     return nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
 
+def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, w_down,
+                  q_norm=None, k_norm=None):
+    """One decoder layer on the two sublayer ops: x (B, S, d) bf16 and its partials ss,
+    positions (B*S,) int32 (per token: packed sequences restart them), inv_freq (hd/2,) fp32;
+    the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu.
+    Returns the next residual stream (B, S, d) and its partials."""
+    b, s, d = x.shape
+    y1, ss1 = torch.ops.coda.attention_block(
+        x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
+        c.head_dim, q_norm, k_norm, c.qk_norm_eps)[:2]
+    y2, ss2, _ = torch.ops.coda.mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
+    return y2.view(b, s, d), ss2
+
+
 class CodaLlamaBlock(nn.Module):
     """A pre-norm Llama decoder layer (GQA attention, SwiGLU MLP, optional QK-norm).
 
@@ -138,15 +152,10 @@ class CodaLlamaBlock(nn.Module):
         """x: (B, S, d) bf16 residual stream; ss: (B*S, T) fp32 its norm-stat partials;
         positions: (S,) int32; inv_freq: (hd/2,) fp32 rotary frequencies (angle = position * inv_freq).
         Returns the next residual stream (B, S, d) and its partials."""
-        c = self.cfg
-        b, s, d = x.shape
-        y1, ss1 = torch.ops.coda.attention_block(
-            x.contiguous(), ss, self._folds[0](self.wqkv, self.attn_norm), self.wo, positions.repeat(b),
-            inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads, c.head_dim, self.q_norm, self.k_norm,
-            c.qk_norm_eps)[:2]
-        y2, ss2, _ = torch.ops.coda.mlp_block(y1.view(b * s, d), ss1, self._folds[1](self.w_gu, self.ffn_norm),
-                                              self.w_down, c.norm_eps)
-        return y2.view(b, s, d), ss2
+        b = x.shape[0]
+        return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq,
+                             self._folds[0](self.wqkv, self.attn_norm), self.wo,
+                             self._folds[1](self.w_gu, self.ffn_norm), self.w_down, self.q_norm, self.k_norm)
 
     def load_hf(self, p: dict, rope: str = "rotate_half"):
         """Copy in one layer's HF tensors (names relative to the layer)."""

@@ -124,20 +124,35 @@ def check_index_range(op: str, name: str, t: torch.Tensor, hi: int, ignore: Opti
         raise _range_error(op, name, t, hi, ignore)
 
 
-class PendingIndexCheck:
-    """:func:`check_index_range` without stalling the GPU: the reduction is queued now and its
-    flag copied to pinned host memory; :meth:`wait` blocks only until that copy has landed (the
-    work queued after it, e.g. the GEMM, keeps the GPU busy meanwhile) and raises if it failed.
-    A synchronous check would leave the GPU idle between the sync and the next launch."""
+class PendingCheck:
+    """A condition on device data read back without stalling the GPU: ``bad`` (a 0-dim bool
+    tensor, queued now) is copied to pinned host memory, and :meth:`wait` blocks only until that
+    copy has landed (the work queued after it keeps the GPU busy meanwhile), then raises
+    ``error()`` if it was true. A synchronous check would leave the GPU idle between the sync and
+    the next launch. On CPU tensors the condition is read at once."""
 
-    def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
-        self.args = (op, name, t, hi, ignore)
+    def __init__(self, bad: torch.Tensor, error):
+        self.error = error
+        self.done = None
+        if bad.device.type != "cuda":
+            if bool(bad):
+                raise error()
+            return
         self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self.flag.copy_(_out_of_range(t, hi, ignore).any(), non_blocking=True)
+        self.flag.copy_(bad, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record()
 
     def wait(self):
+        if self.done is None:
+            return
         self.done.synchronize()
         if bool(self.flag):
-            raise _range_error(*self.args)
+            raise self.error()
+
+
+class PendingIndexCheck(PendingCheck):
+    """:func:`check_index_range` as a :class:`PendingCheck`."""
+
+    def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
+        super().__init__(_out_of_range(t, hi, ignore).any(), lambda: _range_error(op, name, t, hi, ignore))

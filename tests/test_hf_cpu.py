@@ -1,0 +1,206 @@
+"""CPU tests of ``coda_cute.nn.apply_coda`` on tiny random HF models (the reference path).
+
+Each supported family (Llama with Llama-3 RoPE scaling, Qwen3 with QK-norm, Mistral without a
+sliding window): the patched bf16 model's loss, logits and every gradient against an fp32 copy of
+the unpatched model, with the error no larger than the unpatched bf16 model's (ratios printed with
+-s); the RoPE frequencies kept fp32 on every model (HF's ``.to(bf16)`` rounds its buffer); every
+refusal with its message and nothing changed; HF's state dict, ``save_pretrained`` and tied
+embeddings; fp32 master weights; ``position_ids``, ``num_items_in_batch``.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import coda_cute
+from coda_cute.nn import apply_coda
+
+transformers = pytest.importorskip("transformers")
+
+BF16, F32 = torch.bfloat16, torch.float32
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def family(name: str, **over):
+    t = transformers
+    if name == "llama":
+        cfg = t.LlamaConfig(**{**SMALL, "rope_parameters": LLAMA3_ROPE, **over})
+        return t.LlamaForCausalLM, cfg
+    if name == "qwen3":
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**{**SMALL, "head_dim": 16, **over})
+    return t.MistralForCausalLM, t.MistralConfig(**{**SMALL, "sliding_window": None, **over})
+
+
+def models(name: str, seed: int = 0, sharp: float = 1.0, **over):
+    """(fp32 reference, bf16 HF model, bf16 copy to patch): the same weights; both bf16 models
+    keep the fp32 RoPE buffer of the reference (``.to(bf16)`` would round it). ``sharp`` scales
+    the Q and K weights: peaked attention, whose output depends on the positions."""
+    cls, cfg = family(name, **over)
+    torch.manual_seed(seed)
+    ref = cls(cfg).float()
+    with torch.no_grad():  # norm weights away from 1, so that their gradients are exercised
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(sharp)
+    bf = copy.deepcopy(ref).to(BF16)
+    bf.model.rotary_emb.inv_freq = ref.model.rotary_emb.inv_freq.clone()
+    return ref, bf, copy.deepcopy(bf)
+
+
+def batch(vocab: int = 96, b: int = 2, s: int = 24, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def grads(model, ids, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_patched_model_matches_fp32_hf_no_worse_than_bf16_hf(name):
+    ref, bf, coda = models(name)
+    apply_coda(coda)
+    ids, labels = batch()
+    want_loss, want = grads(ref, ids, labels)
+    base_loss, base = grads(bf, ids, labels)
+    with coda_cute.reference_on_cpu():
+        loss, got = grads(coda, ids, labels)
+        logits = coda(input_ids=ids).logits
+    assert abs(loss - want_loss) <= max(1.5 * abs(base_loss - want_loss), 2e-4 * abs(want_loss))
+    assert rel(logits, ref(input_ids=ids).logits) < 1e-2
+    ratios = {}
+    for n in want:
+        e, eb = rel(got[n], want[n]), rel(base[n], want[n])
+        ratios[n] = e / eb
+        # per tensor: bf16 noise on the tiny norm-weight gradients (16 entries) varies 0.5-1.6x
+        # between seeds, so the tight bound is on all gradients together
+        assert e < 5e-2 and e <= 2 * eb + 1e-3, (n, e, eb)
+    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
+    assert rel(flat(got), flat(want)) <= 1.1 * rel(flat(base), flat(want))
+    print(f"{name}: gradient error / bf16 HF's: max {max(ratios.values()):.2f}, "
+          f"median {sorted(ratios.values())[len(ratios) // 2]:.2f}")
+
+
+def test_rope_frequencies_stay_fp32_and_follow_llama3_scaling():
+    ref, bf, coda = models("llama")
+    apply_coda(coda)
+    coda.to(BF16)  # a later cast must not round them either
+    table = coda._coda.inv_freq[torch.device("cpu")]
+    assert table.dtype == F32 and torch.equal(table, ref.model.rotary_emb.inv_freq)
+    plain = transformers.LlamaForCausalLM(family("llama", rope_parameters={"rope_theta": 500000.0})[1])
+    assert not torch.equal(table, plain.model.rotary_emb.inv_freq.float())  # the scaling is applied
+
+
+REFUSED = [
+    ("llama", dict(attention_bias=True), "config.attention_bias = True: the CODA ops have no bias terms"),
+    ("llama", dict(mlp_bias=True), "config.mlp_bias = True"),
+    ("llama", dict(hidden_act="gelu"), "config.hidden_act = 'gelu': the CODA MLP is SwiGLU"),
+    ("mistral", dict(sliding_window=32), "config.sliding_window = 32"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=32), "config.use_sliding_window = True"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "rope_type 'dynamic' is not one of"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                    "original_max_position_embeddings": 32}), "rope_type 'yarn' is not one of"),
+    ("llama", dict(head_dim=12), "LlamaConfig.head_dim = 12"),
+]
+
+
+@pytest.mark.parametrize("name,over,match", REFUSED, ids=[m.split(":")[0] for *_, m in REFUSED])
+def test_unsupported_configs_are_refused_before_any_change(name, over, match):
+    _, _, model = models(name, **over)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        apply_coda(model)
+    assert "forward" not in vars(model) and not hasattr(model, "_coda")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_unsupported_model_class_is_refused():
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=96)
+    with pytest.raises(TypeError, match="GPT2LMHeadModel is not supported"):
+        apply_coda(transformers.GPT2LMHeadModel(cfg))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(attention_mask=torch.tensor([[1] * 24, [1] * 20 + [0] * 4])), "attention_mask has zeros"),
+    (dict(use_cache=True), "use_cache is not supported"),
+    (dict(inputs_embeds=torch.zeros(2, 24, 64)), "inputs_embeds is not supported"),
+    (dict(output_attentions=True), "output_attentions is not supported"),
+    (dict(position_ids=torch.arange(23)[None]), r"position_ids must be \(batch, seq\)"),
+])
+def test_unsupported_forward_arguments_are_refused(kw, match):
+    _, _, coda = models("llama")
+    apply_coda(coda)
+    ids, labels = batch()
+    with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match=match):
+        coda(input_ids=ids, labels=labels, **kw)
+
+
+def test_forward_contract_mask_positions_and_token_normalization():
+    """An all-ones mask is accepted; restarting position_ids (packing) match HF's; the HF
+    Trainer's num_items_in_batch gives sum / num_items."""
+    ref, _, coda = models("mistral", sharp=8.0)  # RoPE base 10^4, peaked attention: positions matter
+    apply_coda(coda)
+    ids, labels = batch()
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None].expand(2, 24)
+    with coda_cute.reference_on_cpu():
+        plain = coda(input_ids=ids, labels=labels).loss
+        masked = coda(input_ids=ids, labels=labels, attention_mask=torch.ones(2, 24, dtype=torch.long)).loss
+        summed = coda(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7.0)).loss
+        packed = coda(input_ids=ids, position_ids=pos).logits
+        unpacked = coda(input_ids=ids).logits
+    assert torch.equal(plain, masked)
+    want = ref(input_ids=ids, position_ids=pos).logits
+    # the packed positions' logits are HF's, and far from the unpacked ones
+    assert rel(packed, want) < 1e-2 and rel(packed, unpacked) > 5 * rel(packed, want)
+    n_valid = int((torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) != -100).sum())
+    assert abs(summed.item() - plain.item() * n_valid / 7.0) < 1e-3 * abs(summed.item())
+
+
+def test_state_dict_save_pretrained_and_tied_embeddings(tmp_path):
+    ref, _, coda = models("llama", tie_word_embeddings=True)
+    before = {k: v.clone() for k, v in coda.state_dict().items()}
+    apply_coda(coda)
+    after = coda.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert coda.lm_head.weight is coda.model.embed_tokens.weight
+    coda.save_pretrained(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=BF16)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in before.items())
+    coda.load_state_dict(back.state_dict())
+    ids, labels = batch()
+    with coda_cute.reference_on_cpu():
+        loss, got = grads(coda, ids, labels)
+    want_loss, want = grads(ref, ids, labels)
+    assert abs(loss - want_loss) < 2e-2 * abs(want_loss)
+    assert rel(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"]) < 2e-2  # both uses
+
+
+def test_fp32_master_weights_get_fp32_gradients():
+    """fp32 parameters (with or without autocast): the ops compute in bf16, gradients come back
+    in fp32 to the parameters, bf16-close to the fp32 model's."""
+    ref, _, _ = models("qwen3")
+    coda = apply_coda(copy.deepcopy(ref))
+    ids, labels = batch()
+    want_loss, want = grads(ref, ids, labels)
+    with coda_cute.reference_on_cpu(), torch.autocast("cpu", dtype=BF16):
+        loss, got = grads(coda, ids, labels)
+    assert all(p.grad.dtype == F32 for p in coda.parameters())
+    assert abs(loss - want_loss) < 1e-2 * abs(want_loss)
+    assert max(rel(got[n], want[n]) for n in want) < 2e-2
