@@ -1,4 +1,5 @@
-"""The ``coda-cute`` command line: ``report`` (compile table, GPU check) and ``sol`` (roofline)."""
+"""The ``coda-cute`` command line: ``report`` (compile table, GPU check), ``sol`` (roofline) and
+``train`` (plain HF against apply_coda on a small Llama)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ def main(argv=None) -> int:
     if sol_cli is not None:
         sol_cli.add_arguments(sub.add_parser("sol", help="speed-of-light (roofline) report per op"))
 
+    from . import train
+
+    train.add_arguments(sub.add_parser("train", help="train a small Llama as plain HF and through apply_coda"))
     args = parser.parse_args(argv)
     if args.command == "report":
         return report.run(args)
+    if args.command == "train":
+        return train.run(args)
     return sol_cli.run(args)
 
 

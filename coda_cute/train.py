@@ -1,0 +1,329 @@
+"""``coda-cute train``: a small Llama trained twice on a corpus every machine has, as plain HF and
+through ``apply_coda``, from the same initialization and data order.
+
+    coda-cute train                      # the default config on one GPU (python -m coda_cute.train)
+    coda-cute train --compile            # the HF run under torch.compile
+    coda-cute train --tiny               # a few steps on the CPU (coda_cute.reference_on_cpu)
+
+Data: the Python standard library's own source files (``*.py`` under ``sysconfig``'s stdlib
+path, sorted), read at run time, as byte tokens (vocabulary 256); the last ``val_fraction`` of
+the bytes are the validation split. Each optimizer step draws ``micro_batch x accum`` windows of
+``seq + 1`` bytes at offsets from a generator seeded with ``data_seed``, so runs with one seed
+see the same data in the same order.
+
+Training: an HF ``LlamaForCausalLM`` in fp32 master weights, ``torch.autocast`` to bf16,
+AdamW (betas 0.9 / 0.95, weight decay on matrices), gradient accumulation, linear warm-up then a
+cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
+
+* ``hf``: the plain HF model (``--compile``: under ``torch.compile``);
+* ``hf_seed2``: the same with the data-order seed + 1, the spread two plain runs differ by;
+* ``coda``: ``apply_coda`` on a copy of the same initial weights.
+
+Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
+and validation loss per run), a JSON log of every step and a PNG of the loss curves
+(``--out``, default ``train_out/``). ``--precision`` takes ``bf16`` only for now: the
+low-precision experiments will add their recipes here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+PRECISIONS = ("bf16",)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dim: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    ffn: int = 2816
+    seq: int = 1024
+    micro_batch: int = 8
+    accum: int = 2
+    steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_batches: int = 8
+    val_fraction: float = 0.05
+    seed: int = 0
+    data_seed: int = 0
+    precision: str = "bf16"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.accum * self.seq
+
+
+TINY = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=64, micro_batch=2, accum=2,
+                   steps=6, warmup=2, eval_every=3, eval_batches=2, lr=3e-3)
+
+
+# -- data ---------------------------------------------------------------------------------------------
+def corpus_files(root: str | None = None) -> list[Path]:
+    """The standard library's ``*.py`` files, sorted (site-packages and test suites left out)."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts[:-1]))
+
+
+def corpus_bytes(root: str | None = None, limit: int | None = None) -> torch.Tensor:
+    """All corpus bytes (uint8), files joined by a newline; ``limit``: at most this many."""
+    chunks, total = [], 0
+    for path in corpus_files(root):
+        data = path.read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+        if limit is not None and total >= limit:
+            break
+    raw = b"".join(chunks)[:limit]
+    if not raw:
+        raise RuntimeError("coda-cute train: found no Python source files under the standard library")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    cut = int(len(data) * (1 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+def windows(data: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """n windows of seq + 1 tokens at random offsets (int64, (n, seq + 1))."""
+    starts = torch.randint(0, len(data) - seq - 1, (n,), generator=gen)
+    return torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
+
+
+# -- model and schedule --------------------------------------------------------------------------------
+def build_model(cfg: TrainConfig):
+    """An HF Llama in fp32 (master weights), byte vocabulary, seeded initialization."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=256, hidden_size=cfg.dim, intermediate_size=cfg.ffn,
+                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                     num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(hf).float()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then a cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup - 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def optimizer(model, cfg: TrainConfig, device: torch.device):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                             fused=device.type == "cuda")
+
+
+# -- one run ---------------------------------------------------------------------------------------------
+def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, train, val, device,
+              progress=None) -> dict:
+    """Train ``model`` (``forward(ids, labels)`` -> loss) for ``cfg.steps`` optimizer steps;
+    returns the run's log and summary."""
+    opt = optimizer(model, cfg, device)
+    gen = torch.Generator().manual_seed(data_seed)
+    val_gen = torch.Generator().manual_seed(12345)  # one validation set for every run
+    val_batches = [windows(val, cfg.micro_batch, cfg.seq, val_gen) for _ in range(cfg.eval_batches)]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    steps, evals, losses = [], [], []
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    task = progress.add_task(label, total=cfg.steps) if progress else None
+    t_start, tokens, timed_ms = None, 0, 0.0
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=device)
+        for _ in range(cfg.accum):
+            batch = windows(train, cfg.micro_batch, cfg.seq, gen).to(device, non_blocking=True)
+            with autocast:
+                loss = forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+            (loss / cfg.accum).backward()
+            step_loss += loss.detach() / cfg.accum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        if cuda:
+            torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - t0) * 1e3
+        steps.append({"step": step, "lr": lr_at(step, cfg), "ms": ms})
+        if step >= min(5, cfg.steps - 1):  # the first steps compile kernels and warm the allocator
+            if t_start is None:
+                t_start = time.perf_counter() - ms / 1e3
+            tokens += cfg.tokens_per_step
+            timed_ms += ms
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            evals.append({"step": step, "val_loss": evaluate(forward, val_batches, device, autocast)})
+        if progress:
+            progress.update(task, advance=1, description=f"{label}: loss {float(step_loss):.3f}, "
+                            f"{tokens / max(timed_ms, 1e-9) * 1e3:,.0f} tok/s")
+    for row, loss in zip(steps, losses):
+        row["loss"] = float(loss)
+    n_timed = max(1, sum(1 for s in steps if s["step"] >= min(5, cfg.steps - 1)))
+    return {"label": label, "steps": steps, "evals": evals,
+            "tokens_per_s": tokens / max(timed_ms, 1e-9) * 1e3, "step_ms": timed_ms / n_timed,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
+            "final_val_loss": evals[-1]["val_loss"]}
+
+
+@torch.no_grad()
+def evaluate(forward, batches, device, autocast) -> float:
+    total = 0.0
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast:
+            total += float(forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+    return total / len(batches)
+
+
+def hf_forward(model):
+    """The loss through HF's forward contract. The windows hold the next tokens explicitly, so
+    they go in as ``shift_labels`` (HF's loss uses them instead of shifting ``labels``; every
+    position is trained)."""
+    return lambda ids, nxt: model(input_ids=ids, labels=nxt, shift_labels=nxt).loss
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def add_arguments(p) -> None:
+    d = TrainConfig()
+    p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model on the CPU (reference path)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the plain HF runs")
+    p.add_argument("--steps", type=_positive, help=f"optimizer steps (default {d.steps}; --tiny {TINY.steps})")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
+    p.add_argument("--out", default="train_out", help="folder for train_log.json and loss_curves.png")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import reference_on_cpu
+    from .nn import apply_coda
+
+    console = Console()
+    cfg = TINY if args.tiny else TrainConfig()
+    if args.steps is not None:
+        cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
+    cfg = replace(cfg, precision=args.precision)
+    if args.tiny:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        console.print("[red]coda-cute train needs a CUDA GPU (or --tiny for the CPU reference path)[/]")
+        return 2
+    data = corpus_bytes(limit=200_000 if args.tiny else None)
+    train, val = split(data, cfg.val_fraction)
+    console.print(f"corpus: {len(corpus_files())} stdlib files, {len(data) / 1e6:.2f} M byte tokens "
+                  f"({len(train) / 1e6:.2f} M train, {len(val) / 1e6:.2f} M validation); {cfg.steps} steps "
+                  f"of {cfg.tokens_per_step:,} tokens, model d {cfg.dim} x {cfg.layers} layers")
+    base = build_model(cfg)
+    runs = [("hf", cfg.data_seed, False)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, False)])
+    runs.append(("coda", cfg.data_seed, True))
+    results = []
+    mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
+    with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console) as progress:
+        for label, seed, coda in runs:
+            model = copy.deepcopy(base).to(device)
+            if coda:
+                model = apply_coda(model)
+                forward = hf_forward(model)
+            else:
+                target = torch.compile(model) if args.compile else model
+                forward = hf_forward(target)
+                label += "+compile" if args.compile else ""
+            results.append(train_run(label, model, forward, cfg, seed, train, val, device, progress))
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}")
+    for col in ("run", "tokens/s", "step ms", "peak GiB", "train loss", "val loss"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    for r in results:
+        t.add_row(r["label"], f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}",
+                  "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
+                  f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}")
+    console.print(t)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_log.json").write_text(json.dumps(
+        {"config": asdict(cfg), "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
+         "compile": args.compile, "runs": results}, indent=1))
+    plot(results, out / "loss_curves.png", cfg)
+    console.print(f"wrote {out / 'train_log.json'} and {out / 'loss_curves.png'}")
+    return 0
+
+
+def plot(results: list, path, cfg: TrainConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        line, = ax.plot([s["step"] for s in r["steps"]], [s["loss"] for s in r["steps"]], lw=1,
+                        alpha=0.8, label=f"{r['label']} train")
+        ax.plot([e["step"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], "o--",
+                color=line.get_color(), ms=3, label=f"{r['label']} validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title(f"byte-level Llama on the Python stdlib: {cfg.tokens_per_step:,} tokens per step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="coda-cute train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

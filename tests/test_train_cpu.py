@@ -1,0 +1,47 @@
+"""CPU test of ``coda-cute train --tiny``: three short runs on the reference path, the log, the plot."""
+
+import json
+
+import pytest
+
+from coda_cute import train as T
+from coda_cute.cli import main as cli_main
+
+pytest.importorskip("transformers")
+
+
+def test_corpus_is_the_stdlib_sources_split_in_order():
+    files = T.corpus_files()
+    assert files == sorted(files) and all(p.suffix == ".py" for p in files)
+    assert not any("site-packages" in p.parts for p in files)
+    data = T.corpus_bytes(limit=50_000)
+    assert len(data) == 50_000
+    train, val = T.split(data, 0.1)
+    assert len(train) == 45_000 and train[-1] == data[44_999] and val[0] == data[45_000]
+
+
+def test_schedule_warms_up_then_decays_to_its_floor():
+    cfg = T.TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    lrs = [T.lr_at(s, cfg) for s in range(cfg.steps)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(1e-4)
+
+
+def test_tiny_run_trains_hf_and_coda_alike(tmp_path):
+    rc = cli_main(["train", "--tiny", "--steps", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    runs = {r["label"]: r for r in log["runs"]}
+    assert set(runs) == {"hf", "hf_seed2", "coda"} and all(len(r["steps"]) == 4 for r in runs.values())
+    hf, coda = runs["hf"], runs["coda"]
+    assert hf["steps"][-1]["loss"] < hf["steps"][0]["loss"]  # it learns
+    for a, b in zip(hf["steps"], coda["steps"]):  # same weights, same data: the same losses
+        assert abs(a["loss"] - b["loss"]) < 1e-2 * a["loss"]
+    assert abs(hf["final_val_loss"] - coda["final_val_loss"]) < 1e-2 * hf["final_val_loss"]
+    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+
+
+def test_bad_steps_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["train", "--tiny", "--steps", "0", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "argument --steps: must be a positive integer" in capsys.readouterr().err
