@@ -306,3 +306,23 @@ def test_cli_bad_arguments_are_argparse_errors(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_unfused_model_is_gemm_plus_one_pass():
+    """The unfused comparison: the plain GEMM writes its output, one pass reads it back with the
+    epilogue's other inputs and writes the epilogue's outputs; plain GEMMs have none."""
+    from coda_cute.sol import model as SM
+    from coda_cute.sol.devices import datasheet
+
+    h200 = datasheet("h200")
+    c = SM.residual_norm_stats(4096, 4096, 14336)
+    sh = c.shadow()
+    out = sh.traffic["out"]
+    operands = sh.bytes - out
+    assert c.has_epilogue and not SM.gemm(4096, 4096, 14336).has_epilogue
+    assert c.unfused_bytes() == sh.bytes + out + c.bytes - operands
+    assert c.unfused_sol_ms(h200) == pytest.approx(sh.sol_ms(h200) + (out + c.bytes - operands) / h200.bandwidth * 1e3)
+    recs = {(r.op, r.layer): r for r in sol.estimate(["coda", "gemm"], "llama3-8b")}
+    assert recs[("gemm", "qkv")].unfused_bytes is None
+    lm = recs[("lm_head_ce", "lm_head")]
+    assert lm.unfused_bytes > 5 * lm.bytes and lm.unfused_sol_ms > lm.sol_ms  # the logits round trip

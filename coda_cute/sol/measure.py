@@ -45,6 +45,8 @@ class Record:
     bound: str
     sol_ms: float
     shadow_sol_ms: float
+    unfused_bytes: Optional[int] = None  # the same math as GEMM + one memory-bound pass (model)
+    unfused_sol_ms: Optional[float] = None
     sol_ms_measured: Optional[float] = None
     time_ms: Optional[float] = None
     tflops: Optional[float] = None
@@ -81,6 +83,8 @@ def _model_record(spec: OpSpec, shape: Shape, dtype: str, sheet: devices.Ceiling
         shape=list(shape.mnk), gemm=[cost.m, cost.n, cost.k], dtype=dtype, device=sheet.name,
         flops=cost.flops, bytes=cost.bytes, intensity=cost.intensity, bound=cost.bound(sheet),
         sol_ms=cost.sol_ms(sheet), shadow_sol_ms=cost.shadow().sol_ms(sheet),
+        unfused_bytes=cost.unfused_bytes() if cost.has_epilogue else None,
+        unfused_sol_ms=cost.unfused_sol_ms(sheet) if cost.has_epilogue else None,
         sol_ms_measured=cost.sol_ms(measured) if measured else None,
     )
 

@@ -91,6 +91,28 @@ class OpCost:
         """The plain GEMM of the same (m, n, k) and dtype: the op without its epilogue."""
         return gemm(self.m, self.n, self.k, self.dtype)
 
+    @property
+    def has_epilogue(self) -> bool:
+        """Whether the op does more than its plain GEMM (arithmetic or traffic of its own)."""
+        return bool(self.epilogue_flops) or dict(self.traffic) != dict(self.shadow().traffic)
+
+    def unfused_bytes(self) -> int:
+        """Bytes of the same math unfused: the plain GEMM writes its output, then one
+        memory-bound pass reads it back with the epilogue's other inputs and writes the
+        epilogue's outputs (the fewest bytes any unfused implementation moves)."""
+        sh = self.shadow()
+        return sh.bytes + self._epilogue_pass_bytes(sh)
+
+    def unfused_sol_ms(self, ceilings) -> float:
+        """Speed of light of :meth:`unfused_bytes`' two kernels, one after the other: the
+        GEMM's, plus the pass at full bandwidth."""
+        sh = self.shadow()
+        return sh.sol_ms(ceilings) + self._epilogue_pass_bytes(sh) / ceilings.bandwidth * 1e3
+
+    def _epilogue_pass_bytes(self, sh: "OpCost") -> int:
+        operands = sh.bytes - sh.traffic["out"]
+        return sh.traffic["out"] + self.bytes - operands
+
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in GEMM_DTYPES:
