@@ -437,3 +437,38 @@ def test_lm_head_train_gradients_through_autograd(fraction, acc, monkeypatch):
     want = R.lm_head_ce_grad_ref(y, w, ss, EPS, t, -100, "mean", g, dloss=torch.tensor(0.37))
     for i, wt in zip(ins, want):
         assert rel_err(i.grad, wt) < 1e-2, (rel_err(i.grad, wt))
+
+
+@pytest.mark.parametrize("case", [c for c in cases() if base(c[0]) in ("mlp_block", "attention_block",
+                                                                        "lm_head_ce_train")],
+                         ids=lambda c: c[0])
+def test_ops_under_autocast_take_fp32_master_weights(case):
+    """Inside torch.autocast the sublayer and LM-head ops take fp32 activations and weights (the
+    fp32 statistics and frequencies stay fp32), compute as with bf16 inputs, and return the
+    gradients to the fp32 leaves in fp32."""
+    name, args, _ = case
+    op = getattr(torch.ops.coda, base(name))
+    skip = {id(INV_FREQ)}
+    wide = [a.float().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype == BF16 and id(a) not in skip
+            else a for a in args]
+    narrow = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.dtype == BF16 else a
+              for a in args]
+    with coda_cute.reference_on_cpu():
+        with pytest.raises(TypeError, match="must be torch.bfloat16"):
+            op(*wide)  # outside autocast: the dtype rule
+        with torch.autocast("cpu", dtype=torch.float16):  # whatever the region's dtype: bf16
+            got = op(*wide)
+        want = op(*narrow)
+        got[0].float().sum().backward()
+        want[0].float().sum().backward()
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    for w, n in zip(wide, narrow):
+        if isinstance(w, torch.Tensor) and w.requires_grad and n.grad is not None:
+            assert w.grad.dtype == F32 and rel_err(w.grad, n.grad.float()) < 1e-2
+
+
+def test_gemm_under_autocast_casts_16_and_32_bit_operands_only():
+    a, b = torch.randn(16, 32), torch.randn(32, 24)
+    with coda_cute.reference_on_cpu(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.ops.coda.gemm(a, b)
+    assert out.dtype == BF16 and rel_err(out, a.bfloat16().float() @ b.bfloat16().float()) < 1e-2

@@ -27,6 +27,7 @@ with QK-norm, the pre-norm values ``pre`` (M x N bf16).
 from __future__ import annotations
 
 import functools
+from .autocast import bf16_under_autocast
 from typing import Optional
 
 import torch
@@ -272,3 +273,7 @@ def _backward(ctx, dy, *_):
 
 
 attention_block.register_autograd(_backward, setup_context=_setup)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::attention_block", (0, 2, 3, 10, 11))

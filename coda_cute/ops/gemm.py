@@ -20,6 +20,7 @@ Every rule is checked before launch, with an error naming the argument and the r
 
 from __future__ import annotations
 
+from .autocast import bf16_under_autocast
 from typing import Optional
 
 import torch
@@ -262,3 +263,7 @@ def _gemm_cpu(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
     check_same_devices(a, b, scale_a, scale_b)
     check_layouts(a, b, m, n, batch, od)
     return gemm_ref(a, b, scale_a, scale_b, out_dtype)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::gemm", (0, 1))

@@ -40,6 +40,7 @@ being known), which also serves per-row losses (``reduction="none"``) and a grad
 from __future__ import annotations
 
 import functools
+from .autocast import bf16_under_autocast
 from typing import Optional
 
 import torch
@@ -508,3 +509,8 @@ def _add_wgrad(dw, dl, u, dtype):
         return E.run(gemm_tree("none", "none", name), dl.t(), u, {}, op=OP)["out"]
     E.run(accumulate_tree(name), dl.t(), u, {"prev": dw}, outputs={"out": dw}, op=OP)
     return dw
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::lm_head_ce", (0, 1, 7))
+bf16_under_autocast("coda::lm_head_ce_train", (0, 1, 7))

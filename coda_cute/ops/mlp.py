@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .autocast import bf16_under_autocast
 from .. import dispatch
 from ..reference import norm_swiglu_ref, residual_gemm_norm_stats_ref
 from .checks import F32, check_same_device
@@ -104,3 +105,7 @@ def _backward(ctx, dy2, _dss2, _dz):
 
 
 mlp_block.register_autograd(_backward, setup_context=_setup)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::mlp_block", (0, 2, 3))

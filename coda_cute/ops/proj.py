@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from .autocast import bf16_under_autocast
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import norm_proj_ref, rms_rstd_ref
@@ -65,3 +66,7 @@ def _backward(ctx, dout):
 
 
 norm_proj.register_autograd(_backward, setup_context=_setup)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::norm_proj", (0, 1))

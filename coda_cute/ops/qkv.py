@@ -17,6 +17,7 @@ dy = g @ W_qkv' - r^2 s y (+ the residual gradient, in the block) and dW_qkv' = 
 from __future__ import annotations
 
 import functools
+from .autocast import bf16_under_autocast
 from typing import Optional
 
 import torch
@@ -327,3 +328,7 @@ def _rope_cpu(dq, dk, dv, qkv, rstd, positions, inv_freq, pre=None, q_norm_w=Non
     if dqn is None:
         dqn, dkn = qkv.new_empty((0,), dtype=F32), qkv.new_empty((0,), dtype=F32)
     return g, zdz, dqn, dkn
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::norm_rope_qkv", (0, 1, 9, 10))

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from .autocast import bf16_under_autocast
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import residual_gemm_norm_stats_ref
@@ -128,3 +129,7 @@ def _backward(ctx, dy, _dss):
 
 
 residual_gemm_norm_stats.register_autograd(_backward, setup_context=_setup)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::residual_gemm_norm_stats", (0, 1, 2))

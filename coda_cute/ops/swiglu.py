@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from .autocast import bf16_under_autocast
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import norm_swiglu_ref, rms_rstd_ref, swiglu_backward_ref, swiglu_grad_ref
@@ -183,3 +184,7 @@ def _bwd_cpu(dy, w_down, z, ss, eps):
     dispatch.require_reference(OP_BWD)
     check_swiglu_backward(dy, w_down, z, ss, eps)
     return swiglu_backward_ref(dy, w_down, z, ss, eps, zdz_tile_n(dy, w_down))
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast)
+bf16_under_autocast("coda::norm_swiglu", (0, 1))
