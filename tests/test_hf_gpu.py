@@ -1,0 +1,112 @@
+"""GPU tests of ``coda_cute.nn.apply_coda``: the equivalence table of the HF-integration issue.
+
+On the same weights and tokens, each patched model's loss and every gradient against an fp32 copy
+of the unpatched HF model, with the error no larger than the unpatched bf16 model's (ratios
+printed with -s): a Llama-3.2-1B-like config with llama3 RoPE scaling (2 layers), Qwen3-like
+(QK-norm) and Mistral-like. Also the patched model under ``torch.compile`` and fp32 master
+weights under autocast. Ragged token counts (not a multiple of the GEMM tiles).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from coda_cute.nn import apply_coda
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.gpu
+
+BF16, F32 = torch.bfloat16, torch.float32
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+BASE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=32003, max_position_embeddings=4096, rms_norm_eps=1e-5)
+
+
+def config(name):
+    t = transformers
+    if name == "llama-1b":
+        return t.LlamaForCausalLM, t.LlamaConfig(**BASE, head_dim=64, rope_parameters=LLAMA3_ROPE)
+    if name == "qwen3":
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**{**BASE, "hidden_size": 1024, "intermediate_size": 3072,
+                                                     "num_attention_heads": 16, "head_dim": 128})
+    return t.MistralForCausalLM, t.MistralConfig(**{**BASE, "hidden_size": 1024, "intermediate_size": 3584,
+                                                     "num_attention_heads": 16, "sliding_window": None})
+
+
+def models(name):
+    cls, cfg = config(name)
+    torch.manual_seed(0)
+    ref = cls(cfg).float().cuda()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    bf = copy.deepcopy(ref).to(BF16)
+    bf.model.rotary_emb.inv_freq = ref.model.rotary_emb.inv_freq.clone()  # keep HF's RoPE fp32 too
+    return ref, bf, copy.deepcopy(bf)
+
+
+def batch(vocab, b=2, s=1000):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
+    labels = ids.clone()
+    labels[:, :17] = -100
+    return ids, labels
+
+
+def grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", ["llama-1b", "qwen3", "mistral"])
+def test_patched_model_vs_fp32_hf(name):
+    ref, bf, coda = models(name)
+    apply_coda(coda)
+    ids, labels = batch(ref.config.vocab_size)
+    want_loss, want = grads(ref, ids, labels)
+    base_loss, base = grads(bf, ids, labels)
+    loss, got = grads(coda, ids, labels)
+    assert abs(loss - want_loss) <= max(1.5 * abs(base_loss - want_loss), 1e-4 * abs(want_loss))
+    ratios = {n: rel(got[n], want[n]) / rel(base[n], want[n]) for n in want}
+    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
+    total = rel(flat(got), flat(want)) / rel(flat(base), flat(want))
+    print(f"{name}: loss error {abs(loss - want_loss):.2e} (bf16 HF {abs(base_loss - want_loss):.2e}); gradient "
+          f"error / bf16 HF's: all {total:.2f}, per tensor max {max(ratios.values()):.2f}")
+    assert total <= 1.0
+    assert max(ratios.values()) <= 1.5, max(ratios, key=ratios.get)
+    with torch.no_grad():
+        logits = coda(input_ids=ids).logits
+        assert rel(logits, ref(input_ids=ids).logits) < 2e-2
+
+
+def test_patched_model_under_torch_compile():
+    _, _, coda = models("mistral")
+    apply_coda(coda)
+    ids, labels = batch(coda.config.vocab_size)
+    loss, want = grads(coda, ids, labels)
+    compiled = torch.compile(coda)
+    got_loss, got = grads(compiled, ids, labels)
+    assert abs(got_loss - loss) < 1e-3 * abs(loss)
+    assert max(rel(got[n], want[n]) for n in want) < 1e-2
+
+
+def test_fp32_master_weights_under_autocast():
+    ref, bf, _ = models("llama-1b")
+    coda = apply_coda(copy.deepcopy(ref))
+    ids, labels = batch(ref.config.vocab_size)
+    want_loss, want = grads(ref, ids, labels)
+    with torch.autocast("cuda", dtype=BF16):
+        loss, got = grads(coda, ids, labels)
+    assert all(p.grad.dtype == F32 for p in coda.parameters())
+    base_loss, base = grads(bf, ids, labels)
+    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
+    assert rel(flat(got), flat(want)) <= 1.1 * rel(flat(base), flat(want))
