@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .argtypes import positive_int
+
 PRECISIONS = ("bf16",)
 
 
@@ -213,21 +215,11 @@ def hf_forward(model):
 
 
 # -- the command --------------------------------------------------------------------------------------------
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
-
-
 def add_arguments(p) -> None:
     d = TrainConfig()
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model on the CPU (reference path)")
     p.add_argument("--compile", action="store_true", help="torch.compile the plain HF runs")
-    p.add_argument("--steps", type=_positive, help=f"optimizer steps (default {d.steps}; --tiny {TINY.steps})")
+    p.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps}; --tiny {TINY.steps})")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--out", default="train_out", help="folder for train_log.json and loss_curves.png")

@@ -9,3 +9,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out64).all():
         return float("inf")
     return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def loss_and_grads(model, ids, labels, **kw):
+    """(loss, {name: fp32 gradient}) of one HF-contract forward + backward of ``model``."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def flat_grads(grads: dict, names) -> torch.Tensor:
+    """All of ``names``' gradients as one vector (the error over every gradient together)."""
+    return torch.cat([grads[n].flatten() for n in names])

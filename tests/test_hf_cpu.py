@@ -15,6 +15,7 @@ import torch
 
 import coda_cute
 from coda_cute.nn import apply_coda
+from helpers import flat_grads, loss_and_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,38 +62,26 @@ def batch(vocab: int = 96, b: int = 2, s: int = 24, seed: int = 1):
     return ids, labels
 
 
-def grads(model, ids, labels, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels, **kw)
-    out.loss.backward()
-    return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 def test_patched_model_matches_fp32_hf_no_worse_than_bf16_hf(name):
     ref, bf, coda = models(name)
     apply_coda(coda)
     ids, labels = batch()
-    want_loss, want = grads(ref, ids, labels)
-    base_loss, base = grads(bf, ids, labels)
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    base_loss, base = loss_and_grads(bf, ids, labels)
     with coda_cute.reference_on_cpu():
-        loss, got = grads(coda, ids, labels)
+        loss, got = loss_and_grads(coda, ids, labels)
         logits = coda(input_ids=ids).logits
     assert abs(loss - want_loss) <= max(1.5 * abs(base_loss - want_loss), 2e-4 * abs(want_loss))
-    assert rel(logits, ref(input_ids=ids).logits) < 1e-2
+    assert rel_err(logits, ref(input_ids=ids).logits) < 1e-2
     ratios = {}
     for n in want:
-        e, eb = rel(got[n], want[n]), rel(base[n], want[n])
+        e, eb = rel_err(got[n], want[n]), rel_err(base[n], want[n])
         ratios[n] = e / eb
         # per tensor: bf16 noise on the tiny norm-weight gradients (16 entries) varies 0.5-1.6x
         # between seeds, so the tight bound is on all gradients together
         assert e < 5e-2 and e <= 2 * eb + 1e-3, (n, e, eb)
-    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
-    assert rel(flat(got), flat(want)) <= 1.1 * rel(flat(base), flat(want))
+    assert rel_err(flat_grads(got, want), flat_grads(want, want)) <= 1.1 * rel_err(flat_grads(base, want), flat_grads(want, want))
     print(f"{name}: gradient error / bf16 HF's: max {max(ratios.values()):.2f}, "
           f"median {sorted(ratios.values())[len(ratios) // 2]:.2f}")
 
@@ -168,7 +157,7 @@ def test_forward_contract_mask_positions_and_token_normalization():
     assert torch.equal(plain, masked)
     want = ref(input_ids=ids, position_ids=pos).logits
     # the packed positions' logits are HF's, and far from the unpacked ones
-    assert rel(packed, want) < 1e-2 and rel(packed, unpacked) > 5 * rel(packed, want)
+    assert rel_err(packed, want) < 1e-2 and rel_err(packed, unpacked) > 5 * rel_err(packed, want)
     n_valid = int((torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) != -100).sum())
     assert abs(summed.item() - plain.item() * n_valid / 7.0) < 1e-3 * abs(summed.item())
 
@@ -186,10 +175,10 @@ def test_state_dict_save_pretrained_and_tied_embeddings(tmp_path):
     coda.load_state_dict(back.state_dict())
     ids, labels = batch()
     with coda_cute.reference_on_cpu():
-        loss, got = grads(coda, ids, labels)
-    want_loss, want = grads(ref, ids, labels)
+        loss, got = loss_and_grads(coda, ids, labels)
+    want_loss, want = loss_and_grads(ref, ids, labels)
     assert abs(loss - want_loss) < 2e-2 * abs(want_loss)
-    assert rel(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"]) < 2e-2  # both uses
+    assert rel_err(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"]) < 2e-2  # both uses
 
 
 def test_fp32_master_weights_get_fp32_gradients():
@@ -198,9 +187,9 @@ def test_fp32_master_weights_get_fp32_gradients():
     ref, _, _ = models("qwen3")
     coda = apply_coda(copy.deepcopy(ref))
     ids, labels = batch()
-    want_loss, want = grads(ref, ids, labels)
+    want_loss, want = loss_and_grads(ref, ids, labels)
     with coda_cute.reference_on_cpu(), torch.autocast("cpu", dtype=BF16):
-        loss, got = grads(coda, ids, labels)
+        loss, got = loss_and_grads(coda, ids, labels)
     assert all(p.grad.dtype == F32 for p in coda.parameters())
     assert abs(loss - want_loss) < 1e-2 * abs(want_loss)
-    assert max(rel(got[n], want[n]) for n in want) < 2e-2
+    assert max(rel_err(got[n], want[n]) for n in want) < 2e-2

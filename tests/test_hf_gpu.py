@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coda_cute.nn import apply_coda
+from helpers import flat_grads, loss_and_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
@@ -56,57 +57,44 @@ def batch(vocab, b=2, s=1000):
     return ids, labels
 
 
-def grads(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.parametrize("name", ["llama-1b", "qwen3", "mistral"])
 def test_patched_model_vs_fp32_hf(name):
     ref, bf, coda = models(name)
     apply_coda(coda)
     ids, labels = batch(ref.config.vocab_size)
-    want_loss, want = grads(ref, ids, labels)
-    base_loss, base = grads(bf, ids, labels)
-    loss, got = grads(coda, ids, labels)
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    base_loss, base = loss_and_grads(bf, ids, labels)
+    loss, got = loss_and_grads(coda, ids, labels)
     assert abs(loss - want_loss) <= max(1.5 * abs(base_loss - want_loss), 1e-4 * abs(want_loss))
-    ratios = {n: rel(got[n], want[n]) / rel(base[n], want[n]) for n in want}
-    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
-    total = rel(flat(got), flat(want)) / rel(flat(base), flat(want))
+    ratios = {n: rel_err(got[n], want[n]) / rel_err(base[n], want[n]) for n in want}
+    total = rel_err(flat_grads(got, want), flat_grads(want, want)) / rel_err(flat_grads(base, want), flat_grads(want, want))
     print(f"{name}: loss error {abs(loss - want_loss):.2e} (bf16 HF {abs(base_loss - want_loss):.2e}); gradient "
           f"error / bf16 HF's: all {total:.2f}, per tensor max {max(ratios.values()):.2f}")
     assert total <= 1.0
     assert max(ratios.values()) <= 1.5, max(ratios, key=ratios.get)
     with torch.no_grad():
         logits = coda(input_ids=ids).logits
-        assert rel(logits, ref(input_ids=ids).logits) < 2e-2
+        assert rel_err(logits, ref(input_ids=ids).logits) < 2e-2
 
 
 def test_patched_model_under_torch_compile():
     _, _, coda = models("mistral")
     apply_coda(coda)
     ids, labels = batch(coda.config.vocab_size)
-    loss, want = grads(coda, ids, labels)
+    loss, want = loss_and_grads(coda, ids, labels)
     compiled = torch.compile(coda)
-    got_loss, got = grads(compiled, ids, labels)
+    got_loss, got = loss_and_grads(compiled, ids, labels)
     assert abs(got_loss - loss) < 1e-3 * abs(loss)
-    assert max(rel(got[n], want[n]) for n in want) < 1e-2
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-2
 
 
 def test_fp32_master_weights_under_autocast():
     ref, bf, _ = models("llama-1b")
     coda = apply_coda(copy.deepcopy(ref))
     ids, labels = batch(ref.config.vocab_size)
-    want_loss, want = grads(ref, ids, labels)
+    want_loss, want = loss_and_grads(ref, ids, labels)
     with torch.autocast("cuda", dtype=BF16):
-        loss, got = grads(coda, ids, labels)
+        loss, got = loss_and_grads(coda, ids, labels)
     assert all(p.grad.dtype == F32 for p in coda.parameters())
-    base_loss, base = grads(bf, ids, labels)
-    flat = lambda g: torch.cat([g[n].flatten() for n in want])  # noqa: E731
-    assert rel(flat(got), flat(want)) <= 1.1 * rel(flat(base), flat(want))
+    base_loss, base = loss_and_grads(bf, ids, labels)
+    assert rel_err(flat_grads(got, want), flat_grads(want, want)) <= 1.1 * rel_err(flat_grads(base, want), flat_grads(want, want))

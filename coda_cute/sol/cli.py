@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import positive_int
 from . import devices
 from .measure import DEFAULT_OPS, Record, estimate, measure
 from .registry import OPS, groups
@@ -35,16 +36,6 @@ def shape_spec(spec: str) -> str:
     if any(min(s.m, s.n, s.k) < 1 for s in shapes):
         raise argparse.ArgumentTypeError(f"shape {spec!r}: M, N and K must be positive")
     return spec
-
-
-def positive_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
 
 
 def add_arguments(p) -> None:
