@@ -100,6 +100,7 @@ REFUSED = [
     ("llama", dict(attention_bias=True), "config.attention_bias = True: the CODA ops have no bias terms"),
     ("llama", dict(mlp_bias=True), "config.mlp_bias = True"),
     ("llama", dict(hidden_act="gelu"), "config.hidden_act = 'gelu': the CODA MLP is SwiGLU"),
+    ("qwen3", dict(attention_dropout=0.1), "config.attention_dropout = 0.1: the CODA attention has no dropout"),
     ("mistral", dict(sliding_window=32), "config.sliding_window = 32"),
     ("qwen3", dict(use_sliding_window=True, sliding_window=32), "config.use_sliding_window = True"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),

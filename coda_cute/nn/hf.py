@@ -6,7 +6,7 @@
 
 Supported: ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` (QK-norm) and ``MistralForCausalLM``
 without a sliding window. Every config the CODA path cannot compute exactly is refused before
-anything changes: biases, an activation other than SiLU, a sliding window, a RoPE type that
+anything changes: biases, attention dropout, an activation other than SiLU, a sliding window, a RoPE type that
 rescales attention or changes with the sequence length (``default``, ``linear`` and ``llama3``
 are supported), head sizes the kernels reject.
 
@@ -64,6 +64,8 @@ def coda_config(hf_config, family: str) -> LlamaConfig:
     for field in ("attention_bias", "mlp_bias"):
         if getattr(c, field, False):
             _refuse(field, getattr(c, field), "the CODA ops have no bias terms")
+    if getattr(c, "attention_dropout", 0.0):
+        _refuse("attention_dropout", c.attention_dropout, "the CODA attention has no dropout")
     act = getattr(c, "hidden_act", "silu")
     if act != "silu":
         _refuse("hidden_act", act, "the CODA MLP is SwiGLU (silu)")
