@@ -43,6 +43,10 @@ import torch
 from .argtypes import positive_int
 
 PRECISIONS = ("bf16",)
+#: steps left out of the timing: the first ones compile kernels and warm the allocator
+WARM_STEPS = 5
+#: the progress bar's loss is read from the device every this many steps
+PROGRESS_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -155,13 +159,12 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     task = progress.add_task(label, total=cfg.steps) if progress else None
-    t_start, tokens, timed_ms = None, 0, 0.0
+    clock = StepClock(cuda)
+    wall = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        clock.start()
         step_loss = torch.zeros((), device=device)
         for _ in range(cfg.accum):
             batch = windows(train, cfg.micro_batch, cfg.seq, gen).to(device, non_blocking=True)
@@ -172,29 +175,54 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        clock.stop()
         losses.append(step_loss)
-        if cuda:
-            torch.cuda.synchronize(device)
-        ms = (time.perf_counter() - t0) * 1e3
-        steps.append({"step": step, "lr": lr_at(step, cfg), "ms": ms})
-        if step >= min(5, cfg.steps - 1):  # the first steps compile kernels and warm the allocator
-            if t_start is None:
-                t_start = time.perf_counter() - ms / 1e3
-            tokens += cfg.tokens_per_step
-            timed_ms += ms
+        steps.append({"step": step, "lr": lr_at(step, cfg)})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             evals.append({"step": step, "val_loss": evaluate(forward, val_batches, device, autocast)})
-        if progress:
-            progress.update(task, advance=1, description=f"{label}: loss {float(step_loss):.3f}, "
-                            f"{tokens / max(timed_ms, 1e-9) * 1e3:,.0f} tok/s")
-    for row, loss in zip(steps, losses):
-        row["loss"] = float(loss)
-    n_timed = max(1, sum(1 for s in steps if s["step"] >= min(5, cfg.steps - 1)))
+        if progress:  # the description reads a device value (a sync): every PROGRESS_EVERY steps
+            text = None
+            if step % PROGRESS_EVERY == 0:
+                rate = (step + 1) * cfg.tokens_per_step / (time.perf_counter() - wall)
+                text = f"{label}: loss {float(step_loss):.3f}, {rate:,.0f} tok/s (wall, with evaluation)"
+            progress.update(task, advance=1, **({"description": text} if text else {}))
+    ms = clock.milliseconds()
+    for row, loss, t in zip(steps, losses, ms):
+        row["loss"], row["ms"] = float(loss), t
+    timed = ms[WARM_STEPS:] if len(ms) > WARM_STEPS else ms[-1:]
     return {"label": label, "steps": steps, "evals": evals,
-            "tokens_per_s": tokens / max(timed_ms, 1e-9) * 1e3, "step_ms": timed_ms / n_timed,
+            "tokens_per_s": cfg.tokens_per_step * len(timed) / sum(timed) * 1e3,
+            "step_ms": sum(timed) / len(timed),
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
             "final_val_loss": evals[-1]["val_loss"]}
+
+
+class StepClock:
+    """Per-step times without stalling the GPU: CUDA events recorded around each step, read once
+    at the end (wall clock on the CPU)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def start(self):
+        self.marks.append([self._now(), None])
+
+    def stop(self):
+        self.marks[-1][1] = self._now()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def milliseconds(self) -> list:
+        if not self.cuda:
+            return [(b - a) * 1e3 for a, b in self.marks]
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in self.marks]
 
 
 @torch.no_grad()
