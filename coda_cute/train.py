@@ -183,8 +183,9 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
         if progress:  # the description reads a device value (a sync): every PROGRESS_EVERY steps
             text = None
             if step % PROGRESS_EVERY == 0:
+                value = float(step_loss)  # waits for the step: the wall clock below includes it
                 rate = (step + 1) * cfg.tokens_per_step / (time.perf_counter() - wall)
-                text = f"{label}: loss {float(step_loss):.3f}, {rate:,.0f} tok/s (wall, with evaluation)"
+                text = f"{label}: loss {value:.3f}, {rate:,.0f} tok/s (wall, with evaluation)"
             progress.update(task, advance=1, **({"description": text} if text else {}))
     ms = clock.milliseconds()
     for row, loss, t in zip(steps, losses, ms):
