@@ -81,8 +81,8 @@ def run(m: int, d: int, v: int, rounds: int, console: Console) -> dict:
         def liger_step():
             for p in leaves:
                 p.grad = None
-            # Liger's loss takes the normalized input: gamma applied (RMSNorm's scale r is folded
-            # into y here, as CODA's own r is applied inside the kernels)
+            # Liger's loss takes the normalized activation; y * gamma costs what RMSNorm's output
+            # would (r's row scale is left out: the same work, not the same values)
             liger(w, y * gamma, t).backward()
         fns["liger"] = liger_step
     times = interleaved_medians(fns, rounds=rounds, settle_ms=1000)

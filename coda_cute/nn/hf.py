@@ -216,12 +216,12 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
     loss = logits = None
     if labels is not None or shift_labels is not None:
         targets = (shift_labels if shift_labels is not None else _shifted(labels)).reshape(-1)
-        if num_items_in_batch is None:
-            loss = cross_entropy(y, _bf16(self.lm_head.weight), ss, c.norm_eps, targets, IGNORE_INDEX,
-                                 "mean", gamma=_bf16(m.norm.weight))
-        else:
-            loss = cross_entropy(y, _bf16(self.lm_head.weight), ss, c.norm_eps, targets, IGNORE_INDEX,
-                                 "sum", gamma=_bf16(m.norm.weight)) / num_items_in_batch
+        # HF Trainer's gradient accumulation divides the sum by the tokens of the whole batch
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = cross_entropy(y, _bf16(self.lm_head.weight), ss, c.norm_eps, targets, IGNORE_INDEX,
+                             reduction, gamma=_bf16(m.norm.weight))
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
     else:
         w = _bf16(fold_gamma(self.lm_head.weight, m.norm.weight))
         logits = norm_proj(y, w, ss, c.norm_eps).view(b, s, -1)
