@@ -2,13 +2,19 @@
 was doing when the kernel after each gap was launched.
 
 One step (forward + ``loss.backward()``) of the 2-layer ``CodaLlama`` of
-``scripts/bench_train.py``, after warm-up, under torch.profiler (CPU and CUDA activity). From the
+``scripts/bench_train.py`` (``--model train``: one micro-batch of ``coda-cute train``'s default
+model through ``apply_coda``, fp32 master weights under bf16 autocast; ``--hf``: that model
+without ``apply_coda``), after warm-up, under torch.profiler (CPU and CUDA activity). From the
 trace: every kernel's device interval, the gaps between consecutive kernels longer than
 ``--min-gap-us``, and for each the CPU ops around the launch of the kernel that ended it (the
 outermost and the innermost op whose span holds that launch). The sum of all gaps is the step
 time the GPU spends waiting for the host.
 
+The top kernels by device time and the top CPU ops by self time follow; ``--cprofile`` adds the
+Python functions with the most cumulative host time over five steps.
+
     python scripts/trace_step.py [--config 8b] [--min-gap-us 20] [--trace out.json]
+    python scripts/trace_step.py --model train [--hf] [--cprofile]
 """
 
 from __future__ import annotations
@@ -71,23 +77,63 @@ def gaps_of(trace: dict, min_gap_us: float) -> tuple[list, dict]:
                       lead_ms=lead, cpu_ms=cpu, syncs=syncs)
 
 
+def bench_step(config: str, layers: int):
+    spec = TM.SPECS[config]
+    torch.manual_seed(0)
+    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers)), device="cuda")
+    tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
+    return TM.coda_step(model, tokens, TM.shift_labels(tokens), list(model.parameters()))
+
+
+def train_step(plain_hf: bool):
+    from coda_cute import train as T
+    from coda_cute.nn import apply_coda
+
+    cfg = T.TrainConfig()
+    model = T.build_model(cfg).cuda()
+    if not plain_hf:
+        apply_coda(model)
+    forward = T.hf_forward(model)
+    batch = torch.randint(0, 256, (cfg.micro_batch, cfg.seq + 1), device="cuda")
+    ids, nxt = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(ids, nxt)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def host_profile(step, steps: int = 5):
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="8b", choices=sorted(TM.SPECS))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--min-gap-us", type=float, default=20.0)
     ap.add_argument("--trace", help="also keep the chrome trace here")
+    ap.add_argument("--model", choices=("bench", "train"), default="bench")
+    ap.add_argument("--hf", action="store_true", help="--model train without apply_coda")
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("trace_step needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile
 
-    spec = TM.SPECS[args.config]
-    torch.manual_seed(0)
-    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(args.layers)), device="cuda")
-    tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
-    params = list(model.parameters())
-    step = TM.coda_step(model, tokens, TM.shift_labels(tokens), params)
+    step = train_step(args.hf) if args.model == "train" else bench_step(args.config, args.layers)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -111,6 +157,10 @@ def main(argv=None):
     for r in sorted(summary["syncs"], key=lambda r: -r["us"])[:25]:
         st.add_row(r["call"], f"{r['us']:.0f}", r["outer"], r["inner"])
     console.print(st)
+    console.print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    console.print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    if args.cprofile:
+        host_profile(step)
     console.print(f"kernels {summary['kernels']}, first kernel to last {summary['span_ms']:.2f} ms, busy "
                   f"{summary['busy_ms']:.2f} ms, idle gaps {summary['gaps_ms']:.2f} ms "
                   f"({len(rows)} of them >= {args.min_gap_us:.0f} us); the step's host code ran "

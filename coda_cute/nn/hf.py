@@ -161,6 +161,13 @@ def layer_weights(layer, c: LlamaConfig):
             _bf16(fold_gamma(w_gu, layer.post_attention_layernorm.weight)), _bf16(mlp.down_proj.weight), qn, kn)
 
 
+def _rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:
+    """The LM head with zero rows up to a multiple of 8: the logits' rows must start on 16-byte
+    boundaries (TMA), so a ragged vocabulary (e.g. 32003) computes padded logits and slices them."""
+    pad = -w.shape[0] % 8
+    return torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
+
+
 def _positions(position_ids: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
     if position_ids is None:
         return torch.arange(s, device=device, dtype=torch.int32).repeat(b)
@@ -223,8 +230,9 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
         if num_items_in_batch is not None:
             loss = loss / num_items_in_batch
     else:
-        w = _bf16(fold_gamma(self.lm_head.weight, m.norm.weight))
-        logits = norm_proj(y, w, ss, c.norm_eps).view(b, s, -1)
+        v = self.lm_head.weight.shape[0]
+        w = _bf16(fold_gamma(_rows_to_multiple_of_8(self.lm_head.weight), m.norm.weight))
+        logits = norm_proj(y, w, ss, c.norm_eps)[:, :v].view(b, s, v)
     if mask_check is not None:
         mask_check.wait()
     return CausalLMOutputWithPast(loss=loss, logits=logits)
