@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .eager import direct
 from .. import dispatch
 from ..compiler import get_kernel
 from ..elementwise import ScaleColumnsSpec
@@ -90,3 +91,7 @@ def _backward(ctx, dw):
 
 
 fold_gamma.register_autograd(_backward, setup_context=_setup)
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+fold_gamma = direct(fold_gamma)
