@@ -118,6 +118,20 @@ def test_copies_and_pickles_start_without_a_fold():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fold_backward_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
+    """dW' and W read, dW and the fp32 partials written, 16 bytes per access only."""
+    from coda_cute.elementwise import FoldBackwardSpec
+
+    k = compile_elementwise(FoldBackwardSpec(dtype), keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx and spill_bytes(k) == 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = [line.split()[1] for line in disassemble(k.cubin).splitlines() if " LDG." in line or " STG." in line]
+    assert ops and all(op.endswith(".128") for op in ops), ops
+    assert sum(op.startswith("LDG") for op in ops) >= 1 + 2 * 8  # gamma, then dW' and W of a step
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fold_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
     k = compile_elementwise(ScaleColumnsSpec(dtype), keep_artifacts=True)
     assert ".target sm_90a" in k.ptx

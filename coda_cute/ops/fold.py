@@ -20,7 +20,7 @@ import torch
 from .eager import direct
 from .. import dispatch
 from ..compiler import get_kernel
-from ..elementwise import ScaleColumnsSpec
+from ..elementwise import ScaleColumnsSpec, fold_backward
 
 OP = "coda.fold_gamma"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -76,7 +76,11 @@ def _(w, gamma):
 
 
 def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):
-    """(dW, d gamma) of W' = W * gamma[None, :], in the dtypes of W and gamma."""
+    """(dW, d gamma) of W' = W * gamma[None, :], in the dtypes of W and gamma: one pass of our
+    kernel (``kernels.elementwise.fold_backward``: d gamma's products summed in fp32) where it
+    applies, else torch."""
+    if dw.dtype == w.dtype and dw.is_contiguous() and _kernel_applies(w, gamma) and dw.data_ptr() % 16 == 0:
+        return fold_backward(dw, w, gamma)
     return (dw * gamma).to(w.dtype), (dw * w).sum(0).to(gamma.dtype)
 
 
