@@ -417,7 +417,8 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     (the last blocks along each axis may be partial), current scaling:
 
         amax_b = max |x| over block b;  s_b = amax_b / FP8_MAX  (``pow2_scales``: the power of
-        two at or above it, so no value overflows);  q = cast(clamp(x / s_b, +-FP8_MAX), dtype)
+        two at or above it, so no value overflows);
+        q = cast(clamp(x * (1 / s_b), +-FP8_MAX), dtype)   (1 / s_b rounded to fp32 once)
 
     x ~= q * s_b. (1, 128) blocks are the activations' and gradients' (along K), (128, 1) the
     same along the token dimension (weight gradients), (128, 128) the weights'. A block of zeros
@@ -431,12 +432,14 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     blocks = padded.view(gr, br, gc, bc)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = amax / fmax
-    if pow2_scales:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if pow2_scales:  # exactly: frexp's mantissa is 0.5 only on a power of two
+        mant, exp = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
     finite = torch.isfinite(amax)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
-    q = (blocks / scale[:, None, :, None]).clamp(-fmax, fmax)  # NaN stays NaN through clamp
+    inv = 1.0 / scale  # fp32, once per block: the kernels multiply by it
+    q = (blocks * inv[:, None, :, None]).clamp(-fmax, fmax)  # NaN stays NaN through clamp
     q = q.reshape(gr * br, gc * bc)[:r, :c].to(dtype)
     return q, scale
 

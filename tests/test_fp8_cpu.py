@@ -1,7 +1,8 @@
 """CPU tests of the FP8 recipe (``coda_cute.precision``) and the quantization references
-(``coda_cute.reference.quantize_blocks_ref`` and friends): the oracle the FP8 kernels will be
-tested against, so its rounding bounds, block layout, zero / inf / NaN blocks and argument rules
-are pinned here. Fresh random inputs per run (the seed is in every failure message)."""
+(``coda_cute.reference.quantize_blocks_ref`` and friends): the oracle the FP8 kernels are tested
+against, so its rounding bounds, block layout, zero / inf / NaN blocks and argument rules are
+pinned here; and the 1 x 128 quantize kernel's sm_90a build. Fresh random inputs per run (the
+seed is in every failure message)."""
 
 import math
 import random
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from coda_cute import reference as R
+from coda_cute.compiler import spill_bytes
+from coda_cute.elementwise import QuantizeRowsSpec, compile_elementwise
 from coda_cute.precision import Fp8Recipe, recipe_for
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -124,3 +127,18 @@ def test_recipe_defaults_blocks_and_validation():
         recipe_for("fp16")
     with pytest.raises(ValueError, match="role"):
         r.blocks("bias", (4, 4))
+
+
+@pytest.mark.parametrize("out_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, out_dtype):
+    """The 1 x 128 quantize kernel for sm_90a: 16-byte loads, 8-byte FP8 stores, the saturating
+    paired FP8 conversion, IEEE divisions for the scale and its reciprocal (the reference's
+    rounding), NaN-keeping min/max, half-warp shuffles; no spills."""
+    k = compile_elementwise(QuantizeRowsSpec(dtype, out_dtype), keep_artifacts=True)
+    fmt = "e4m3" if out_dtype == "float8_e4m3fn" else "e5m2"
+    for op in (".target sm_90a", f"cvt.rn.satfinite.{fmt}x2.f32", "ld.global.v4.b32", "st.global.v2.b32",
+               "div.rn.f32", "max.NaN.f32", "min.NaN.f32", "shfl.sync.bfly.b32"):
+        assert op in k.ptx, op
+    assert "div.approx" not in k.ptx and "div.full" not in k.ptx
+    assert spill_bytes(k) == 0
