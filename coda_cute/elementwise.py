@@ -15,7 +15,8 @@ import torch
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
-           "compile_elementwise", "fold_backward", "cross_entropy_grad_", "rope_backward_kernel"]
+           "QuantizeRowsSpec", "compile_elementwise", "fold_backward", "cross_entropy_grad_",
+           "rope_backward_kernel", "quantize_rows"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -89,6 +90,53 @@ def fold_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):
     get_kernel(FoldBackwardSpec(str(w.dtype).removeprefix("torch."), dispatch.arch_of(w.device))).fn(
         dw, w, gamma, out, partial)
     return out, partial.sum(0).to(gamma.dtype)
+
+
+@dataclass(frozen=True)
+class QuantizeRowsSpec:
+    """1 x 128 block quantization to FP8 (``kernels.elementwise.quantize_rows``): a 16-bit input
+    dtype and an FP8 output dtype."""
+
+    dtype: str
+    out_dtype: str = "float8_e4m3fn"
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"quantize_rows_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.quantize_rows import QuantizeRows
+        from .reference import FP8_MAX
+
+        m, k = cute.sym_int(), cute.sym_int()
+        fp8_max = FP8_MAX[getattr(torch, self.out_dtype)]
+        return QuantizeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max), (
+            _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+            _fake(self.out_dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+            _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
+        )
+
+
+def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.Tensor | None = None,
+                  q: torch.Tensor | None = None):
+    """(q, scales): ``x`` (M, K) 16-bit, rows 16-byte aligned, in FP8 with one fp32 scale per
+    1 x 128 block (``reference.quantize_blocks_ref``); ``scales`` may be a preallocated
+    (M, ceil(K / 128)) fp32 tensor of any strides (e.g. the M-major layout a GEMM reads), ``q`` a
+    preallocated contiguous (M, K) tensor of ``out_dtype``."""
+    from . import dispatch
+
+    m, k = x.shape
+    if q is None:
+        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    if scales is None:
+        scales = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=x.device)
+    spec = QuantizeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
+                            dispatch.arch_of(x.device))
+    get_kernel(spec).fn(x, q, scales)
+    return q, scales
 
 
 @dataclass(frozen=True)

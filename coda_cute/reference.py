@@ -405,3 +405,68 @@ def llama_head_ce_ref(y, norm_w, w_lm, targets, eps: float, ignore_index: int = 
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                              targets.reshape(-1), ignore_index=ignore_index,
                                              reduction=reduction)
+
+
+# -- FP8 block scaling (coda_cute.precision's recipes) --------------------------------------------
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn,
+                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): ``x`` (R, C) in FP8 with one fp32 scale per ``block`` = (rows, cols) block
+    (the last blocks along each axis may be partial), current scaling:
+
+        amax_b = max |x| over block b;  s_b = amax_b / FP8_MAX  (``pow2_scales``: the power of
+        two at or above it, so no value overflows);
+        q = cast(clamp(x * (1 / s_b), +-FP8_MAX), dtype)   (1 / s_b rounded to fp32 once)
+
+    x ~= q * s_b. (1, 128) blocks are the activations' and gradients' (along K), (128, 1) the
+    same along the token dimension (weight gradients), (128, 128) the weights'. A block of zeros
+    gets s = 1 (q = 0, exact). A block holding inf or NaN gets s = NaN, so all its values
+    dequantize to NaN: the non-finite value spreads to its block, never silently clipped.
+    Returns q (R, C) of ``dtype`` and scales (ceil(R / rows), ceil(C / cols)) fp32."""
+    fmax = _check_quantize(x, block, dtype)
+    (r, c), (br, bc) = x.shape, block
+    gr, gc = -(-r // br), -(-c // bc)
+    padded = torch.nn.functional.pad(x.float(), (0, gc * bc - c, 0, gr * br - r))
+    blocks = padded.view(gr, br, gc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = amax / fmax
+    if pow2_scales:  # exactly: frexp's mantissa is 0.5 only on a power of two
+        mant, exp = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
+    finite = torch.isfinite(amax)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+    inv = 1.0 / scale  # fp32, once per block: the kernels multiply by it
+    q = (blocks * inv[:, None, :, None]).clamp(-fmax, fmax)  # NaN stays NaN through clamp
+    q = q.reshape(gr * br, gc * bc)[:r, :c].to(dtype)
+    return q, scale
+
+
+def dequantize_blocks_ref(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q * s_b in fp32: the inverse of :func:`quantize_blocks_ref` up to FP8 rounding."""
+    (r, c), (br, bc) = q.shape, block
+    expanded = scales.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+    return q.float() * expanded
+
+
+def block_scaled_gemm_ref(a_q, a_scales, a_block, b_q, b_scales, b_block, out_dtype=torch.bfloat16):
+    """a @ b.T on the dequantized operands in float64, rounded once to ``out_dtype``: the oracle of
+    the block-scaled FP8 GEMM. a_q (M, K) with ``a_block`` scales, b_q (N, K) with ``b_block``'s
+    (both K-major, as the kernels read them)."""
+    a = dequantize_blocks_ref(a_q, a_scales, a_block).double()
+    b = dequantize_blocks_ref(b_q, b_scales, b_block).double()
+    return (a @ b.t()).to(out_dtype)
+
+
+def _check_quantize(x, block, dtype) -> float:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"quantize: x must be a 2-D floating-point tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    if (not isinstance(block, tuple) or len(block) != 2
+            or not all(isinstance(v, int) and v >= 1 for v in block)):
+        raise ValueError(f"quantize: block must be (rows, cols) of positive ints, got {block!r}")
+    if dtype not in FP8_MAX:
+        raise ValueError(f"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    return FP8_MAX[dtype]

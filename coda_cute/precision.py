@@ -1,0 +1,72 @@
+"""Training precisions: ``bf16`` and the FP8 recipe (``Fp8Recipe``) the FP8 ops follow.
+
+The FP8 recipe is DeepSeek-V3's and Transformer Engine's ``Float8BlockScaling``, with current
+scaling (the amax of the data being quantized, no history) and fp32 scales:
+
+* activations and output gradients: E4M3 (gradients E5M2 with ``grad_format="e5m2"``), one scale
+  per 1 x 128 block along K;
+* weights: E4M3, one scale per 128 x 128 block (so the transposed copy for dgrad reuses them);
+* weight gradients dW = dY^T X from both operands in 1 x 128 blocks along the token dimension,
+  accumulated in fp32;
+* ``scaling="row"``: one scale per row instead (the GEMM's row-wise FP8), the second recipe;
+* ``pow2_scales``: scales rounded up to powers of two (TE's default; DeepGEMM's users report it
+  costs accuracy, so off here);
+* the LM head and the attention core stay bf16 unless ``lm_head_fp8``.
+
+``coda_cute.reference.quantize_blocks_ref`` defines the quantization exactly (zeros, inf, NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SCALINGS = ("block", "row")
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    scaling: str = "block"
+    grad_format: str = "e4m3"
+    pow2_scales: bool = False
+    lm_head_fp8: bool = False
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.grad_format not in FORMATS:
+            raise ValueError(f"Fp8Recipe: grad_format must be one of {tuple(FORMATS)}, got {self.grad_format!r}")
+        for name in ("pow2_scales", "lm_head_fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Fp8Recipe: {name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return FORMATS[self.grad_format]
+
+    def blocks(self, role: str, shape: tuple[int, int]) -> tuple[int, int]:
+        """The (rows, cols) scale block of an operand of ``shape`` (as stored) by role:
+        "activation" and "grad" (M x K: along K), "weight" (N x K), "wgrad" (an activation or
+        gradient M x K read along the token dimension M by the weight-gradient GEMM)."""
+        rows, cols = shape
+        block = {"activation": (1, BLOCK), "grad": (1, BLOCK), "weight": (BLOCK, BLOCK), "wgrad": (BLOCK, 1)}
+        whole = {"activation": (1, cols), "grad": (1, cols), "weight": (1, cols), "wgrad": (rows, 1)}
+        if role not in block:
+            raise ValueError(f"Fp8Recipe.blocks: role must be one of {tuple(block)}, got {role!r}")
+        return (whole if self.scaling == "row" else block)[role]
+
+
+PRECISIONS = ("bf16", "fp8")
+
+
+def recipe_for(precision: Union[str, Fp8Recipe]) -> Optional[Fp8Recipe]:
+    """None for "bf16", the default :class:`Fp8Recipe` for "fp8", a given recipe as it is."""
+    if isinstance(precision, Fp8Recipe):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} or an Fp8Recipe, got {precision!r}")
+    return Fp8Recipe() if precision == "fp8" else None

@@ -1,0 +1,93 @@
+"""1 x 128 block quantization of a 16-bit matrix to FP8 (``coda_cute.precision``'s recipe) for the
+operands no GEMM epilogue produces (attention output, embedding output). For x (M, K) and block
+b = columns [128 b, 128 b + 128) of a row (the last one partial when K is no multiple of 128):
+
+    amax = max |x| over the block   (NaN if the block holds a NaN, inf if it holds an inf)
+    s    = amax / FP8_MAX, 1 where amax = 0, NaN where amax is not finite
+    q    = fp8(clamp(x * (1 / s), -FP8_MAX, FP8_MAX))   (1 / s rounded to fp32 once per block)
+
+as ``coda_cute.reference.quantize_blocks_ref`` defines it, bit for bit. Bandwidth-bound: 2 bytes
+read and 1 written per element, 4 per 128 for the scale.
+
+Roles: no specialization. A CTA of 128 threads is 8 half-warps; half-warp ``h`` owns column block
+``8 * blockIdx.x + h`` of ``ROWS`` consecutive rows, its lane ``j`` the 8 columns
+``[128 b + 8 j, 128 b + 8 j + 8)`` (one 16-byte load, one 8-byte store per row). A thread issues
+the loads of all its rows first (zero-filled where a row or its columns lie past the matrix, so
+they add nothing to the amax), then per row: its 8-value amax, a butterfly over the half-warp's 16
+lanes (every lane shuffles, in or out of range: ``shfl.sync`` wants the whole warp), the scale,
+the 8 quantized values; lane 0 of the half-warp writes the scale. Rows must start 16-byte aligned
+(K a multiple of 8).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+THREADS = 128
+#: columns per scale block (the recipe's 1 x 128)
+BLOCK = 128
+#: elements per access (16 bytes of a 16-bit type)
+VEC = 8
+#: lanes per block: a half-warp
+LANES = BLOCK // VEC
+#: rows per thread: independent 16-byte loads in flight
+ROWS = 4
+
+
+class QuantizeRows:
+    """``q, scales = quantize 1 x 128`` for 16-bit ``x`` (M, K) to ``out_dtype`` (E4M3 / E5M2),
+    scales (M, ceil(K / 128)) fp32 of any strides."""
+
+    def __init__(self, dtype, out_dtype, fp8_max: float):
+        self.dtype, self.out_dtype, self.fp8_max = dtype, out_dtype, fp8_max
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
+        gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
+        gq = cute.zipped_divide(q, (1, VEC))
+        rows, groups = gx.shape[1]
+        blocks = cute.ceil_div(groups, LANES)
+        self.kernel(gx, gq, scales).launch(
+            grid=(cute.ceil_div(blocks, THREADS // LANES), cute.ceil_div(rows, ROWS), 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        rows, groups = gx.shape[1]
+        block = Int32(bx * (THREADS // LANES) + tidx // LANES)
+        lane = tidx % LANES
+        col = Int32(block * LANES + lane)
+        row0 = Int32(by * ROWS)
+        buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
+        buf.fill(0.0)
+        for r in cutlass.range_constexpr(ROWS):
+            if row0 + r < rows and col < groups:
+                buf[(None, r)].store(gx[(None, (row0 + r, col))].load())
+        fmax = Float32(self.fp8_max)
+        for r in cutlass.range_constexpr(ROWS):
+            v = buf[(None, r)].load().to(Float32)
+            amax = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                amax = cute.arch.fmax(amax, cute.math.abs(v[e]), nan=True)
+            for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+            scale = amax / fmax
+            scale = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), scale))
+            # amax is NaN or inf: s = NaN (amax - amax is NaN exactly then, 0 otherwise)
+            scale = scale + (amax - amax)
+            inv = Float32(1.0) / scale
+            out = cute.make_rmem_tensor(cute.make_layout(v.shape), Float32)
+            for e in cutlass.range_constexpr(VEC):
+                # min/max that keep NaN (a NaN block's values stay NaN)
+                qv = cute.arch.fmax(v[e] * inv, -fmax, nan=True)
+                out[e] = cute.arch.fmin(qv, fmax, nan=True)
+            if row0 + r < rows and col < groups:
+                gq[(None, (row0 + r, col))].store(out.load().to(self.out_dtype))
+                if lane == 0:
+                    scales[(row0 + r, block)] = scale

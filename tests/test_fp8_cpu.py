@@ -1,0 +1,144 @@
+"""CPU tests of the FP8 recipe (``coda_cute.precision``) and the quantization references
+(``coda_cute.reference.quantize_blocks_ref`` and friends): the oracle the FP8 kernels are tested
+against, so its rounding bounds, block layout, zero / inf / NaN blocks and argument rules are
+pinned here; and the 1 x 128 quantize kernel's sm_90a build. Fresh random inputs per run (the
+seed is in every failure message)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from coda_cute import reference as R
+from coda_cute.compiler import spill_bytes
+from coda_cute.elementwise import QuantizeRowsSpec, compile_elementwise
+from coda_cute.precision import Fp8Recipe, recipe_for
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: (max relative rounding error of a normal value, min normal exponent, mantissa bits)
+FORMAT = {E4M3: (2.0 ** -4, -6, 3), E5M2: (2.0 ** -3, -14, 2)}
+
+
+def fresh(*shape, spread=True):
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if spread:  # magnitudes over many binades, so blocks hold subnormal-range values too
+        x = x * torch.exp2(torch.randint(-12, 8, shape, generator=g).float())
+    return x, seed
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("block", [(1, 128), (128, 1), (128, 128)])
+def test_round_trip_error_is_half_an_ulp_of_the_format(dtype, block):
+    x, seed = fresh(200, 300)  # ragged: partial last blocks along both axes
+    q, s = R.quantize_blocks_ref(x, block, dtype)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (math.ceil(200 / block[0]), math.ceil(300 / block[1]))
+    rel, emin, mant = FORMAT[dtype]
+    s_full = s.repeat_interleave(block[0], 0)[:200].repeat_interleave(block[1], 1)[:, :300]
+    err = (R.dequantize_blocks_ref(q, s, block) - x).abs()
+    # normal values: half an ulp relative; below the smallest normal: half the subnormal spacing
+    bound = rel * x.abs() + 2.0 ** (emin - mant - 1) * s_full
+    assert bool((err <= bound * (1 + 1e-6)).all()), (seed, float((err / bound).max()))
+
+
+def test_scales_are_block_amax_over_the_format_max():
+    x, seed = fresh(130, 260)
+    q, s = R.quantize_blocks_ref(x, (128, 128), E4M3)
+    want = torch.stack([torch.stack([x[i:i + 128, j:j + 128].abs().max() for j in (0, 128, 256)])
+                        for i in (0, 128)]) / 448.0
+    assert torch.equal(s, want), seed
+    assert float(q.float().abs().max()) == 448.0  # each block's largest value maps to the top
+
+
+def test_power_of_two_scales_round_up():
+    x, seed = fresh(64, 384)
+    q, s = R.quantize_blocks_ref(x, (1, 128), E4M3, pow2_scales=True)
+    amax = x.abs().view(64, 3, 128).amax(-1)
+    assert torch.equal(s, torch.exp2(torch.log2(s).round())), seed
+    assert bool((s >= amax / 448.0).all() and (s < 2 * amax / 448.0).all()), seed
+    assert bool(q.float().isfinite().all())
+
+
+def test_zero_and_non_finite_blocks():
+    x, _ = fresh(4, 512, spread=False)
+    x[0, :128] = 0
+    x[1, 130] = float("inf")
+    x[2, 300] = float("nan")
+    q, s = R.quantize_blocks_ref(x, (1, 128), E4M3)
+    d = R.dequantize_blocks_ref(q, s, (1, 128))
+    assert s[0, 0] == 1 and bool((d[0, :128] == 0).all())  # zeros: scale 1, exact
+    assert math.isnan(s[1, 1]) and bool(d[1, 128:256].isnan().all())  # inf: its block is NaN
+    assert math.isnan(s[2, 2]) and bool(d[2, 256:384].isnan().all())
+    finite = torch.ones_like(s, dtype=torch.bool)
+    finite[1, 1] = finite[2, 2] = False
+    assert bool(s[finite].isfinite().all())  # the other blocks are untouched
+    assert bool(d[3].isfinite().all())
+
+
+def test_token_dimension_blocks_are_the_transposed_layout():
+    x, seed = fresh(300, 160)
+    q, s = R.quantize_blocks_ref(x, (128, 1), E4M3)
+    qt, st = R.quantize_blocks_ref(x.t().contiguous(), (1, 128), E4M3)
+    assert torch.equal(q.float(), qt.float().t()) and torch.equal(s, st.t()), seed
+
+
+def test_block_scaled_gemm_reference_is_the_dequantized_product():
+    a, seed = fresh(96, 384, spread=False)
+    b, _ = fresh(80, 384, spread=False)
+    aq, sa = R.quantize_blocks_ref(a, (1, 128), E4M3)
+    bq, sb = R.quantize_blocks_ref(b, (128, 128), E4M3)
+    out = R.block_scaled_gemm_ref(aq, sa, (1, 128), bq, sb, (128, 128), out_dtype=torch.float64)
+    want = R.dequantize_blocks_ref(aq, sa, (1, 128)).double() @ R.dequantize_blocks_ref(bq, sb, (128, 128)).double().t()
+    assert torch.allclose(out, want, rtol=1e-12, atol=0), seed
+    exact = a.double() @ b.double().t()
+    assert float((out - exact).norm() / exact.norm()) < 0.05, seed  # E4M3 operands: a few %
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(8), (1, 128)), "2-D floating-point"),
+    ((torch.ones(4, 4, dtype=torch.int32), (1, 128)), "2-D floating-point"),
+    ((torch.randn(4, 4), (0, 128)), "positive ints"),
+    ((torch.randn(4, 4), [1, 128]), "positive ints"),
+    ((torch.randn(4, 4), (1, 128), torch.bfloat16), "float8_e4m3fn or torch.float8_e5m2"),
+])
+def test_bad_quantize_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        R.quantize_blocks_ref(*args)
+
+
+def test_recipe_defaults_blocks_and_validation():
+    r = recipe_for("fp8")
+    assert r == Fp8Recipe() and r.scaling == "block" and r.grad_dtype == E4M3 and not r.pow2_scales
+    assert recipe_for("bf16") is None and recipe_for(r) is r
+    assert [r.blocks(role, (4096, 1024)) for role in ("activation", "grad", "weight", "wgrad")] == \
+        [(1, 128), (1, 128), (128, 128), (128, 1)]
+    row = Fp8Recipe(scaling="row", grad_format="e5m2")
+    assert row.grad_dtype == E5M2
+    assert [row.blocks(role, (4096, 1024)) for role in ("activation", "weight", "wgrad")] == \
+        [(1, 1024), (1, 1024), (4096, 1)]
+    for kw, match in [({"scaling": "tensor"}, "scaling"), ({"grad_format": "e4m3fnuz"}, "grad_format"),
+                      ({"pow2_scales": 1}, "pow2_scales")]:
+        with pytest.raises(ValueError, match=match):
+            Fp8Recipe(**kw)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        recipe_for("fp16")
+    with pytest.raises(ValueError, match="role"):
+        r.blocks("bias", (4, 4))
+
+
+@pytest.mark.parametrize("out_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, out_dtype):
+    """The 1 x 128 quantize kernel for sm_90a: 16-byte loads, 8-byte FP8 stores, the saturating
+    paired FP8 conversion, IEEE divisions for the scale and its reciprocal (the reference's
+    rounding), NaN-keeping min/max, half-warp shuffles; no spills."""
+    k = compile_elementwise(QuantizeRowsSpec(dtype, out_dtype), keep_artifacts=True)
+    fmt = "e4m3" if out_dtype == "float8_e4m3fn" else "e5m2"
+    for op in (".target sm_90a", f"cvt.rn.satfinite.{fmt}x2.f32", "ld.global.v4.b32", "st.global.v2.b32",
+               "div.rn.f32", "max.NaN.f32", "min.NaN.f32", "shfl.sync.bfly.b32"):
+        assert op in k.ptx, op
+    assert "div.approx" not in k.ptx and "div.full" not in k.ptx
+    assert spill_bytes(k) == 0

@@ -1,0 +1,41 @@
+"""GPU tests of the FP8 quantize kernel (``coda_cute.elementwise.quantize_rows``) against the
+oracle ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged M and
+K (a partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major
+scales buffer, every output written (values and scales NaN-poisoned first: an unwritten one
+stays NaN where the reference's is not)."""
+
+import pytest
+import torch
+
+from coda_cute import reference as R
+from coda_cute.elementwise import quantize_rows
+
+pytestmark = pytest.mark.gpu
+
+
+def _input(m, k, dtype):
+    x = torch.randn(m, k, device="cuda") * torch.exp2(torch.randint(-10, 8, (m, k), device="cuda").float())
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k", [(1, 128), (37, 200), (1000, 4096), (513, 1032)])
+def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
+    x = _input(m, k, dtype)
+    if m > 2:
+        x[1, : min(k, 128)] = 0
+        x[2, min(k - 1, 130)] = float("inf")
+        x[m - 1, k - 1] = float("nan")
+    want_q, want_s = R.quantize_blocks_ref(x, (1, 128), out_dtype)
+    kb = -(-k // 128)
+    scales = torch.full((kb, m), float("nan"), device="cuda").t()  # M-major, as a GEMM reads it
+    poisoned = torch.full((m, k), 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # NaN
+    q, s = quantize_rows(x, out_dtype, scales, poisoned)
+    assert s.data_ptr() == scales.data_ptr() and q.data_ptr() == poisoned.data_ptr()
+    same_nan = torch.isnan(s) == torch.isnan(want_s)
+    assert bool(same_nan.all()) and torch.equal(s[~torch.isnan(s)], want_s[~torch.isnan(want_s)])
+    got, want = q.view(torch.uint8), want_q.view(torch.uint8)
+    nan = want_q.float().isnan()
+    assert bool((q.float().isnan() == nan).all())
+    assert torch.equal(got[~nan], want[~nan])
