@@ -161,7 +161,7 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     task = progress.add_task(label, total=cfg.steps) if progress else None
-    grads = (GraphedGradients if cuda_graphs else Gradients)(model, forward, cfg, device, train)
+    grads, label = gradients(label, model, forward, cfg, device, train, cuda_graphs, progress)
     clock = StepClock(cuda)
     wall = time.perf_counter()
     for step in range(cfg.steps):
@@ -195,6 +195,20 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
             "final_val_loss": evals[-1]["val_loss"]}
+
+
+def gradients(label, model, forward, cfg, device, train, cuda_graphs: bool, progress):
+    """(:class:`GraphedGradients` and the label + "+graph", or where the capture fails, e.g. a
+    host readback in the model, :class:`Gradients` and the label, the failure printed)."""
+    if cuda_graphs:
+        try:
+            return GraphedGradients(model, forward, cfg, device, train), label + "+graph"
+        except RuntimeError as e:
+            model.zero_grad(set_to_none=True)
+            say = progress.console.print if progress else print
+            say(f"{label}: CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                "this run trains eagerly")
+    return Gradients(model, forward, cfg, device, train), label
 
 
 class Gradients:
