@@ -58,16 +58,19 @@ class KernelSpec:
     num_sms: int = 132
     tree: Epilogue = field(default=None, compare=False, hash=False, repr=False)
     label: str = field(default="tree", compare=False, hash=False)
+    #: FP8 with 1 x 128 (A) and 128 x 128 (B) scales promoted per k-tile (``kernels.sm90.block_scales``)
+    block_scaled: bool = False
 
     @staticmethod
     def of(a_dtype, b_dtype, a_major, b_major, config, tree: Epilogue, arch="sm_90a", num_sms=132,
-           label="tree") -> "KernelSpec":
-        return KernelSpec(a_dtype, b_dtype, a_major, b_major, config, tree.key, arch, num_sms, tree, label)
+           label="tree", block_scaled: bool = False) -> "KernelSpec":
+        return KernelSpec(a_dtype, b_dtype, a_major, b_major, config, tree.key, arch, num_sms, tree, label,
+                          block_scaled)
 
     @property
     def name(self) -> str:
         return (f"{self.label}_{self.arch}_{short_dtype(self.a_dtype)}{short_dtype(self.b_dtype)}"
-                f"_{self.a_major}{self.b_major}_{self.config.name}")
+                f"_{self.a_major}{self.b_major}{'_blockscaled' if self.block_scaled else ''}_{self.config.name}")
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,8 @@ def cutlass_dtype(name: str):
 
 
 def _fake_signature(spec: KernelSpec):
-    """Fake arguments (A, B, tree inputs, tree outputs, scalars, split-tail workspace) with
-    symbolic extents/strides.
+    """Fake arguments (A, B, tree inputs, tree outputs, scalars, split-tail workspace, block
+    scales) with symbolic extents/strides.
 
     Shared symbols make TVM-FFI check at call time that extents agree (A, every (M, N) tensor and
     every row vector share M, ...). Leading strides of TMA-accessed tensors are declared 16-byte
@@ -179,8 +182,13 @@ def _fake_signature(spec: KernelSpec):
     workspace = None
     if spec.config.split_tail:  # the tail's fp32 partials and int32 arrival counters
         workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
+    block_scales = None
+    if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128, K/128, L) fp32 scales, any strides
+        kb = cute.sym_int()
+        block_scales = tuple(fake("float32", (rows, kb, l), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
+                             for rows in (m, cute.sym_int()))
     # Empty tuples are no valid kernel arguments: an absent group is passed as None.
-    return a, b, tuple(ins) or None, tuple(outs), scalars or None, workspace
+    return a, b, tuple(ins) or None, tuple(outs), scalars or None, workspace, block_scales
 
 
 _PTXAS_RE = {
@@ -237,7 +245,7 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
     from .kernels.sm90.gemm import Sm90Gemm
 
     kernel = Sm90Gemm(spec.config, cutlass_dtype(spec.a_dtype), cutlass_dtype(spec.b_dtype),
-                      spec.a_major, spec.b_major, spec.tree, spec.num_sms)
+                      spec.a_major, spec.b_major, spec.tree, spec.num_sms, spec.block_scaled)
     return _cute_compile(spec, kernel, _fake_signature(spec), keep_artifacts)
 
 

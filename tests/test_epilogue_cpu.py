@@ -628,7 +628,7 @@ def test_inputs_are_bound_by_name(hopper):
     a, b, ins = host_call()
     shuffled = dict(reversed(list(ins.items())))
     E.run(HOST_TREE, a, b, shuffled)
-    _, _, tensors, outs, scalars, _ = hopper.launches[0]
+    _, _, tensors, outs, scalars, _, _ = hopper.launches[0]
     # Tensor inputs in the tree's input order (bias, residual, r), then scalars; as views.
     assert [t.data_ptr() for t in tensors] == [ins[k].data_ptr() for k in ("bias", "residual", "r")]
     assert tensors[1].shape == (HM, HN, 1) and tensors[0].shape == (HN, 1)
@@ -638,7 +638,7 @@ def test_inputs_are_bound_by_name(hopper):
                                  * E.scalar("s2"), "out"))
     E.run(renamed, a, b, dict(r2=ins["r"], s2=2.0, res2=ins["residual"], b2=ins["bias"]))
     assert hopper.specs[0] == hopper.specs[1]
-    _, _, tensors2, _, scalars2, _ = hopper.launches[1]
+    _, _, tensors2, _, scalars2, _, _ = hopper.launches[1]
     assert [t.data_ptr() for t in tensors2] == [t.data_ptr() for t in tensors] and scalars2 == (2.0,)
 
 
@@ -667,7 +667,7 @@ def test_output_shapes_of_every_sink(batch, hopper):
     assert not out["g"].any()  # gathers start at 0: rows whose index is out of range stay 0
     (spec_,) = hopper.specs
     assert spec_.config == COOP and spec_.tree is tree and spec_.arch == "sm_90a"
-    (_, _, _, outs, scalars, _), = hopper.launches
+    (_, _, _, outs, scalars, _, _), = hopper.launches
     assert len(outs) == 7 and scalars is None  # the lse reduction writes two tensors
     assert outs[0].shape == (m, n, batch[0] if batch else 1)
     assert outs[0].data_ptr() == out["y"].data_ptr()

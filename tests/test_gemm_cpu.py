@@ -178,7 +178,7 @@ def hopper_host(monkeypatch):
             config=spec.config, d_dtype=spec.tree.outputs[0].dtype,
             scale_a=mode[inputs.get("scale_a")], scale_b=mode[inputs.get("scale_b")])
 
-        def launch(a, b, ins, outs, scalars, workspace):
+        def launch(a, b, ins, outs, scalars, workspace, block_scales):
             launches.append((desc, a, b, outs[0], *(ins or (None, None))))
         return types.SimpleNamespace(fn=launch, stats={})
 

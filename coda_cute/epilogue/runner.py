@@ -142,7 +142,7 @@ class Plan:
             workspace = (torch.empty(parts, dtype=torch.float32, device=self.device),
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
-                    workspace)
+                    workspace, None)  # no block scales: the runner's trees take row / column scales
         return _group(result, self.tree)
 
 

@@ -44,6 +44,7 @@ from ..common.config import MAX_ACC_REGISTERS, GemmConfig, pipeline_stages
 from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
+from .block_scales import BLOCK, BlockScales
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
@@ -68,7 +69,7 @@ class Sm90Gemm:
     """
 
     def __init__(self, cfg: GemmConfig, a_dtype, b_dtype, a_major: str, b_major: str,
-                 tree: Epilogue, num_sms: int):
+                 tree: Epilogue, num_sms: int, block_scaled: bool = False):
         is_fp8 = a_dtype in FP8_TYPES
         if is_fp8 != (b_dtype in FP8_TYPES):
             raise TypeError(f"A and B must both be 16-bit or both be FP8, got {a_dtype} and {b_dtype}")
@@ -87,6 +88,12 @@ class Sm90Gemm:
                              "skip the tail's K slices)")
         self.split_tail = cfg.split_tail
         self.two_level = is_fp8 and not cfg.fp8_fast_accum
+        if block_scaled and not (self.two_level and cfg.tile_k == BLOCK and BLOCK % cfg.tile_n == 0
+                                 and not cfg.split_tail):
+            raise ValueError("block-scaled FP8 needs two-level accumulation, tile_k = 128 (one k-tile "
+                             "per scale block), tile_n dividing 128 (one weight block per N-tile) and "
+                             f"no split_tail; got {cfg.name}")
+        self.block_scaled = block_scaled
         cfg.check_registers(self.two_level)
         self.pingpong = cfg.schedule == "pingpong"
         # cooperative two-level: each next tile's first k-tile is issued before the epilogue
@@ -112,11 +119,12 @@ class Sm90Gemm:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, ins: tuple, outs: tuple, scalars: tuple,
-                 workspace: tuple, stream):
+                 workspace: tuple, block_scales: tuple, stream):
         """``mA``: (M, K, L), ``mB``: (N, K, L); ``ins`` / ``outs`` / ``scalars``: the tree's
         tensor inputs, outputs and runtime scalars in the epilogue's order (``None`` when
         empty); ``workspace``: ``split_tail`` only (else ``None``), the tail's fp32 partials and
-        its per-tile int32 arrival counters (zeroed)."""
+        its per-tile int32 arrival counters (zeroed); ``block_scales``: block-scaled FP8 only
+        (else ``None``), A's 1 x 128 and B's 128 x 128 fp32 scales (``block_scales.py``)."""
         tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
@@ -139,7 +147,7 @@ class Sm90Gemm:
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB,
             tuple(x[0] for x in store_atoms), tuple(x[1] for x in store_atoms),
             tuple(x[0] for x in load_atoms), tuple(x[1] for x in load_atoms),
-            ins, outs, scalars, workspace, problem_mnl, a_smem, b_smem, epi_layouts,
+            ins, outs, scalars, workspace, block_scales, problem_mnl, a_smem, b_smem, epi_layouts,
         ).launch(
             grid=grid,
             block=[self.threads, 1, 1],
@@ -159,8 +167,8 @@ class Sm90Gemm:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                tma_b: cute.CopyAtom, mB: cute.Tensor, store_atoms: tuple, store_tensors: tuple,
                load_atoms: tuple, load_tensors: tuple, ins: tuple, outs: tuple, scalars: tuple,
-               workspace: tuple, problem_mnl, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               epi_layouts):
+               workspace: tuple, block_scales: tuple, problem_mnl, a_smem: cute.ComposedLayout,
+               b_smem: cute.ComposedLayout, epi_layouts):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
@@ -216,12 +224,13 @@ class Sm90Gemm:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.consume(tiled_mma, sA, sB, ab_pipe, sched, k_tiles, problem_mnl, tidx, warp_idx,
                          wg_idx, (epi_bufs, epi_tiles, epi_scratch, load_pipe),
-                         store_atoms, store_tensors, ins, outs, scalars, workspace)
+                         store_atoms, store_tensors, ins, outs, scalars, workspace, block_scales)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tiled_mma, sA, sB, ab_pipe, sched: TileScheduler, k_tiles, problem_mnl, tidx,
-                warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars, workspace):
+                warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars, workspace,
+                block_scales):
         """MMA warpgroups: mainloop into registers, then the epilogue, tile after tile."""
         epi_bufs, epi_tiles, epi_scratch, load_pipe = epi_smem
         mma_tidx = tidx
@@ -271,7 +280,8 @@ class Sm90Gemm:
         if const_expr(self.overlap):
             first, stage, read_state = self.mainloop.issue_first(
                 tiled_mma.op, frags, acc, ab_pipe, read_state)
-            self.mainloop.take_first(acc, first, ab_pipe, stage)
+            self.mainloop.take_first(acc, first, ab_pipe, stage,
+                                     self._first_factor(work, sched, block_scales, thr_mma, cD, problem_mnl))
         epi_count = Int32(0)
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
@@ -295,14 +305,18 @@ class Sm90Gemm:
             _, k_count, k_slice, split, tail_slot = sched.slice(work)
             if const_expr(self.overlap):
                 k_count -= 1  # the first is in acc already
+            scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
-                self.overlap)
+                self.overlap, None if const_expr(scales is None) else scales.factors)
+            next_factor = None
             if const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)
                 # runs on the tensor cores during the fixup and the epilogue.
                 first, stage, read_state = self.mainloop.issue_first(
                     tiled_mma.op, frags, acc, ab_pipe, read_state)
+                next_factor = self._first_factor(work + work_step, sched, block_scales, thr_mma, cD,
+                                                 problem_mnl)
             if const_expr(self.split_tail):
                 if split > 1:
                     self._fixup(acc, workspace, k_slice, split, tail_slot, tidx, epi_barrier)
@@ -320,7 +334,7 @@ class Sm90Gemm:
                     epi_barrier, is_store_warp, epi_count, problem_mnl, (tm, tn, tl),
                 )
             if const_expr(self.overlap):
-                self.mainloop.take_first(acc, first, ab_pipe, stage)
+                self.mainloop.take_first(acc, first, ab_pipe, stage, next_factor)
             if const_expr(self.pingpong):
                 # The other warpgroup reuses the same smem rings: let our stores drain first.
                 if is_store_warp:
@@ -333,6 +347,18 @@ class Sm90Gemm:
         if const_expr(not self.pingpong):
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    def _scales_of(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
+        """The block-scaled promotion factors of work item ``work`` (None otherwise)."""
+        if const_expr(not self.block_scaled):
+            return None
+        wm, wn, wl = sched.coord(work)
+        return BlockScales(block_scales[0], block_scales[1], thr_mma.partition_C(cD[(None, None, wm, wn)]),
+                           problem_mnl, wn * self.tile_mnk[1], wl)
+
+    def _first_factor(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
+        scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
+        return None if const_expr(scales is None) else scales.factors(0)
 
     @cute.jit
     def _fixup(self, acc, workspace, k_slice, split, tail_slot, tidx, barrier):

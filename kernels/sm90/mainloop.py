@@ -31,7 +31,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import const_expr
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 #: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit).
@@ -143,12 +143,14 @@ class Sm90Mainloop:
 
     @cute.jit
     def run(self, tiled_mma, frags, acc, tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger,
-            preloaded: cutlass.Constexpr = False):
+            preloaded: cutlass.Constexpr = False, scale=None):
         """``k_tiles`` k-tiles of one output tile. ``on_last_issue()`` runs once the last WGMMAs
         are issued, before waiting for them (ping-pong cues the other warpgroup there; the
         epilogue starts its per-tile loads). ``stagger`` (two-level cooperative only) offsets the
         two warpgroups. ``preloaded`` (two-level): ``acc`` already holds the tile's first k-tile
         (:meth:`issue_first`, :meth:`take_first`) and ``k_tiles`` are the ones after it.
+        ``scale`` (two-level, block-scaled FP8): ``scale(k)`` gives k-tile k's promotion factors
+        laid out like the accumulator (``kernels.sm90.block_scales``): acc += factor * tmp.
         Returns (advanced read state, on_last_issue's result)."""
         extra = None
         if const_expr(not self.two_level):
@@ -172,23 +174,28 @@ class Sm90Mainloop:
                 stagger.wait_turn()
             release_state = read_state.clone()
             singles = k_tiles
+            first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
             if const_expr(self.paired):
                 groups = k_tiles // PROMOTION_GROUP
                 for j in cutlass.range(groups, unroll=1):
                     read_state, release_state = self._group(
                         tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger)
+                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k)
                 singles = k_tiles - groups * PROMOTION_GROUP
+                first_k = first_k + groups * PROMOTION_GROUP
             for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
+                factor = None
+                if const_expr(scale is not None):
+                    factor = scale(first_k + k)  # loads under the WGMMAs
                 read_state.advance()
                 if const_expr(stagger is not None):
                     # once per tile, after its first issue (a grouped loop has passed it already)
                     if k == 0 and (k_tiles < PROMOTION_GROUP or not self.paired):
                         stagger.pass_turn()
                 warpgroup.wait_group(0)
-                acc.store(acc.load() + tmp.load())
+                _promote(acc, tmp, factor)
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
             if const_expr(stagger is not None and preloaded):
@@ -211,38 +218,52 @@ class Sm90Mainloop:
         return first, stage, read_state
 
     @cute.jit
-    def take_first(self, acc, first, ab_pipe, stage):
-        """``acc = first`` once its WGMMAs are done; frees its stage."""
+    def take_first(self, acc, first, ab_pipe, stage, factor=None):
+        """``acc = first`` (block-scaled: ``factor * first``) once its WGMMAs are done; frees
+        its stage."""
         warpgroup.wait_group(0)
-        acc.store(first.load())
+        if const_expr(factor is None):
+            acc.store(first.load())
+        else:
+            acc.store(first.load() * factor.load())
         ab_pipe.consumer_release(stage)
 
     @cute.jit
     def _group(self, op, frags, acc, tmp, ab_pipe, read_state, release_state, n: cutlass.Constexpr,
-               k0, stagger):
+               k0, stagger, scale=None, first_k=None):
         """k-tiles k0 .. k0 + n - 1, software-pipelined: k-tile i + 1 is issued into its own
         temporary before k-tile i is promoted, so only the last promotion waits for the tensor
         cores to drain. Two temporaries are live at a time; all are created here, in the loop
         body (see the module docstring). Returns the advanced (read, release) states."""
-        temps = []
+        temps, factors = [], []
         for i in cutlass.range_constexpr(n):
             temps.append(cute.make_rmem_tensor(tmp.layout, cutlass.Float32))
             ab_pipe.consumer_wait(read_state)
             self._issue(op, temps[i], frags, read_state.index, False)
+            factors.append(scale(first_k + k0 + i) if const_expr(scale is not None) else None)
             read_state.advance()
             if const_expr(stagger is not None and i == 0):
                 if k0 == 0:
                     stagger.pass_turn()
             if const_expr(i > 0):
                 warpgroup.wait_group(1)
-                acc.store(acc.load() + temps[i - 1].load())
+                _promote(acc, temps[i - 1], factors[i - 1])
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
         warpgroup.wait_group(0)
-        acc.store(acc.load() + temps[n - 1].load())
+        _promote(acc, temps[n - 1], factors[n - 1])
         ab_pipe.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+
+@cute.jit
+def _promote(acc, tmp, factor):
+    """acc += tmp (block-scaled FP8: acc += factor * tmp, one FFMA per register)."""
+    if const_expr(factor is None):
+        acc.store(acc.load() + tmp.load())
+    else:
+        acc.store(acc.load() + tmp.load() * factor.load())
 
 
 class Stagger:
