@@ -138,6 +138,14 @@ def config_space(fp8: bool) -> list[GemmConfig]:
     return out
 
 
+def block_scaled_config_space() -> list[GemmConfig]:
+    """The FP8 configs the block-scaled kernel can scale (``kernels.sm90.block_scales``): two-level
+    accumulation, one 128-deep k-tile per scale block, N-tiles inside one 128-column weight block,
+    no split tail (whose K slices the promotion does not index)."""
+    return [c.with_(split_tail=False) for c in config_space(True)
+            if not c.fp8_fast_accum and 128 % c.tile_n == 0]
+
+
 # Full-GPU throughput of each config on an H200 (TFLOP/s; median over M=16384 x Llama-8B (N, K)
 # and 8192^3, random data; measured 2026-11-30 with scripts/bench_gemm.py --sweep). Only the
 # ratios matter to the heuristic; 64x64 rates come from the M=1024 sweep. Ping-pong 128x128 2x1:

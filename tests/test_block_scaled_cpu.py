@@ -1,15 +1,22 @@
-"""CPU tests of the block-scaled FP8 GEMM kernel (``kernels.sm90.block_scales``): its sm_90a builds
-and the configs it refuses. Each k-tile's partial product is promoted with one FFMA per
+"""CPU tests of the block-scaled FP8 GEMM (``kernels.sm90.block_scales``, ``coda.gemm_blockwise``):
+the kernel's sm_90a builds and the configs it refuses; the op on the reference path against the
+float64 product of the dequantized operands, its fake shapes, and its argument rules on the CPU
+and fake paths. Each k-tile's partial product is promoted with one FFMA per
 accumulator register (``acc += sa[m, kb] * sb[nb, kb] * partial``), its scale loads are fp32
 global loads issued under the WGMMAs, and the builds neither spill nor serialize their WGMMAs."""
 
 import re
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import coda_cute
+from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
+from helpers import rel_err
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -49,3 +56,61 @@ def test_block_scaled_name_differs_from_row_scaled():
 def test_block_scaled_refuses_configs_it_cannot_scale(cfg, why):
     with pytest.raises(ValueError, match=why):
         compile_gemm(spec(cfg))
+
+
+# -- the op: coda.gemm_blockwise --------------------------------------------------------------------
+def quantized(m, n, k, a_dtype=torch.float8_e4m3fn, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=g).float())
+    b = torch.randn(n, k, generator=g)
+    a_q, sa = R.quantize_blocks_ref(a, (1, 128), a_dtype)
+    b_q, sb = R.quantize_blocks_ref(b, (128, 128), torch.float8_e4m3fn)
+    return a_q, sa, b_q, sb
+
+
+@pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("out_dtype", [None, torch.float16, torch.float32])
+def test_op_on_the_reference_path_is_the_dequantized_product(a_dtype, out_dtype):
+    a_q, sa, b_q, sb = quantized(100, 200, 400, a_dtype)  # ragged: partial last k-block and weight block
+    with coda_cute.reference_on_cpu():
+        out = torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), b_q, sb, out_dtype)  # M-major scales
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (128, 128), out_dtype=torch.float64)
+    assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (100, 200)
+    assert rel_err(out.double(), want) < (1e-6 if out_dtype == torch.float32 else 4e-3)
+
+
+def test_op_shapes_on_fake_cuda_tensors():
+    with FakeTensorMode():
+        a = torch.empty(16384, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+        b = torch.empty(14336, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+        out = torch.ops.coda.gemm_blockwise(a, torch.empty(16384, 32, device="cuda"), b,
+                                            torch.empty(112, 32, device="cuda"))
+    assert (tuple(out.shape), out.dtype, out.device.type) == ((16384, 14336), torch.bfloat16, "cuda")
+
+
+def bad_calls():
+    a_q, sa, b_q, sb = quantized(64, 256, 256)
+    yield "a bf16", (a_q.to(torch.bfloat16), sa, b_q, sb), "2-D float8"
+    yield "K mismatch", (a_q, sa, b_q[:, :128], sb[:, :1]), "share a's K"
+    yield "a scales grid", (a_q, sa[:, :1], b_q, sb), r"a_scales must be \(64, 2\)"
+    yield "b scales per row", (a_q, sa, b_q, torch.ones(256, 2)), r"b_scales must be \(2, 2\)"
+    yield "scales dtype", (a_q, sa.double(), b_q, sb), "float32"
+    yield "out dtype", (a_q, sa, b_q, sb, torch.int32), "out_dtype"
+
+
+@pytest.mark.parametrize("case", list(bad_calls()), ids=lambda c: c[0])
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_bad_input_raises_on_every_path(case, path):
+    _, args, match = case
+    with pytest.raises(ValueError, match=match):
+        if path == "cpu":
+            with coda_cute.reference_on_cpu():
+                torch.ops.coda.gemm_blockwise(*args)
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                torch.ops.coda.gemm_blockwise(*args)
+
+
+def test_op_outside_the_reference_path_names_it():
+    with pytest.raises(ValueError, match="reference_on_cpu"):
+        torch.ops.coda.gemm_blockwise(*quantized(8, 128, 128))

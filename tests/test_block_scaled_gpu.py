@@ -1,5 +1,5 @@
-"""GPU test of the block-scaled FP8 GEMM kernel, launched directly (the op comes next): against
-float64 math on the dequantized operands (``reference.block_scaled_gemm_ref``), ragged M, N and K
+"""GPU tests of the block-scaled FP8 GEMM kernel, launched directly and through
+``coda.gemm_blockwise``: against float64 math on the dequantized operands (``reference.block_scaled_gemm_ref``), ragged M, N and K
 (a partial last k-block and weight block), values over many binades so the scales differ per
 block, NaN-poisoned output, cooperative and ping-pong schedules, E4M3 and E5M2 activations."""
 
@@ -51,3 +51,13 @@ def test_block_scaled_gemm_is_the_dequantized_product(cfg, m, n, k, a_dtype):
     # fp32 accumulation of exact FP8 products, promoted per 128-deep block, then one bf16 rounding
     assert bool((err <= 2.0 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()), float(err.max())
     assert rel_err(out.double(), want) < 4e-3
+
+
+@pytest.mark.parametrize("m, n, k", [(16384, 4096, 4096), (777, 1000, 1040)])
+def test_op_is_the_dequantized_product(m, n, k):
+    """``coda.gemm_blockwise`` (the runner's config choice, M-major activation scales)."""
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128), torch.float8_e4m3fn)
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (128, 128), torch.float8_e4m3fn)
+    out = torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), b_q, sb)
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (128, 128), out_dtype=torch.float64)
+    assert out.dtype == torch.bfloat16 and rel_err(out.double(), want) < 4e-3

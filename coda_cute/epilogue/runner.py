@@ -18,6 +18,8 @@ from ..compiler import KernelSpec, get_gemm, spill_bytes
 from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, check_pointer_aligned, dtype_name, mn_view, operand_view, tma_view
+from ..precision import BLOCK
+from ..reference import dequantize_blocks_ref
 from .reference import evaluate, torch_dtype
 
 _MAX_PLANS = 4096
@@ -65,36 +67,38 @@ def _epilogue_factor(tree, cfg: GemmConfig) -> float:
 SPILL_CHECKS = 8
 
 
-def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms) -> list:
+def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
     predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's tile
-    inputs (``COOP_TILE_INPUT_COST``)."""
-    cands = [c for c in dispatch.config_space(fp8) if (not fp8 or c.fp8_fast_accum == fast_accum)
-             and fits(tree, c, 1 if fp8 else 2)]
+    inputs (``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
+    :func:`dispatch.block_scaled_config_space`."""
+    space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
+    cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
                   * _epilogue_factor(tree, c))
 
 
-def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int) -> bool:
+def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False) -> bool:
     """Whether ptxas spills registers in the tree's build on ``cfg`` (K-major bf16 or e4m3
     operands: the consumers' code, where the tree runs, does not depend on majors or on which
     16-bit or 8-bit type). Compiles the kernel, or takes it from the compiler's caches."""
     dt = "float8_e4m3fn" if fp8 else "bfloat16"
-    return spill_bytes(get_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, "sm_90a", sms))) > 0
+    return spill_bytes(get_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, "sm_90a", sms,
+                                              block_scaled=block_scaled))) > 0
 
 
-def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
+def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> GemmConfig:
     """The heuristic's config for the tree: the first of :func:`ranked_configs` whose build does
     not spill (among the first ``SPILL_CHECKS``), else the first. Spills follow no register count
     the heuristic could predict (an accumulator plus a few values per row spills on some tile
     shapes and not on larger ones), so the builds themselves are asked. Deterministic for a given
     build of the kernels, which the fake implementations rely on: they call this to size per-tile
     outputs."""
-    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms)
+    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)
     for c in ranked[:SPILL_CHECKS]:
-        if not spills(tree, c, fp8, sms):
+        if not spills(tree, c, fp8, sms, block_scaled):
             return c
     return ranked[0]
 
@@ -113,10 +117,10 @@ def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
 class Plan:
     """One call signature's validated launch recipe."""
 
-    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views",
+    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views", "block_views",
                  "scalar_names", "out_views", "kernel", "empty", "config", "workspace", "tail_sizes")
 
-    def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None) -> dict:
+    def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None, block_scales=None) -> dict:
         for name, t in (("a", a), ("b", b)):
             if t.data_ptr() % 16:  # real tensors here: the per-call check stays one modulo
                 check_pointer_aligned(t, name, self.op)
@@ -141,8 +145,11 @@ class Plan:
             parts, counters = self.tail_sizes
             workspace = (torch.empty(parts, dtype=torch.float32, device=self.device),
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
+        scales = None
+        if self.block_views is not None:
+            scales = tuple(t.as_strided(*v) for t, v in zip(block_scales, self.block_views))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
-                    workspace, None)  # no block scales: the runner's trees take row / column scales
+                    workspace, scales)
         return _group(result, self.tree)
 
 
@@ -206,23 +213,27 @@ def _meta(t):
 
 def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         config: Optional[GemmConfig] = None, use_fast_accum: bool = False,
-        outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue") -> dict:
+        outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue", block_scales=None) -> dict:
     """``a @ b`` with ``tree`` in the epilogue. ``inputs`` binds the tree's named inputs;
-    ``outputs`` may pass preallocated outputs by name. Returns the outputs by name."""
+    ``outputs`` may pass preallocated outputs by name. ``block_scales``: FP8 ``a`` (M, K) and
+    ``b`` (K, N) K-major with (a's 1 x 128 scales (M, ceil(K / 128)), b's 128 x 128 scales
+    (ceil(N / 128), ceil(K / 128))), fp32, promoted per k-block in the mainloop
+    (``kernels.sm90.block_scales``). Returns the outputs by name."""
     if not isinstance(tree, N.Epilogue):
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
-           len(inputs), config, use_fast_accum)
+           len(inputs), config, use_fast_accum,
+           None if block_scales is None else tuple(_meta(t) for t in block_scales))
     plan = _plans.get(key)
     if plan is None:
         if a.device.type == "cpu" and dispatch.reference_on_cpu_enabled():
-            return _reference_run(tree, a, b, inputs, config, outputs, op)
-        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op)
+            return _reference_run(tree, a, b, inputs, config, outputs, op, block_scales)
+        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
-    return plan.launch(a, b, inputs, outputs)
+    return plan.launch(a, b, inputs, outputs, block_scales)
 
 
 def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConfig):
@@ -244,10 +255,13 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
     return out
 
 
-def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
+def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None) -> Plan:
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
+    blocked = block_scales is not None
+    if blocked:
+        _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op)
     arch = dispatch.arch_of(a.device)
     _check_half_width(tree, n, op)
     plan = Plan()
@@ -257,7 +271,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
     plan.batched = batched
     sms = dispatch.num_sms(a.device)
     if config is None:
-        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms)
+        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked)
     elif fp8 and use_fast_accum != config.fp8_fast_accum:
         config = config.with_(fp8_fast_accum=use_fast_accum)
     if not fp8:
@@ -288,18 +302,28 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op) -> Plan:
                       n_tiles if i.kind == "col_vec" and n_tiles != n else None, i.wide)
                      for i in tree.inputs if i.kind != "scalar"]
     plan.scalar_names = _check_scalars(tree, inputs, op)
+    plan.block_views = None
+    if blocked:  # (rows, k-blocks, L = 1), the kernel's any-stride fp32 scales
+        plan.block_views = [((t.shape[0], t.shape[1], 1), (*t.stride(), t.shape[0] * t.shape[1]))
+                            for t in block_scales]
     spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
-                         arch, sms)
+                         arch, sms, block_scaled=blocked)
     plan.kernel = get_gemm(spec).fn
     return plan
 
 
-def _reference_run(tree, a, b, inputs, config, outputs, op) -> dict:
+def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None) -> dict:
     """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules,
-    then the torch evaluator on the fp32 product (no kernel); preallocated outputs are filled."""
+    then the torch evaluator on the fp32 product (block-scaled: of the dequantized operands; no
+    kernel); preallocated outputs are filled."""
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
+    product = None
+    if block_scales is not None:
+        _check_block_scaled(a, b, block_scales, fp8, False, config, op)
+        product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
+                   @ dequantize_blocks_ref(b.t(), block_scales[1], (BLOCK, BLOCK)).t())
     _check_half_width(tree, n, op)
     if not _check_extents(m, n, k, batch, op):
         _operand_views(a, b, fp8, op)
@@ -309,7 +333,9 @@ def _reference_run(tree, a, b, inputs, config, outputs, op) -> dict:
     _check_scalars(tree, inputs, op)
     if config is None:
         config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device))
-    out = evaluate(tree, torch.matmul(a.float(), b.float()), inputs, (config.tile_m, config.tile_n))
+    if product is None:
+        product = torch.matmul(a.float(), b.float())
+    out = evaluate(tree, product, inputs, (config.tile_m, config.tile_n))
     for name, t in (outputs or {}).items():
         want = out[name]
         if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
@@ -317,6 +343,38 @@ def _reference_run(tree, a, b, inputs, config, outputs, op) -> dict:
                              f"got {t.dtype} {tuple(t.shape)}")
         out[name] = t.copy_(want)
     return out
+
+
+def check_block_scales(a, b, scales, op):
+    """The block scales of FP8 ``a`` (M, K) and ``b`` (K, N): (a's (M, ceil(K / 128)), b's
+    (ceil(N / 128), ceil(K / 128))) fp32 on the operands' device, any strides."""
+    if not (isinstance(scales, tuple) and len(scales) == 2):
+        raise ValueError(f"{op}: block_scales must be (a_scales, b_scales)")
+    (m, k), n = a.shape, b.shape[1]
+    kb = -(-k // BLOCK)
+    for name, t, rows in (("a_scales", scales[0], m), ("b_scales", scales[1], -(-n // BLOCK))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D float32 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != (rows, kb):
+            raise ValueError(f"{op}: {name} must be {(rows, kb)} (one scale per "
+                             f"{'row and 128 columns' if name == 'a_scales' else '128 x 128 block'}), "
+                             f"got {tuple(t.shape)}")
+        if t.device != a.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the operands on {a.device}")
+
+
+def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op):
+    """:func:`check_block_scales`, and what the launch needs besides: 2-D FP8 operands, two-level
+    accumulation and a config the kernel can scale."""
+    if not fp8 or a.dim() != 2:
+        raise ValueError(f"{op}: block scales apply to 2-D FP8 operands, got {a.dim()}-D {a.dtype}")
+    if fast_accum:
+        raise ValueError(f"{op}: block scales are promoted per k-block: use_fast_accum must be False")
+    if config is not None and config not in dispatch.block_scaled_config_space():
+        raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
+                         "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")
+    check_block_scales(a, b, scales, op)
 
 
 def _check_half_width(tree, n: int, op):

@@ -1,0 +1,73 @@
+"""``torch.ops.coda.gemm_blockwise``: the block-scaled FP8 GEMM of the FP8 recipe
+(``coda_cute.precision``, DeepSeek-V3 / TE ``Float8BlockScaling``), the fprop / dgrad form:
+
+    out[m, n] = sum_kb  a_scales[m, kb] * b_scales[n // 128, kb] * sum_{k in block kb} a[m, k] b[n, k]
+
+a (M, K) FP8 with one scale per row and 128 columns (1 x 128), b (N, K) FP8 stored like an
+nn.Linear weight with one scale per 128 x 128 block; out = dequant(a) @ dequant(b).T, accumulated
+in fp32 with each 128-deep k-block promoted by its scales (``kernels.sm90.block_scales``). The
+scales are ``coda_cute.reference.quantize_blocks_ref``'s, in any strides (DeepGEMM keeps the
+activation scales M-major). No autograd: the FP8 training ops build their backward from this
+op and its wgrad form.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from .. import epilogue as E
+from ..epilogue.runner import check_block_scales
+from ..kernels.epilogue.plain import gemm_tree
+from ..operands import FP8, dtype_name
+from .checks import check_same_device
+
+OP = "coda.gemm_blockwise"
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(out_dtype: str) -> E.Epilogue:
+    return gemm_tree("none", "none", out_dtype)
+
+
+def check_blockwise(a, a_scales, b, b_scales, out_dtype):
+    """Operands, the scale grid and the output dtype, on every path (GPU, fake, CPU). Returns
+    (M, N, the output dtype)."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in FP8:
+            raise ValueError(f"{OP}: {name} must be a 2-D float8_e4m3fn / float8_e5m2 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{OP}: a is {tuple(a.shape)} and b {tuple(b.shape)}: b is stored like an "
+                         "nn.Linear weight (N x K) and must share a's K")
+    od = torch.bfloat16 if out_dtype is None else out_dtype
+    if od not in OUT_DTYPES:
+        raise ValueError(f"{OP}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    check_same_device(OP, a=a, a_scales=a_scales, b=b, b_scales=b_scales)
+    check_block_scales(a, b.t(), (a_scales, b_scales), OP)
+    return a.shape[0], b.shape[0], od
+
+
+@torch.library.custom_op("coda::gemm_blockwise", mutates_args=())
+def gemm_blockwise(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """dequant(a) @ dequant(b).T (module docstring); out_dtype bf16 (default), fp16 or fp32."""
+    _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
+    return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP)["out"]
+
+
+@gemm_blockwise.register_fake
+def _fake(a, a_scales, b, b_scales, out_dtype=None):
+    m, n, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
+    return a.new_empty((m, n), dtype=od)
+
+
+@gemm_blockwise.register_kernel("cpu")
+def _cpu(a, a_scales, b, b_scales, out_dtype=None):
+    dispatch.require_reference(OP)
+    _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
+    return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP)["out"]
