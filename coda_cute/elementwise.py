@@ -15,8 +15,8 @@ import torch
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
-           "QuantizeRowsSpec", "compile_elementwise", "fold_backward", "cross_entropy_grad_",
-           "rope_backward_kernel", "quantize_rows"]
+           "QuantizeRowsSpec", "QuantizeWeightSpec", "compile_elementwise", "fold_backward",
+           "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -136,6 +136,58 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
     spec = QuantizeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
                             dispatch.arch_of(x.device))
     get_kernel(spec).fn(x, q, scales)
+    return q, scales
+
+
+@dataclass(frozen=True)
+class QuantizeWeightSpec:
+    """A weight's fold and 128 x 128 FP8 quantization (``kernels.elementwise.quantize_weight``):
+    the weight's dtype (fp32 masters or 16-bit), gamma's (None: no fold) and the FP8 dtype."""
+
+    dtype: str
+    gamma_dtype: str | None = None
+    out_dtype: str = "float8_e4m3fn"
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        g = f"_g{short_dtype(self.gamma_dtype)}" if self.gamma_dtype else ""
+        return f"quantize_weight_{self.arch}_{short_dtype(self.dtype)}{g}_{short_dtype(self.out_dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.quantize_weight import QuantizeWeight
+        from .reference import FP8_MAX
+
+        n, k = cute.sym_int(), cute.sym_int()
+        row16 = 16 // torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        gamma = None if self.gamma_dtype is None else _fake(self.gamma_dtype, (k,), (1,), 16)
+        kernel = QuantizeWeight(cutlass_dtype(self.dtype), self.gamma_dtype and cutlass_dtype(self.gamma_dtype),
+                                cutlass_dtype(self.out_dtype), FP8_MAX[getattr(torch, self.out_dtype)])
+        return kernel, (
+            _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=row16), 1), 16), gamma,
+            _fake(self.out_dtype, (n, k), (cute.sym_int64(divisibility=16), 1), 16),
+            _fake("float32", (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
+        )
+
+
+def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtype=torch.float8_e4m3fn,
+                    scales: torch.Tensor | None = None, q: torch.Tensor | None = None):
+    """(q, scales) of ``w * gamma`` (N, K) in FP8 with one fp32 scale per 128 x 128 block
+    (``reference.quantize_blocks_ref`` on ``w.float() * gamma.float()``); ``scales``, ``q`` may be
+    preallocated ((ceil(N / 128), ceil(K / 128)) fp32 any strides; (N, K) contiguous)."""
+    from . import dispatch
+
+    n, k = w.shape
+    if q is None:
+        q = torch.empty((n, k), dtype=out_dtype, device=w.device)
+    if scales is None:
+        scales = torch.empty((-(-n // 128), -(-k // 128)), dtype=torch.float32, device=w.device)
+    name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
+    spec = QuantizeWeightSpec(name(w), None if gamma is None else name(gamma),
+                              str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device))
+    get_kernel(spec).fn(w, gamma, q, scales)
     return q, scales
 
 

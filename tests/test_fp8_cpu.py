@@ -12,7 +12,7 @@ import torch
 
 from coda_cute import reference as R
 from coda_cute.compiler import spill_bytes
-from coda_cute.elementwise import QuantizeRowsSpec, compile_elementwise
+from coda_cute.elementwise import QuantizeRowsSpec, QuantizeWeightSpec, compile_elementwise
 from coda_cute.precision import Fp8Recipe, recipe_for
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -141,4 +141,17 @@ def test_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, out_dtyp
                "div.rn.f32", "max.NaN.f32", "min.NaN.f32", "shfl.sync.bfly.b32"):
         assert op in k.ptx, op
     assert "div.approx" not in k.ptx and "div.full" not in k.ptx
+    assert spill_bytes(k) == 0
+
+
+@pytest.mark.parametrize("dtype, gamma", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", None)])
+def test_weight_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, gamma):
+    """The fold + 128 x 128 weight quantizer for sm_90a: 16-byte loads of the weight (fp32
+    masters or 16-bit), 8-byte FP8 stores, the CTA's amax through shuffles and a barrier, the
+    reference's IEEE scale division; no spills."""
+    k = compile_elementwise(QuantizeWeightSpec(dtype, gamma), keep_artifacts=True)
+    for op in ("cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4.b32", "st.global.v2.b32", "div.rn.f32",
+               "shfl.sync.bfly.b32", "bar.sync"):
+        assert op in k.ptx, op
+    assert "ld.global.b32" not in k.ptx and "ld.global.u16" not in k.ptx  # no scalar weight loads
     assert spill_bytes(k) == 0

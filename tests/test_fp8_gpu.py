@@ -1,8 +1,9 @@
-"""GPU tests of the FP8 quantize kernel (``coda_cute.elementwise.quantize_rows``) against the
-oracle ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged M and
-K (a partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major
-scales buffer, every output written (values and scales NaN-poisoned first: an unwritten one
-stays NaN where the reference's is not)."""
+"""GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128, and
+``quantize_weight``, the fold + 128 x 128) against the oracle
+``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
+partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
+buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
+where the reference's is not)."""
 
 import pytest
 import torch
@@ -39,3 +40,26 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
     nan = want_q.float().isnan()
     assert bool((q.float().isnan() == nan).all())
     assert torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype, with_gamma", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("n, k", [(128, 128), (300, 1000), (4096, 4096), (1000, 136)])
+def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtype, with_gamma):
+    """``quantize_weight``: q, s of ``w * gamma`` in 128 x 128 blocks, bit for bit the reference
+    on the fp32 product (ragged N and K, a NaN block, poisoned outputs)."""
+    from coda_cute.elementwise import quantize_weight
+
+    w = _input(n, k, dtype)
+    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if with_gamma else None
+    if n > 200:
+        w[130, 5] = float("nan")
+    folded = w.float() * gamma.float() if with_gamma else w.float()
+    want_q, want_s = R.quantize_blocks_ref(folded, (128, 128))
+    scales = torch.full(want_s.shape, float("nan"), device="cuda")
+    poisoned = torch.full((n, k), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    q, s = quantize_weight(w, gamma, scales=scales, q=poisoned)
+    assert bool((torch.isnan(s) == torch.isnan(want_s)).all())
+    assert torch.equal(s[~torch.isnan(s)], want_s[~torch.isnan(want_s)])
+    nan = want_q.float().isnan()
+    assert bool((q.float().isnan() == nan).all())
+    assert torch.equal(q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])

@@ -25,6 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .fp8_math import abs_max, block_scale, quantize
+
 THREADS = 128
 #: columns per scale block (the recipe's 1 x 128)
 BLOCK = 128
@@ -72,22 +74,11 @@ class QuantizeRows:
         fmax = Float32(self.fp8_max)
         for r in cutlass.range_constexpr(ROWS):
             v = buf[(None, r)].load().to(Float32)
-            amax = Float32(0.0)
-            for e in cutlass.range_constexpr(VEC):
-                amax = cute.arch.fmax(amax, cute.math.abs(v[e]), nan=True)
+            amax = abs_max(Float32(0.0), v, VEC)
             for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
-            scale = amax / fmax
-            scale = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), scale))
-            # amax is NaN or inf: s = NaN (amax - amax is NaN exactly then, 0 otherwise)
-            scale = scale + (amax - amax)
-            inv = Float32(1.0) / scale
-            out = cute.make_rmem_tensor(cute.make_layout(v.shape), Float32)
-            for e in cutlass.range_constexpr(VEC):
-                # min/max that keep NaN (a NaN block's values stay NaN)
-                qv = cute.arch.fmax(v[e] * inv, -fmax, nan=True)
-                out[e] = cute.arch.fmin(qv, fmax, nan=True)
+            scale, inv = block_scale(amax, fmax)
             if row0 + r < rows and col < groups:
-                gq[(None, (row0 + r, col))].store(out.load().to(self.out_dtype))
+                gq[(None, (row0 + r, col))].store(quantize(v, inv, fmax, VEC).to(self.out_dtype))
                 if lane == 0:
                     scales[(row0 + r, block)] = scale

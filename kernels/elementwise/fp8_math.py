@@ -1,0 +1,39 @@
+"""The FP8 block-quantization arithmetic the quantize kernels share, exactly as
+``coda_cute.reference.quantize_blocks_ref`` specifies it:
+
+    s = amax / FP8_MAX, 1 where amax = 0, NaN where amax is inf or NaN;  q = clamp(x * (1 / s))
+
+with IEEE division for s and 1 / s (once per block) and NaN-keeping min / max, so a NaN spreads
+to its block and nothing is silently clipped.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+
+@cute.jit
+def abs_max(amax, v, n: cutlass.Constexpr):
+    """max(amax, |v[0]|, ..., |v[n - 1]|), NaN if any is NaN."""
+    for e in cutlass.range_constexpr(n):
+        amax = cute.arch.fmax(amax, cute.math.abs(v[e]), nan=True)
+    return amax
+
+
+@cute.jit
+def block_scale(amax, fmax):
+    """(s, 1 / s) of a block with absolute maximum ``amax``."""
+    s = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), amax / fmax))
+    s = s + (amax - amax)  # NaN exactly where amax is inf or NaN, + 0 otherwise
+    return s, Float32(1.0) / s
+
+
+@cute.jit
+def quantize(v, inv, fmax, n: cutlass.Constexpr):
+    """clamp(v * inv, -fmax, fmax) in fp32 registers, NaN kept (then cast by the caller)."""
+    out = cute.make_rmem_tensor(cute.make_layout(v.shape), Float32)
+    for e in cutlass.range_constexpr(n):
+        out[e] = cute.arch.fmin(cute.arch.fmax(v[e] * inv, -fmax, nan=True), fmax, nan=True)
+    return out.load()

@@ -1,0 +1,107 @@
+"""A weight's RMSNorm fold and 128 x 128 FP8 quantization in one pass (the FP8 recipe's weights,
+``coda_cute.precision``): for W (N, K), the norm weight gamma (K,) that the consumer's input
+carries (``coda-math`` section 2, ``W' = W diag(gamma)``; none for weights without a norm before
+them) and block b = rows [128 bi, 128 bi + 128) x columns [128 bj, 128 bj + 128):
+
+    W'   = W * gamma  (fp32 product, not rounded to 16 bits first)
+    amax = max |W'| over the block;  s, q as ``coda_cute.reference.quantize_blocks_ref``
+
+so q * s ~= W', bit for bit the reference on ``W.float() * gamma.float()``. Bandwidth-bound: the
+weight read once (4 or 2 bytes per element), 1 byte written; run once per optimizer step.
+
+Roles: no specialization. One CTA of 256 threads per 128 x 128 block: thread t owns the ``VEC``
+columns ``8 (t % 16) ..`` (fp32 W: two 16-byte loads of 4, else one of 8) of the block's rows
+``t // 16 + 16 i``, i < 8. A thread loads gamma's 8 values and its 8 row vectors (zeros past the
+matrix, which add nothing to the amax), keeps the fp32 products in registers, reduces its amax
+over the warp with butterflies and over the 8 warps through shared memory, then every thread
+quantizes and stores its values and thread 0 the block's scale.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .fp8_math import abs_max, block_scale, quantize
+
+THREADS = 256
+WARPS = THREADS // 32
+BLOCK = 128
+#: columns per thread and row: one 8-byte store of FP8 values
+VEC = 8
+#: rows per thread: 128 rows / (256 threads / 16 column groups)
+ROWS = BLOCK // (THREADS // (BLOCK // VEC))
+
+
+class QuantizeWeight:
+    """``q, scales`` of ``w * gamma`` (``gamma`` None: of ``w``) for ``w`` (N, K) fp32 / bf16 /
+    fp16, gamma (K,) of any of those, rows 16-byte aligned; q (N, K) FP8, scales
+    (ceil(N / 128), ceil(K / 128)) fp32 of any strides."""
+
+    def __init__(self, dtype, gamma_dtype, out_dtype, fp8_max: float):
+        self.dtype, self.gamma_dtype, self.out_dtype, self.fp8_max = dtype, gamma_dtype, out_dtype, fp8_max
+
+    @cute.jit
+    def __call__(self, w: cute.Tensor, gamma: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
+        gw = cute.zipped_divide(w, (1, VEC))  # ((1, VEC), (N, K / VEC))
+        gq = cute.zipped_divide(q, (1, VEC))
+        gg = None
+        if cutlass.const_expr(gamma is not None):
+            gg = cute.zipped_divide(
+                cute.make_tensor(gamma.iterator, cute.make_layout((1, gamma.shape[0]), stride=(0, 1))), (1, VEC))
+        rows, groups = gw.shape[1]
+        self.kernel(gw, gg, gq, scales).launch(
+            grid=(cute.ceil_div(groups, BLOCK // VEC), cute.ceil_div(rows, BLOCK), 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, gw: cute.Tensor, gg, gq: cute.Tensor, scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        rows, groups = gw.shape[1]
+        col = Int32(bx * (BLOCK // VEC) + tidx % (BLOCK // VEC))
+        row0 = Int32(by * BLOCK + tidx // (BLOCK // VEC))
+        step = THREADS // (BLOCK // VEC)
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS + 1,)), 16)
+
+        buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
+        buf.fill(0.0)
+        for r in cutlass.range_constexpr(ROWS):
+            if row0 + r * step < rows and col < groups:
+                buf[(None, r)].store(gw[(None, (row0 + r * step, col))].load())
+        g = None
+        if cutlass.const_expr(gg is not None):  # a column past K reads the last group (its products are 0)
+            g = gg[(None, (0, cutlass.min(col, groups - 1)))].load().to(Float32)
+        vals = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), Float32)
+        amax = Float32(0.0)
+        for r in cutlass.range_constexpr(ROWS):
+            v = buf[(None, r)].load().to(Float32)
+            slot = vals[(None, r)]
+            for e in cutlass.range_constexpr(VEC):
+                slot[e] = v[e] * g[e] if cutlass.const_expr(g is not None) else v[e]
+            amax = abs_max(amax, slot.load(), VEC)
+
+        warp, lane = tidx // 32, tidx % 32
+        for off in (16, 8, 4, 2, 1):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+        if lane == 0:
+            red[warp] = amax
+        cute.arch.sync_threads()
+        if tidx == 0:
+            total = red[0]
+            for w in cutlass.range_constexpr(1, WARPS):
+                total = cute.arch.fmax(total, red[w], nan=True)
+            red[WARPS] = total
+        cute.arch.sync_threads()
+        fmax = Float32(self.fp8_max)
+        scale, inv = block_scale(red[WARPS], fmax)
+        for r in cutlass.range_constexpr(ROWS):
+            if row0 + r * step < rows and col < groups:
+                gq[(None, (row0 + r * step, col))].store(
+                    quantize(vals[(None, r)].load(), inv, fmax, VEC).to(self.out_dtype))
+        if tidx == 0:
+            scales[(by, bx)] = scale
