@@ -9,7 +9,9 @@ import random
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import coda_cute
 from coda_cute import reference as R
 from coda_cute.compiler import spill_bytes
 from coda_cute.elementwise import QuantizeRowsSpec, QuantizeWeightSpec, compile_elementwise
@@ -155,3 +157,54 @@ def test_weight_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, g
         assert op in k.ptx, op
     assert "ld.global.b32" not in k.ptx and "ld.global.u16" not in k.ptx  # no scalar weight loads
     assert spill_bytes(k) == 0
+
+
+# -- the op: coda.quantize_fp8 -------------------------------------------------------------------------
+def test_quantize_op_on_the_reference_path_and_its_layouts():
+    x, seed = fresh(130, 264)
+    g = 1 + 0.1 * torch.randn(264)
+    with coda_cute.reference_on_cpu():
+        q, s = torch.ops.coda.quantize_fp8(x.to(torch.bfloat16))
+        qw, sw = torch.ops.coda.quantize_fp8(x, "128x128", g, E5M2)
+    want_q, want_s = R.quantize_blocks_ref(x.to(torch.bfloat16), (1, 128))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s), seed
+    assert s.shape == (130, 3) and s.stride() == (1, 130)  # M-major, as the block-scaled GEMM reads it
+    want_qw, want_sw = R.quantize_blocks_ref(x * g, (128, 128), E5M2)
+    assert qw.dtype == E5M2 and torch.equal(qw.view(torch.uint8), want_qw.view(torch.uint8)), seed
+    assert torch.equal(sw, want_sw) and sw.shape == (2, 3) and sw.is_contiguous()
+
+
+def test_quantize_op_passes_opcheck_and_its_fake_matches():
+    x, _ = fresh(64, 256)
+    with coda_cute.reference_on_cpu():
+        for args in [(x.to(torch.bfloat16),), (x, "128x128", torch.ones(256))]:
+            torch.library.opcheck(torch.ops.coda.quantize_fp8.default, args,
+                                  test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode():
+        q, s = torch.ops.coda.quantize_fp8(torch.empty(16384, 4096, dtype=torch.bfloat16, device="cuda"))
+    assert (q.shape, q.dtype, s.shape, s.stride()) == ((16384, 4096), E4M3, (16384, 32), (1, 16384))
+
+
+def bad_quantize_calls():
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    yield "block", (x, "1x64"), "block must be one of"
+    yield "fp32 activations", (x.float(),), "2-D tensor of"
+    yield "1-D", (x[0],), "2-D tensor of"
+    yield "K not a multiple of 8", (x[:, :100],), "multiple of 8"
+    yield "column-major", (x.t(),), "contiguous"
+    yield "dtype", (x, "1x128", None, torch.bfloat16), "float8_e4m3fn or"
+    yield "gamma on activations", (x, "1x128", torch.ones(256)), "applies to weights"
+    yield "gamma length", (x, "128x128", torch.ones(255)), r"gamma must be a contiguous \(256,\)"
+
+
+@pytest.mark.parametrize("case", list(bad_quantize_calls()), ids=lambda c: c[0])
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_quantize_op_bad_input_raises_on_every_path(case, path):
+    _, args, match = case
+    with pytest.raises(ValueError, match=match):
+        if path == "cpu":
+            with coda_cute.reference_on_cpu():
+                torch.ops.coda.quantize_fp8(*args)
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                torch.ops.coda.quantize_fp8(*args)

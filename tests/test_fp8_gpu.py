@@ -63,3 +63,16 @@ def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtyp
     nan = want_q.float().isnan()
     assert bool((q.float().isnan() == nan).all())
     assert torch.equal(q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
+
+
+def test_quantize_op_is_the_reference():
+    """``coda.quantize_fp8`` on the GPU: both blocks, the M-major activation scales."""
+    x = _input(1000, 4096, torch.bfloat16)
+    q, s = torch.ops.coda.quantize_fp8(x)
+    want_q, want_s = R.quantize_blocks_ref(x, (1, 128))
+    assert s.stride() == (1, 1000) and torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    w, g = _input(4096, 1000, torch.float32), 1 + 0.1 * torch.randn(1000, device="cuda")
+    qw, sw = torch.ops.coda.quantize_fp8(w, "128x128", g)
+    want_qw, want_sw = R.quantize_blocks_ref(w * g, (128, 128))
+    assert torch.equal(sw, want_sw) and torch.equal(qw.view(torch.uint8), want_qw.view(torch.uint8))

@@ -1,0 +1,94 @@
+"""``torch.ops.coda.quantize_fp8``: the FP8 recipe's block quantization (``coda_cute.precision``)
+for the operands no GEMM epilogue quantizes:
+
+* ``block="1x128"`` (activations, gradients): x (M, K) 16-bit, one scale per row and 128
+  columns, returned M-major ((M, ceil(K / 128)) with strides (1, M)), the layout the block-scaled
+  GEMM reads (``coda.gemm_blockwise``);
+* ``block="128x128"`` (weights): W (N, K) fp32 masters or 16-bit, one scale per 128 x 128 block,
+  with the consumer's RMSNorm weight ``gamma`` folded in first when given (W' = W diag(gamma),
+  the fp32 product quantized, never rounded to 16 bits).
+
+    amax_b = max |x| over block b;  s_b = amax_b / FP8_MAX (1 for a zero block, NaN for a block
+    holding inf or NaN);  q = fp8(clamp(x * (1 / s_b), +-FP8_MAX))
+
+exactly ``coda_cute.reference.quantize_blocks_ref`` (bit for bit on the GPU). Returns (q, scales).
+No autograd: the FP8 training ops quantize detached values and carry their own backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..elementwise import quantize_rows, quantize_weight
+from ..reference import quantize_blocks_ref
+from .checks import BF16, F32, check_same_device
+
+OP = "coda.quantize_fp8"
+BLOCKS = {"1x128": (1, 128), "128x128": (128, 128)}
+FP8_OUT = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INPUTS = {"1x128": (BF16, torch.float16), "128x128": (F32, BF16, torch.float16)}
+
+
+def check_quantize(x, block, gamma, dtype):
+    """The op's rules, on every path. Returns (rows, cols, scale grid shape)."""
+    if block not in BLOCKS:
+        raise ValueError(f"{OP}: block must be one of {tuple(BLOCKS)}, got {block!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _INPUTS[block]:
+        raise ValueError(f"{OP}: x must be a 2-D tensor of {[str(t)[6:] for t in _INPUTS[block]]} for "
+                         f"block {block}, got {getattr(x, 'dtype', type(x).__name__)} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    rows, cols = x.shape
+    if cols % 8 or x.stride(1) != 1 or (rows > 1 and x.stride(0) * x.element_size() % 16):
+        raise ValueError(f"{OP}: x's rows must be contiguous and start on 16-byte boundaries with K a "
+                         f"multiple of 8 (16-byte loads, 8-byte FP8 stores); got shape {tuple(x.shape)}, "
+                         f"strides {tuple(x.stride())}")
+    if dtype not in FP8_OUT:
+        raise ValueError(f"{OP}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if gamma is not None:
+        if block != "128x128":
+            raise ValueError(f"{OP}: gamma (a folded RMSNorm weight) applies to weights, block 128x128")
+        if gamma.dim() != 1 or gamma.shape[0] != cols or gamma.dtype not in _INPUTS["128x128"] \
+                or gamma.stride(0) != 1:
+            raise ValueError(f"{OP}: gamma must be a contiguous ({cols},) fp32 / bf16 / fp16 tensor "
+                             f"(one per column of x), got {gamma.dtype} {tuple(gamma.shape)}")
+    check_same_device(OP, x=x, gamma=gamma)
+    br, bc = BLOCKS[block]
+    return rows, cols, (-(-rows // br), -(-cols // bc))
+
+
+def _outputs(x, block, grid, dtype):
+    """q (rows, cols) and the scales in the op's layout: M-major for 1x128, row-major for 128x128."""
+    q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if block == "1x128":
+        return q, torch.empty(grid[::-1], dtype=F32, device=x.device).t()
+    return q, torch.empty(grid, dtype=F32, device=x.device)
+
+
+@torch.library.custom_op("coda::quantize_fp8", mutates_args=())
+def quantize_fp8(x: torch.Tensor, block: str = "1x128", gamma: Optional[torch.Tensor] = None,
+                 dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of ``x`` in FP8 blocks (module docstring)."""
+    _, _, grid = check_quantize(x, block, gamma, dtype)
+    q, scales = _outputs(x, block, grid, dtype)
+    if block == "1x128":
+        return quantize_rows(x, dtype, scales, q)
+    return quantize_weight(x, gamma, dtype, scales, q)
+
+
+@quantize_fp8.register_fake
+def _fake(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn):
+    _, _, grid = check_quantize(x, block, gamma, dtype)
+    return _outputs(x, block, grid, dtype)
+
+
+@quantize_fp8.register_kernel("cpu")
+def _cpu(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn):
+    dispatch.require_reference(OP)
+    _, _, grid = check_quantize(x, block, gamma, dtype)
+    values = x.float() if gamma is None else x.float() * gamma.float()
+    want_q, want_s = quantize_blocks_ref(values, BLOCKS[block], dtype)
+    q, scales = _outputs(x, block, grid, dtype)
+    return q.copy_(want_q), scales.copy_(want_s)
