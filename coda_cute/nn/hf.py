@@ -11,7 +11,8 @@ rescales attention or changes with the sequence length (``default``, ``linear`` 
 are supported), head sizes the kernels reject.
 
 The model keeps its own parameters and modules: ``state_dict``, ``save_pretrained`` and
-``load_state_dict`` speak standard HF tensors, tied embeddings stay tied. Each forward builds the
+``load_state_dict`` speak standard HF tensors, tied embeddings stay tied; each decoder layer runs
+through its own module (so FSDP2's ``fully_shard`` per layer unshards it in time). Each forward builds the
 layouts the ops take from them, differentiably: Q/K rows permuted to adjacent RoPE pairs and
 fused with V, gate/up rows interleaved, the RMSNorm weights folded in (``coda.fold_gamma``, the
 weight-sized pass the fold costs anyway). Parameters may be bf16, or fp32 master weights (the
@@ -132,7 +133,18 @@ def apply_coda(model):
         raise ValueError(f"apply_coda: the model has {len(layers)} layers, its config says {cfg.n_layers}")
     model._coda = types.SimpleNamespace(cfg=cfg, inv_freq={torch.device("cpu"): inv_freq})
     model.forward = types.MethodType(coda_forward, model)
+    for layer in layers:
+        layer._coda_cfg = cfg
+        layer.forward = types.MethodType(coda_layer_forward, layer)
     return model
+
+
+def coda_layer_forward(self, x, ss, positions, inv_freq):
+    """One decoder layer on the CODA ops: (x, ss) -> the next residual stream and its norm
+    statistics. Called through the layer module (``layer(...)``), so that module hooks run around
+    it: FSDP2 unshards the layer's parameters in its pre-forward hook (and again before its
+    backward), which a loop reading the parameters from outside the module would skip."""
+    return block_forward(self._coda_cfg, x, ss, positions, inv_freq, *layer_weights(self, self._coda_cfg))
 
 
 def _frequencies(state, device) -> torch.Tensor:
@@ -218,7 +230,7 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
     positions = _positions(position_ids, b, s, input_ids.device)
     inv_freq = _frequencies(state, input_ids.device)
     for layer in m.layers:
-        x, ss = block_forward(c, x, ss, positions, inv_freq, *layer_weights(layer, c))
+        x, ss = layer(x, ss, positions, inv_freq)
     y = x.reshape(b * s, -1)
     loss = logits = None
     if labels is not None or shift_labels is not None:
