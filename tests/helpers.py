@@ -22,3 +22,17 @@ def loss_and_grads(model, ids, labels, **kw):
 def flat_grads(grads: dict, names) -> torch.Tensor:
     """All of ``names``' gradients as one vector (the error over every gradient together)."""
     return torch.cat([grads[n].flatten() for n in names])
+
+
+def on_path(path: str):
+    """The context an op call runs in for a bad-input test: "cpu" (the reference path) or "fake"
+    (FakeTensorMode, real inputs allowed): its argument rules must raise on both."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import coda_cute
+
+    if path == "cpu":
+        return coda_cute.reference_on_cpu()
+    if path == "fake":
+        return FakeTensorMode(allow_non_fake_inputs=True)
+    raise ValueError(f"on_path: path must be 'cpu' or 'fake', got {path!r}")

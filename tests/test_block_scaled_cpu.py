@@ -16,7 +16,7 @@ from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
-from helpers import rel_err
+from helpers import on_path, rel_err
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -102,13 +102,8 @@ def bad_calls():
 @pytest.mark.parametrize("path", ["cpu", "fake"])
 def test_bad_input_raises_on_every_path(case, path):
     _, args, match = case
-    with pytest.raises(ValueError, match=match):
-        if path == "cpu":
-            with coda_cute.reference_on_cpu():
-                torch.ops.coda.gemm_blockwise(*args)
-        else:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                torch.ops.coda.gemm_blockwise(*args)
+    with pytest.raises(ValueError, match=match), on_path(path):
+        torch.ops.coda.gemm_blockwise(*args)
 
 
 def test_op_outside_the_reference_path_names_it():

@@ -16,6 +16,7 @@ from coda_cute import reference as R
 from coda_cute.compiler import spill_bytes
 from coda_cute.elementwise import QuantizeRowsSpec, QuantizeWeightSpec, compile_elementwise
 from coda_cute.precision import Fp8Recipe, recipe_for
+from helpers import on_path
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: (max relative rounding error of a normal value, min normal exponent, mantissa bits)
@@ -201,10 +202,5 @@ def bad_quantize_calls():
 @pytest.mark.parametrize("path", ["cpu", "fake"])
 def test_quantize_op_bad_input_raises_on_every_path(case, path):
     _, args, match = case
-    with pytest.raises(ValueError, match=match):
-        if path == "cpu":
-            with coda_cute.reference_on_cpu():
-                torch.ops.coda.quantize_fp8(*args)
-        else:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                torch.ops.coda.quantize_fp8(*args)
+    with pytest.raises(ValueError, match=match), on_path(path):
+        torch.ops.coda.quantize_fp8(*args)

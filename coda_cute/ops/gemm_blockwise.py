@@ -56,6 +56,11 @@ def check_blockwise(a, a_scales, b, b_scales, out_dtype):
 def gemm_blockwise(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """dequant(a) @ dequant(b).T (module docstring); out_dtype bf16 (default), fp16 or fp32."""
+    return _run(a, a_scales, b, b_scales, out_dtype)
+
+
+def _run(a, a_scales, b, b_scales, out_dtype):
+    """The runner's launch (CUDA), or its reference evaluation inside ``reference_on_cpu``."""
     _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
     return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP)["out"]
 
@@ -69,5 +74,4 @@ def _fake(a, a_scales, b, b_scales, out_dtype=None):
 @gemm_blockwise.register_kernel("cpu")
 def _cpu(a, a_scales, b, b_scales, out_dtype=None):
     dispatch.require_reference(OP)
-    _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
-    return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP)["out"]
+    return _run(a, a_scales, b, b_scales, out_dtype)
