@@ -170,6 +170,22 @@ def test_fold_op_fake_tensor_has_the_promoted_dtype():
     assert out.shape == (8, 16) and out.dtype == torch.float32
 
 
+def test_fold_backward_traces_as_one_op_on_fake_cuda_tensors(monkeypatch):
+    """A compiled backward traces the fold's backward with fake CUDA tensors: it must reach the
+    op's fake impl (shapes and dtypes of W and gamma), never the kernel path that reads pointers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_cute import dispatch
+    from coda_cute.ops import fold
+
+    monkeypatch.setattr(dispatch, "arch_of", lambda device: "sm_90a")
+    with FakeTensorMode():
+        w = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
+        gamma = torch.empty(64, dtype=torch.float32, device="cuda")
+        dw, dgamma = fold.fold_gamma_backward(torch.empty(64, 64, device="cuda"), w, gamma)
+    assert (dw.shape, dw.dtype, dgamma.shape, dgamma.dtype) == ((64, 64), torch.bfloat16, (64,), torch.float32)
+
+
 @pytest.mark.parametrize("w_shape, g_shape, dtypes, match", [
     ((4, 8, 2), (8,), (torch.bfloat16, torch.bfloat16), "w must be 2-D"),
     ((4, 8), (16,), (torch.bfloat16, torch.bfloat16), "gamma must be 1-D with one entry per column"),
