@@ -53,11 +53,11 @@ def test_fold_op_gradients_on_gpu():
     got = torch.autograd.grad(torch.ops.coda.fold_gamma(w, gamma), (w, gamma), dy)
     want = torch.autograd.grad(w * gamma, (w, gamma), dy)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # dW: one rounding, like torch
-    # d gamma: fp32 products and sum, rounded once to bf16 (half an ulp, 2^-9 relative), where
+    # d gamma: fp32 products and sum, rounded once to bf16 (half an ulp, <= 2^-8 relative), where
     # torch rounds each product to bf16 first
     exact = (dy.double() * w.detach().double()).sum(0)
     slack = 1e-6 * (dy.double() * w.detach().double()).abs().sum(0)
-    assert bool(((got[1].double() - exact).abs() <= exact.abs() * 2.0**-9 + slack).all())
+    assert bool(((got[1].double() - exact).abs() <= exact.abs() * 2.0**-8 + slack).all())
     assert (got[1].double() - exact).norm() <= (want[1].double() - exact).norm()
 
 

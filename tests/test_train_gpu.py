@@ -40,3 +40,15 @@ def test_graphed_gradients_are_the_eager_ones(coda):
     for n, p in model.named_parameters():
         assert p.grad.dtype == torch.float32
         assert rel_err(p.grad, want[n]) < 1e-2, n  # bf16 autocast: weight cache on in eager, off in the graph
+    # after optimizer steps the replays must see the new weights (nothing captured may go stale)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.step()
+        graphed(batches)
+    loss = float(graphed(batches))
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)  # the graph keeps its own gradient tensors
+    want_loss = float(T.Gradients(model, forward, CFG, device, train)(batches))
+    assert abs(loss - want_loss) <= 1e-3 * want_loss
+    for n, p in model.named_parameters():
+        assert rel_err(got[n], p.grad) < 1e-2, n
