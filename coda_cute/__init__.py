@@ -48,14 +48,5 @@ def gemm(
     FP8 operands must be K-major (``a`` row-major, ``b`` column-major). Strides other than the
     contiguous one and data pointers must be 16-byte aligned. Violations raise before launch.
     """
-    needs_op = (
-        not a.is_cuda
-        or type(a) is not torch.Tensor  # fake / subclass tensors dispatch through the op
-        or torch._C._len_torch_dispatch_stack() > 0  # e.g. coda_cute.sol.profile()
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
-    )
-    if needs_op:
-        return torch.ops.coda.gemm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
-    # Eager inference calls skip the dispatcher (tens of microseconds per call).
-    return _gemm_mod.gemm_impl(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
+    # Plain eager calls skip the dispatcher (tens of microseconds per call): ops.eager
+    return _gemm_mod.gemm_op(a, b, scale_a, scale_b, out_dtype, use_fast_accum)

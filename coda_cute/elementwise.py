@@ -14,9 +14,9 @@ import torch
 
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 
-__all__ = ["ScaleColumnsSpec", "CrossEntropyGradSpec", "RopeBackwardSpec", "QuantizeRowsSpec",
-           "QuantizeWeightSpec", "compile_elementwise", "cross_entropy_grad_", "rope_backward_kernel",
-           "quantize_rows", "quantize_weight"]
+__all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
+           "QuantizeRowsSpec", "QuantizeWeightSpec", "compile_elementwise", "fold_backward",
+           "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -49,6 +49,47 @@ class ScaleColumnsSpec:
 
         gamma = _fake(self.dtype, (k,), (1,), 16)
         return ScaleColumns(cutlass_dtype(self.dtype)), (matrix(), gamma, matrix())
+
+
+@dataclass(frozen=True)
+class FoldBackwardSpec:
+    """The fold's backward in one pass (``kernels.elementwise.fold_backward``), one 16-bit dtype."""
+
+    dtype: str
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"fold_backward_{self.arch}_{short_dtype(self.dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.fold_backward import FoldBackward
+
+        n, k = cute.sym_int(), cute.sym_int()
+
+        def matrix():
+            return _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
+
+        partial = _fake("float32", (cute.sym_int(), k), (cute.sym_int64(divisibility=8), 1), 16)
+        return FoldBackward(cutlass_dtype(self.dtype)), (matrix(), matrix(), _fake(self.dtype, (k,), (1,), 16),
+                                                         matrix(), partial)
+
+
+def fold_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):
+    """(dW = dw * gamma, d gamma = sum_n dw * w) in one pass of our kernel, for 16-bit dw, w (N, K)
+    and gamma (K,) of one dtype on a Hopper GPU (the caller checks that); d gamma in gamma's dtype."""
+    from .kernels.elementwise.fold_backward import num_bands
+
+    from . import dispatch
+
+    n, k = w.shape
+    out = torch.empty_like(w)
+    partial = torch.empty((num_bands(n), k), dtype=torch.float32, device=w.device)
+    get_kernel(FoldBackwardSpec(str(w.dtype).removeprefix("torch."), dispatch.arch_of(w.device))).fn(
+        dw, w, gamma, out, partial)
+    return out, partial.sum(0).to(gamma.dtype)
 
 
 @dataclass(frozen=True)
@@ -126,7 +167,8 @@ class QuantizeWeightSpec:
                                 cutlass_dtype(self.out_dtype), FP8_MAX[getattr(torch, self.out_dtype)])
         return kernel, (
             _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=row16), 1), 16), gamma,
-            _fake(self.out_dtype, (n, k), (cute.sym_int64(divisibility=16), 1), 16),
+            # 8-byte stores of q: a K that is a multiple of 8 (not 16) keeps them aligned
+            _fake(self.out_dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16),
             _fake("float32", (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
         )
 

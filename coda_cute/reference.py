@@ -431,7 +431,9 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     padded = torch.nn.functional.pad(x.float(), (0, gc * bc - c, 0, gr * br - r))
     blocks = padded.view(gr, br, gc, bc)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = amax / fmax
+    # a tensor divisor: CUDA turns `tensor / python_scalar` into a multiply by the scalar's
+    # rounded reciprocal, which is not the IEEE quotient the kernels compute
+    scale = amax / torch.full_like(amax, fmax)
     if pow2_scales:  # exactly: frexp's mantissa is 0.5 only on a power of two
         mant, exp = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))

@@ -3,6 +3,7 @@ through ``apply_coda``, from the same initialization and data order.
 
     coda-cute train                      # the default config on one GPU (python -m coda_cute.train)
     coda-cute train --compile            # the HF run under torch.compile
+    coda-cute train --cuda-graphs        # every run's forward + backward replayed from a CUDA graph
     coda-cute train --tiny               # a few steps on the CPU (coda_cute.reference_on_cpu)
 
 Data: the Python standard library's own source files (``*.py`` under ``sysconfig``'s stdlib
@@ -146,9 +147,10 @@ def optimizer(model, cfg: TrainConfig, device: torch.device):
 
 # -- one run ---------------------------------------------------------------------------------------------
 def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, train, val, device,
-              progress=None) -> dict:
+              progress=None, cuda_graphs: bool = False) -> dict:
     """Train ``model`` (``forward(ids, labels)`` -> loss) for ``cfg.steps`` optimizer steps;
-    returns the run's log and summary."""
+    returns the run's log and summary. ``cuda_graphs``: the micro-batches' forward and backward
+    replay from one CUDA graph (:class:`GraphedGradients`)."""
     opt = optimizer(model, cfg, device)
     gen = torch.Generator().manual_seed(data_seed)
     val_gen = torch.Generator().manual_seed(12345)  # one validation set for every run
@@ -159,22 +161,18 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     task = progress.add_task(label, total=cfg.steps) if progress else None
+    grads, label = gradients(label, model, forward, cfg, device, train, cuda_graphs, progress)
     clock = StepClock(cuda)
     wall = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         clock.start()
-        step_loss = torch.zeros((), device=device)
-        for _ in range(cfg.accum):
-            batch = windows(train, cfg.micro_batch, cfg.seq, gen).to(device, non_blocking=True)
-            with autocast:
-                loss = forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
-            (loss / cfg.accum).backward()
-            step_loss += loss.detach() / cfg.accum
+        batches = torch.stack([windows(train, cfg.micro_batch, cfg.seq, gen) for _ in range(cfg.accum)])
+        step_loss = grads(batches.to(device, non_blocking=True))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        grads.zero_grad()
         clock.stop()
         losses.append(step_loss)
         steps.append({"step": step, "lr": lr_at(step, cfg)})
@@ -197,6 +195,78 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
             "final_val_loss": evals[-1]["val_loss"]}
+
+
+def gradients(label, model, forward, cfg, device, train, cuda_graphs: bool, progress):
+    """(:class:`GraphedGradients` and the label + "+graph", or where the capture fails, e.g. a
+    host readback in the model, :class:`Gradients` and the label, the failure printed)."""
+    if cuda_graphs:
+        try:
+            return GraphedGradients(model, forward, cfg, device, train), label + "+graph"
+        except RuntimeError as e:
+            model.zero_grad(set_to_none=True)
+            say = progress.console.print if progress else print
+            say(f"{label}: CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                "this run trains eagerly")
+    return Gradients(model, forward, cfg, device, train), label
+
+
+class Gradients:
+    """One optimizer step's gradients: forward and backward of each micro-batch (bf16 autocast),
+    the gradients accumulated in the parameters' ``.grad``; returns the mean loss (a device value,
+    not read back)."""
+
+    autocast_cache = True
+
+    def __init__(self, model, forward, cfg: TrainConfig, device, train):
+        self.model, self.forward, self.cfg, self.device = model, forward, cfg, device
+
+    def __call__(self, batches: torch.Tensor) -> torch.Tensor:
+        step_loss = torch.zeros((), device=self.device)
+        for batch in batches:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache):
+                loss = self.forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+            (loss / self.cfg.accum).backward()
+            step_loss += loss.detach() / self.cfg.accum
+        return step_loss
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+
+class GraphedGradients(Gradients):
+    """:class:`Gradients` captured once as one CUDA graph over all micro-batches and replayed on
+    each step's data (copied into the graph's input buffer): no host work per kernel. The
+    gradients become the graph's own tensors, which each replay overwrites (so they are never
+    zeroed or freed between steps); autocast runs without its weight cache, which a capture
+    cannot hold. The warm-up before the capture draws its batches from a generator of its own,
+    so the run sees the same data as an eager one."""
+
+    autocast_cache = False
+
+    def __init__(self, model, forward, cfg: TrainConfig, device, train):
+        super().__init__(model, forward, cfg, device, train)
+        gen = torch.Generator().manual_seed(2**31 - 1)
+        self.batches = torch.stack([windows(train, cfg.micro_batch, cfg.seq, gen)
+                                    for _ in range(cfg.accum)]).to(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compiles kernels and warms the allocator off the capture
+            for _ in range(2):
+                super().__call__(self.batches)
+        torch.cuda.current_stream(device).wait_stream(side)
+        model.zero_grad(set_to_none=True)  # the first backward in the graph allocates .grad
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = super().__call__(self.batches)
+
+    def __call__(self, batches: torch.Tensor) -> torch.Tensor:
+        self.batches.copy_(batches)
+        self.graph.replay()
+        return self.loss.clone()  # the next replay overwrites it
+
+    def zero_grad(self):
+        pass
 
 
 class StepClock:
@@ -251,6 +321,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps}; --tiny {TINY.steps})")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every run replays its micro-batches' forward and backward from one CUDA graph")
     p.add_argument("--out", default="train_out", help="folder for train_log.json and loss_curves.png")
 
 
@@ -267,6 +339,9 @@ def run(args) -> int:
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
     cfg = replace(cfg, precision=args.precision)
+    if args.tiny and args.cuda_graphs:
+        console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU; --tiny runs on the CPU[/]")
+        return 2
     if args.tiny:
         device = torch.device("cpu")
     elif torch.cuda.is_available():
@@ -295,7 +370,8 @@ def run(args) -> int:
                 target = torch.compile(model) if args.compile else model
                 forward = hf_forward(target)
                 label += "+compile" if args.compile else ""
-            results.append(train_run(label, model, forward, cfg, seed, train, val, device, progress))
+            results.append(train_run(label, model, forward, cfg, seed, train, val, device, progress,
+                                     cuda_graphs=args.cuda_graphs))
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -311,7 +387,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_log.json").write_text(json.dumps(
         {"config": asdict(cfg), "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
-         "compile": args.compile, "runs": results}, indent=1))
+         "compile": args.compile, "cuda_graphs": args.cuda_graphs, "runs": results}, indent=1))
     plot(results, out / "loss_curves.png", cfg)
     console.print(f"wrote {out / 'train_log.json'} and {out / 'loss_curves.png'}")
     return 0

@@ -118,6 +118,20 @@ def test_copies_and_pickles_start_without_a_fold():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fold_backward_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
+    """dW' and W read, dW and the fp32 partials written, 16 bytes per access only."""
+    from coda_cute.elementwise import FoldBackwardSpec
+
+    k = compile_elementwise(FoldBackwardSpec(dtype), keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx and spill_bytes(k) == 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = [line.split()[1] for line in disassemble(k.cubin).splitlines() if " LDG." in line or " STG." in line]
+    assert ops and all(op.endswith(".128") for op in ops), ops
+    assert sum(op.startswith("LDG") for op in ops) >= 1 + 2 * 8  # gamma, then dW' and W of a step
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fold_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
     k = compile_elementwise(ScaleColumnsSpec(dtype), keep_artifacts=True)
     assert ".target sm_90a" in k.ptx
@@ -154,6 +168,22 @@ def test_fold_op_fake_tensor_has_the_promoted_dtype():
     with FakeTensorMode():
         out = torch.ops.coda.fold_gamma(torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(16))
     assert out.shape == (8, 16) and out.dtype == torch.float32
+
+
+def test_fold_backward_traces_as_one_op_on_fake_cuda_tensors(monkeypatch):
+    """A compiled backward traces the fold's backward with fake CUDA tensors: it must reach the
+    op's fake impl (shapes and dtypes of W and gamma), never the kernel path that reads pointers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_cute import dispatch
+    from coda_cute.ops import fold
+
+    monkeypatch.setattr(dispatch, "arch_of", lambda device: "sm_90a")
+    with FakeTensorMode():
+        w = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
+        gamma = torch.empty(64, dtype=torch.float32, device="cuda")
+        dw, dgamma = fold.fold_gamma_backward(torch.empty(64, 64, device="cuda"), w, gamma)
+    assert (dw.shape, dw.dtype, dgamma.shape, dgamma.dtype) == ((64, 64), torch.bfloat16, (64,), torch.float32)
 
 
 @pytest.mark.parametrize("w_shape, g_shape, dtypes, match", [

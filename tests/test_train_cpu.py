@@ -45,3 +45,8 @@ def test_bad_steps_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--tiny", "--steps", "0", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "argument --steps: must be a positive integer" in capsys.readouterr().err
+
+
+def test_cuda_graphs_need_a_gpu(tmp_path, capsys):
+    assert cli_main(["train", "--tiny", "--cuda-graphs", "--out", str(tmp_path)]) == 2
+    assert "--cuda-graphs needs a CUDA GPU" in capsys.readouterr().out

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from ..ops.fold import fold_gamma_backward, fold_gamma_impl
+from ..ops.fold import fold_gamma, fold_gamma_backward, fold_gamma_impl
 
 
 class _Fold(torch.autograd.Function):
@@ -66,7 +66,7 @@ class FoldCache:
     def __call__(self, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled() and (w.requires_grad or gamma.requires_grad)
         if not self.enabled or torch.compiler.is_compiling():
-            return torch.ops.coda.fold_gamma(w, gamma)
+            return fold_gamma(w, gamma)
         key = (w.data_ptr(), w._version, w.shape, w.dtype, gamma.data_ptr(), gamma._version, grad,
                torch.is_inference_mode_enabled())
         same = self.refs is not None and self.refs[0]() is w and self.refs[1]() is gamma

@@ -33,7 +33,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..ops.attention import attention_block
 from ..ops.lm_head_ce import cross_entropy
+from ..ops.mlp import mlp_block
 from ..ops.proj import norm_proj
 from ..ops.qkv import segment_widths as qk_norm_head_dims
 from ..reference import rope_inv_freq
@@ -111,10 +113,10 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
     the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu.
     Returns the next residual stream (B, S, d) and its partials."""
     b, s, d = x.shape
-    y1, ss1 = torch.ops.coda.attention_block(
+    y1, ss1 = attention_block(
         x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
         c.head_dim, q_norm, k_norm, c.qk_norm_eps)[:2]
-    y2, ss2, _ = torch.ops.coda.mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
+    y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     return y2.view(b, s, d), ss2
 
 

@@ -27,6 +27,7 @@ with QK-norm, the pre-norm values ``pre`` (M x N bf16).
 from __future__ import annotations
 
 import functools
+from .eager import direct
 from .autocast import bf16_under_autocast
 from typing import Optional
 
@@ -77,11 +78,14 @@ FLASH, CUDNN = 1, 3
 
 
 @functools.lru_cache(maxsize=None)
-def _backend_for(head_dim: int, groups: int, deterministic: bool) -> int:
+@functools.lru_cache(maxsize=None)
+def _backend_for(head_dim: int, groups: int, deterministic: bool, flags: tuple = ()) -> int:
     """The backend ``scaled_dot_product_attention`` picks for causal bf16 attention with this
     head_dim and GQA group size on the current GPU (cuDNN on an H200 with torch 2.11: 0.64 ms
     against flash's 0.99 ms at 4 x 32 x 4096 x 64), flash where it picks neither or without
-    a GPU (the fake implementations of a CPU-only build only need its output shapes)."""
+    a GPU (the fake implementations of a CPU-only build only need its output shapes). Cached per
+    (head_dim, groups, deterministic, ``flags``: the current device and torch's SDPA backend
+    switches): the probe allocates and asks torch on every call otherwise."""
     if not torch.cuda.is_available():
         return FLASH
     q = torch.empty(1, groups, 128, head_dim, dtype=BF16, device="cuda")
@@ -91,8 +95,12 @@ def _backend_for(head_dim: int, groups: int, deterministic: bool) -> int:
 
 
 def _backend(q, k) -> int:
+    flags = ()
+    if torch.cuda.is_available():
+        b = torch.backends.cuda
+        flags = (torch.cuda.current_device(), b.cudnn_sdp_enabled(), b.flash_sdp_enabled())
     return _backend_for(int(q.shape[3]), int(q.shape[1] // k.shape[1]),
-                        torch.are_deterministic_algorithms_enabled())
+                        torch.are_deterministic_algorithms_enabled(), flags)
 
 
 def _core(q, k, v):
@@ -277,3 +285,9 @@ attention_block.register_autograd(_backward, setup_context=_setup)
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::attention_block", (0, 2, 3, 10, 11))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+attention_forward = direct(attention_forward)
+attention_backward = direct(attention_backward)
+attention_block = direct(attention_block)

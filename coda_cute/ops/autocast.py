@@ -15,12 +15,20 @@ import torch
 
 _WIDE = (torch.float16, torch.float32)
 _libs: list = []
+#: qualname -> the positional indices its rule casts (read by ops.eager's dispatcher-free calls)
+_CASTS: dict[str, tuple[int, ...]] = {}
+
+
+def cast_indices(qualname: str):
+    """The argument indices ``qualname``'s autocast rule casts to bf16; None without a rule."""
+    return _CASTS.get(qualname)
 
 
 def bf16_under_autocast(qualname: str, cast: tuple[int, ...]) -> None:
     """Register the autocast rule of ``coda::<name>`` (``qualname``): positional arguments at
     the indices ``cast`` go to bf16 when they are fp16 / fp32 tensors (or None, left alone)."""
     ns, name = qualname.split("::")
+    _CASTS[qualname] = tuple(cast)
     lib = torch.library.Library(ns, "FRAGMENT")
     _libs.append(lib)
     overload = getattr(getattr(torch.ops, ns), name).default
@@ -30,15 +38,16 @@ def bf16_under_autocast(qualname: str, cast: tuple[int, ...]) -> None:
         excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
         def kernel(_keyset, *args, excluded=excluded, device_type=device_type, **kwargs):
-            args = tuple(_bf16(a, device_type) if i in cast else a for i, a in enumerate(args))
-            kwargs = {k: _bf16(v, device_type) if k in names else v for k, v in kwargs.items()}
+            args = tuple(bf16_arg(a, device_type) if i in cast else a for i, a in enumerate(args))
+            kwargs = {k: bf16_arg(v, device_type) if k in names else v for k, v in kwargs.items()}
             with torch._C._ExcludeDispatchKeyGuard(excluded):
                 return overload(*args, **kwargs)
 
         lib.impl(name, kernel, key, with_keyset=True)
 
 
-def _bf16(t, device_type: str):
+def bf16_arg(t, device_type: str):
+    """``t`` in bf16 if it is an fp16 / fp32 tensor on ``device_type``; anything else unchanged."""
     if isinstance(t, torch.Tensor) and t.dtype in _WIDE and t.device.type == device_type:
         return t.to(torch.bfloat16)
     return t

@@ -129,7 +129,9 @@ class PendingCheck:
     tensor, queued now) is copied to pinned host memory, and :meth:`wait` blocks only until that
     copy has landed (the work queued after it keeps the GPU busy meanwhile), then raises
     ``error()`` if it was true. A synchronous check would leave the GPU idle between the sync and
-    the next launch. On CPU tensors the condition is read at once."""
+    the next launch. On CPU tensors the condition is read at once. Inside a CUDA graph capture,
+    where nothing can be read back, it becomes a device-side assert of the captured work (a
+    failing replay stops with a CUDA error instead of a Python one, never a silent result)."""
 
     def __init__(self, bad: torch.Tensor, error):
         self.error = error
@@ -137,6 +139,10 @@ class PendingCheck:
         if bad.device.type != "cuda":
             if bool(bad):
                 raise error()
+            return
+        if torch.cuda.is_current_stream_capturing():
+            torch._assert_async(~bad, "coda_cute: an argument check failed in a CUDA graph replay "
+                                      "(run the step eagerly for the Python error)")
             return
         self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.flag.copy_(bad, non_blocking=True)

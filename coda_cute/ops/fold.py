@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from .eager import direct
 from .. import dispatch
 from ..compiler import get_kernel
-from ..elementwise import ScaleColumnsSpec
+from ..elementwise import ScaleColumnsSpec, fold_backward
 
 OP = "coda.fold_gamma"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -74,9 +75,21 @@ def _(w, gamma):
     return w.new_empty(w.shape, dtype=torch.result_type(w, gamma))
 
 
-def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):
-    """(dW, d gamma) of W' = W * gamma[None, :], in the dtypes of W and gamma."""
-    return (dw * gamma).to(w.dtype), (dw * w).sum(0).to(gamma.dtype)
+@torch.library.custom_op("coda::fold_gamma_backward", mutates_args=())
+def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW, d gamma) of W' = W * gamma[None, :], in the dtypes of W and gamma, d gamma's products
+    summed in fp32: one pass of our kernel (``kernels.elementwise.fold_backward``) where it
+    applies, else torch. An op of its own so that a compiled backward calls it, not its parts."""
+    check_fold(w, gamma)
+    if dw.dtype == w.dtype and dw.is_contiguous() and _kernel_applies(w, gamma) and dw.data_ptr() % 16 == 0:
+        return fold_backward(dw, w, gamma)
+    return (dw * gamma).to(w.dtype), (dw.float() * w.float()).sum(0).to(gamma.dtype)
+
+
+@fold_gamma_backward.register_fake
+def _(dw, w, gamma):
+    check_fold(w, gamma)
+    return w.new_empty(w.shape), gamma.new_empty(gamma.shape)
 
 
 def _setup(ctx, inputs, output):
@@ -90,3 +103,8 @@ def _backward(ctx, dw):
 
 
 fold_gamma.register_autograd(_backward, setup_context=_setup)
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+fold_gamma = direct(fold_gamma)
+fold_gamma_backward = direct(fold_gamma_backward)

@@ -21,6 +21,7 @@ Every rule is checked before launch, with an error naming the argument and the r
 from __future__ import annotations
 
 from .autocast import bf16_under_autocast
+from .eager import direct
 from typing import Optional
 
 import torch
@@ -246,9 +247,9 @@ def _gemm_backward(ctx, grad):
     grad = grad.to(a.dtype).contiguous()  # e.g. the expanded gradient of a sum: no TMA strides
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.coda.gemm(grad, b.transpose(-1, -2))
+        grad_a = gemm_op(grad, b.transpose(-1, -2))
     if ctx.needs_input_grad[1]:
-        grad_b = torch.ops.coda.gemm(a.transpose(-1, -2), grad)
+        grad_b = gemm_op(a.transpose(-1, -2), grad)
     return grad_a, grad_b, None, None, None, None
 
 
@@ -267,3 +268,7 @@ def _gemm_cpu(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::gemm", (0, 1))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+gemm_op = direct(_gemm_op)

@@ -40,6 +40,7 @@ being known), which also serves per-row losses (``reduction="none"``) and a grad
 from __future__ import annotations
 
 import functools
+from .eager import direct
 from .autocast import bf16_under_autocast
 from typing import Optional
 
@@ -419,8 +420,8 @@ def cross_entropy(y, w_lm, ss, eps: float, targets, ignore_index: int = -100,
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (y, w_lm, gamma))
     if wants_grad and reduction in ("mean", "sum"):
-        return torch.ops.coda.lm_head_ce_train(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
-    return torch.ops.coda.lm_head_ce(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
+        return lm_head_ce_train(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
+    return lm_head_ce(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
 
 
 # -- the chunked gradient pass ------------------------------------------------------------------------
@@ -514,3 +515,10 @@ def _add_wgrad(dw, dl, u, dtype):
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::lm_head_ce", (0, 1, 7))
 bf16_under_autocast("coda::lm_head_ce_train", (0, 1, 7))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+lm_head_ce = direct(lm_head_ce)
+lm_head_ce_backward = direct(lm_head_ce_backward)
+lm_head_ce_train = direct(lm_head_ce_train)
+lm_head_ce_dw = direct(lm_head_ce_dw)

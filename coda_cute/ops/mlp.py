@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from .gemm import gemm_op
 from .autocast import bf16_under_autocast
+from .eager import direct
 from .. import dispatch
 from ..reference import norm_swiglu_ref, residual_gemm_norm_stats_ref
 from .checks import F32, check_same_device
@@ -81,8 +83,8 @@ def _cpu(y, ss, w_gu, w_down, eps):
 def mlp_backward(y, ss, w_gu, w_down, eps, z, dy2, needs=(True, True, True)):
     """(dy, dw_gu, dw_down), the module docstring's five GEMMs (each skipped if not needed)."""
     dzp, h, zdz = swiglu_backward(dy2, w_down, z, ss, eps)
-    dw_down = torch.ops.coda.gemm(dy2.t(), h) if needs[2] else None
-    dw_gu = torch.ops.coda.gemm(dzp.t(), y) if needs[1] else None
+    dw_down = gemm_op(dy2.t(), h) if needs[2] else None
+    dw_gu = gemm_op(dzp.t(), y) if needs[1] else None
     dy = norm_backward(dzp, w_gu, y, ss, zdz, eps, dy2) if needs[0] else None
     return dy, dw_gu, dw_down
 
@@ -109,3 +111,7 @@ mlp_block.register_autograd(_backward, setup_context=_setup)
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::mlp_block", (0, 2, 3))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+mlp_block = direct(mlp_block)

@@ -11,7 +11,9 @@ import functools
 
 import torch
 
+from .gemm import gemm_op
 from .autocast import bf16_under_autocast
+from .eager import direct
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import norm_proj_ref, rms_rstd_ref
@@ -61,7 +63,7 @@ def _backward(ctx, dout):
     g = (dout.float() * r).to(y.dtype)
     zdz = (dout.float() * out.float()).sum(1, keepdim=True)
     dy = norm_backward(g, w, y, ss, zdz, ctx.eps) if ctx.needs_input_grad[0] else None
-    dw = torch.ops.coda.gemm(g.t(), y) if ctx.needs_input_grad[1] else None
+    dw = gemm_op(g.t(), y) if ctx.needs_input_grad[1] else None
     return dy, dw, None, None
 
 
@@ -70,3 +72,7 @@ norm_proj.register_autograd(_backward, setup_context=_setup)
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::norm_proj", (0, 1))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+norm_proj = direct(norm_proj)

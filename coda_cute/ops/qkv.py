@@ -17,6 +17,8 @@ dy = g @ W_qkv' - r^2 s y (+ the residual gradient, in the block) and dW_qkv' = 
 from __future__ import annotations
 
 import functools
+from .eager import direct
+from .gemm import gemm_op
 from .autocast import bf16_under_autocast
 from typing import Optional
 
@@ -216,7 +218,7 @@ def qkv_backward(y, w_qkv, ss, eps, positions, inv_freq, qkv, dq, dk, dv, pre, q
     g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre, q_norm_w,
                                      k_norm_w, qk_eps)
     dy = norm_backward(g, w_qkv, y, ss, zdz, eps, residual_grad) if needs[0] else None
-    dw = torch.ops.coda.gemm(g.t(), y) if needs[1] else None
+    dw = gemm_op(g.t(), y) if needs[1] else None
     if q_norm_w is None:
         dqn = dkn = None
     return dy, dw, dqn, dkn
@@ -332,3 +334,8 @@ def _rope_cpu(dq, dk, dv, qkv, rstd, positions, inv_freq, pre=None, q_norm_w=Non
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::norm_rope_qkv", (0, 1, 9, 10))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+norm_rope_qkv = direct(norm_rope_qkv)
+rope_backward = direct(rope_backward)

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from .eager import direct
+from .gemm import gemm_op
 from .autocast import bf16_under_autocast
 from .. import dispatch
 from .. import epilogue as E
@@ -109,8 +111,8 @@ def _cpu(a, w, residual):
 
 def residual_backward(a, w, dy, needs=(True, True, True)):
     """(da, dw, d residual) = (dy @ w, dy^T @ a, dy) on our GEMM, each None where not needed."""
-    da = torch.ops.coda.gemm(dy, w) if needs[0] else None
-    dw = torch.ops.coda.gemm(dy.t(), a) if needs[1] else None
+    da = gemm_op(dy, w) if needs[0] else None
+    dw = gemm_op(dy.t(), a) if needs[1] else None
     return da, dw, (dy if needs[2] else None)
 
 
@@ -133,3 +135,7 @@ residual_gemm_norm_stats.register_autograd(_backward, setup_context=_setup)
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::residual_gemm_norm_stats", (0, 1, 2))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+residual_gemm_norm_stats = direct(residual_gemm_norm_stats)

@@ -26,7 +26,9 @@ import functools
 
 import torch
 
+from .gemm import gemm_op
 from .autocast import bf16_under_autocast
+from .eager import direct
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import norm_swiglu_ref, rms_rstd_ref, swiglu_backward_ref, swiglu_grad_ref
@@ -111,7 +113,7 @@ def _backward(ctx, dz, dh):
         dzp = (dzp.float() + dz.float() * r.unsqueeze(1)).to(z.dtype)
         zdz = zdz + (z.float() * dz.float()).sum(1, keepdim=True)
     dy = norm_backward(dzp, w_gu, y, ss, zdz, ctx.eps) if ctx.needs_input_grad[0] else None
-    dw = torch.ops.coda.gemm(dzp.t(), y) if ctx.needs_input_grad[1] else None
+    dw = gemm_op(dzp.t(), y) if ctx.needs_input_grad[1] else None
     return dy, dw, None, None
 
 
@@ -188,3 +190,8 @@ def _bwd_cpu(dy, w_down, z, ss, eps):
 
 # torch.autocast: activations and weights in bf16 (ops.autocast)
 bf16_under_autocast("coda::norm_swiglu", (0, 1))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+norm_swiglu = direct(norm_swiglu)
+swiglu_backward = direct(swiglu_backward)

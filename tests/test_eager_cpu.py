@@ -1,0 +1,109 @@
+"""CPU tests of ``coda_cute.ops.eager``: the dispatcher-free calls of the ops.
+
+On the reference path (``reference_on_cpu``) a direct call must give what the registered op gives:
+outputs, every gradient, the autocast rule (bf16 compute, fp32 gradients for fp32 arguments),
+defaults and keyword arguments; whatever needs the dispatcher (a dispatch mode, a tensor
+subclass, ``enabled(False)``, CPU tensors outside the reference path) must reach the op. The
+autograd node's name tells which path ran.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import coda_cute
+from coda_cute.ops import eager, mlp
+from coda_cute.ops.lm_head_ce import lm_head_ce_dw_
+
+BF16, F32 = torch.bfloat16, torch.float32
+EPS = 1e-5
+
+
+def mlp_args(dtype=BF16, m=40, d=64, f=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(m, d, generator=g).to(dtype).requires_grad_()
+    ss = y.detach().float().square().sum(-1, keepdim=True)
+    w_gu = (0.1 * torch.randn(2 * f, d, generator=g)).to(dtype).requires_grad_()
+    w_down = (0.1 * torch.randn(d, f, generator=g)).to(dtype).requires_grad_()
+    return y, ss, w_gu, w_down
+
+
+def run(fn, args, autocast=False):
+    with coda_cute.reference_on_cpu():
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            y2, ss2, z = fn(*args, EPS)
+        g = torch.Generator().manual_seed(1)
+        (y2.float() * torch.randn(y2.shape, generator=g)).sum().backward()
+    grads = [a.grad.clone() for a in args if a.requires_grad]
+    for a in args:
+        a.grad = None
+    return (y2, ss2, z), grads, y2.grad_fn.name()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_direct_call_is_the_op(autocast):
+    args = mlp_args(F32 if autocast else BF16)
+    outs, grads, node = run(mlp.mlp_block, args, autocast)
+    want_outs, want_grads, op_node = run(torch.ops.coda.mlp_block, args, autocast)
+    assert node.startswith("Direct_coda_mlp_block") and "GeneratedBackwardFor" in op_node
+    for a, b in zip(outs, want_outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b, arg in zip(grads, want_grads, [t for t in args if t.requires_grad]):
+        assert a.dtype == arg.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_keywords_defaults_and_bad_arguments():
+    y, ss, w_gu, w_down = (t.detach() for t in mlp_args())
+    with coda_cute.reference_on_cpu():
+        want = torch.ops.coda.mlp_block(y, ss, w_gu, w_down, EPS)
+        got = mlp.mlp_block(y, ss, w_gu=w_gu, w_down=w_down, eps=EPS)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with pytest.raises(TypeError, match="unexpected argument 'bias'"):
+            mlp.mlp_block(y, ss, w_gu, w_down, EPS, bias=None)
+        with pytest.raises(TypeError, match="missing arguments"):
+            mlp.mlp_block(y, ss, w_gu, w_down)
+        with pytest.raises(ValueError, match="eps"):  # the op's own checks still run
+            mlp.mlp_block(y, ss, w_gu, w_down, -1.0)
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_needs_the_dispatcher_reaches_the_op():
+    args = mlp_args()
+    with coda_cute.reference_on_cpu():
+        with Recorder() as rec:  # e.g. coda_cute.sol.profile: it must see the op
+            mlp.mlp_block(*(t.detach() for t in args), EPS)
+        assert "coda.mlp_block.default" in rec.ops
+        with eager.enabled(False):
+            y2 = mlp.mlp_block(*args, EPS)[0]
+        assert "GeneratedBackwardFor" in y2.grad_fn.name()
+        with torch.inference_mode():  # direct, no autograd node
+            assert mlp.mlp_block(*(t.detach() for t in args), EPS)[0].grad_fn is None
+    with pytest.raises(ValueError, match="reference_on_cpu"):  # the op's error, not a silent run
+        mlp.mlp_block(*(t.detach() for t in args), EPS)
+
+
+def test_mutating_ops_are_not_wrapped():
+    with pytest.raises(TypeError, match="mutates"):
+        eager.direct(lm_head_ce_dw_)
+
+
+def test_traced_calls_take_the_op():
+    """torch.compile traces the op (its fake implementation), not the direct path: same values and
+    gradients as eager (aot_eager: no C++ compiler needed)."""
+    args = mlp_args()
+    want_outs, want_grads, _ = run(mlp.mlp_block, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: mlp.mlp_block(*a), backend="aot_eager", fullgraph=True)
+    outs, grads, node = run(compiled, args)
+    assert not node.startswith("Direct_")
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
