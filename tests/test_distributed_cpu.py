@@ -1,9 +1,14 @@
-"""CPU test of an ``apply_coda`` model under FSDP2 (``fully_shard`` per decoder layer and at the
-root) and DDP: two processes on the gloo backend, the reference path (``reference_on_cpu``). Each
-rank takes half of a global batch; the loss averaged over the ranks and every gradient (FSDP2's
-sharded ones gathered) must equal one process's on the whole batch. This is what FSDP2 needs of
-the CODA forward: every decoder layer runs through its own module, so its pre-forward hook
-unshards the parameters before the CODA ops read them (a sharded DTensor reaching an op fails)."""
+"""CPU tests of CODA models under FSDP2 and DDP: two processes on the gloo backend, the reference
+path (``reference_on_cpu``). Each rank takes half of a global batch; the loss averaged over the
+ranks and every gradient (FSDP2's sharded ones gathered) must equal one process's on the whole
+batch.
+
+* ``apply_coda`` on an HF Llama, bf16 parameters, under ``coda_cute.nn.shard`` (one FSDP2 unit per
+  decoder layer, then the root), under DDP, under FSDP2 with a ``MixedPrecisionPolicy`` over fp32
+  master weights, and under FSDP2 with every decoder layer compiled (``aot_eager``).
+* ``CodaLlama(cache_folds=True)`` under FSDP2 over two optimizer steps: the fold cache is off (a γ
+  fold made before an all-gather would be reused after it, FSDP2 keeping the gathered weights'
+  version counters) and the second step's loss is the single process's."""
 
 import os
 import socket
@@ -12,7 +17,7 @@ import pytest
 import torch
 
 import coda_cute
-from coda_cute.nn import apply_coda
+from coda_cute.nn import CodaLlama, LlamaConfig, apply_coda, shard
 from helpers import flat_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -21,46 +26,81 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORLD = 2
+MP = {"fsdp_mp"}
 
 
-def tiny_model():
+def tiny_model(master_fp32: bool = False):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=99,
                                    max_position_embeddings=64)
     torch.manual_seed(0)
-    return apply_coda(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16))
+    model = transformers.LlamaForCausalLM(cfg)
+    return apply_coda(model if master_fp32 else model.to(torch.bfloat16))
+
+
+def tiny_coda_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=99)
+    return CodaLlama(cfg, cache_folds=True)
 
 
 def global_batch():
     return torch.randint(0, 99, (2 * WORLD, 24), generator=torch.Generator().manual_seed(7))
 
 
+def _wrap(model, mode):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mode == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if mode == "fsdp_mp":
+        return shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return shard(model, compile_layers={"backend": "aot_eager"} if mode == "fsdp_compile" else False)
+
+
+def _gathered(model):
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+            for name, p in model.named_parameters()}
+
+
+def _mean_over_ranks(t):
+    t = t.detach().float().clone()
+    dist.all_reduce(t)
+    return t / WORLD
+
+
+def _two_steps(model, ids):
+    """Losses of two SGD steps on the same tokens (the second one after the weights changed)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss = model(ids, ids)
+        loss.backward()
+        losses.append(loss.detach().float())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def _worker(rank, port, mode, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        model = tiny_model()
-        if mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-            wrapped = model
-        else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
         ids = global_batch().chunk(WORLD)[rank]
-        with coda_cute.reference_on_cpu():
-            loss = wrapped(input_ids=ids, labels=ids).loss
-            loss.backward()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        grads = {}
-        for name, p in model.named_parameters():
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads[name] = g.float()
+        if mode == "coda_llama_cached":
+            model = shard(tiny_coda_llama())
+            with coda_cute.reference_on_cpu():
+                result = {"losses": [_mean_over_ranks(x) for x in _two_steps(model, ids)],
+                          "caching": [c.enabled for c in model._fold_caches()]}
+        else:
+            model = tiny_model(master_fp32=mode in MP)
+            wrapped = _wrap(model, mode)
+            with coda_cute.reference_on_cpu():
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss.backward()
+            result = {"loss": _mean_over_ranks(loss), "grads": _gathered(model)}
         if rank == 0:
-            torch.save({"loss": total / WORLD, "grads": grads}, out)
+            torch.save(result, out)
     finally:
         dist.destroy_process_group()
 
@@ -71,12 +111,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_ranks_give_the_single_process_loss_and_gradients(mode, tmp_path):
+def _spawn(mode, tmp_path):
     out = tmp_path / "rank0.pt"
     torch.multiprocessing.spawn(_worker, args=(_free_port(), mode, str(out)), nprocs=WORLD)
-    got = torch.load(out)
-    model = tiny_model()
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "fsdp_mp", "fsdp_compile"])
+def test_two_ranks_give_the_single_process_loss_and_gradients(mode, tmp_path):
+    got = _spawn(mode, tmp_path)
+    model = tiny_model()  # bf16: what the mixed-precision policy computes in, too
     ids = global_batch()
     with coda_cute.reference_on_cpu():
         loss = model(input_ids=ids, labels=ids).loss
@@ -88,3 +132,29 @@ def test_two_ranks_give_the_single_process_loss_and_gradients(mode, tmp_path):
     assert set(got["grads"]) == set(want)
     # bf16 gradients reduced across ranks vs summed in one process: rounding-level differences
     assert rel_err(flat_grads(got["grads"], want), flat_grads(want, want)) < 2e-2
+
+
+def test_cached_folds_follow_fsdp_all_gathers(tmp_path):
+    result = _spawn("coda_llama_cached", tmp_path)
+    # whether a stale fold shows depends on where the allocator puts each all-gather: the cache
+    # must be off under FSDP2, not just lucky
+    assert result["caching"] and not any(result["caching"])
+    got = result["losses"]
+    with coda_cute.reference_on_cpu():
+        want = [float(x) for x in _two_steps(tiny_coda_llama(), global_batch())]
+    assert abs(want[1] - want[0]) > 0.05 * want[0]  # the step changed the model: a stale fold would show
+    for g, w in zip(got, want):
+        assert abs(float(g) - w) <= 2e-3 * w
+
+
+def test_a_layer_given_cast_statistics_says_how_to_shard():
+    """What a MixedPrecisionPolicy with its default cast_forward_inputs=True does to a decoder
+    layer's fp32 inputs, and the message that says what to do."""
+    model = tiny_model()
+    x = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    ss = coda_cute.nn.embedding_norm_stats(x.reshape(8, 64))
+    positions, inv_freq = torch.arange(8, dtype=torch.int32), model._coda.inv_freq[torch.device("cpu")]
+    with coda_cute.reference_on_cpu(), pytest.raises(TypeError, match="cast_forward_inputs=False"):
+        model.model.layers[0](x, ss.bfloat16(), positions, inv_freq)
+    with coda_cute.reference_on_cpu(), pytest.raises(TypeError, match=r"inv_freq \(the RoPE"):
+        model.model.layers[0](x, ss, positions, inv_freq.bfloat16())

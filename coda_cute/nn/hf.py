@@ -44,6 +44,7 @@ from ..ops.fold import fold_gamma
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.proj import norm_proj
 from .convert import fuse_qkv, head_norm_weight, interleave_gate_up
+from .fsdp import check_layer_inputs
 from .llama import LlamaConfig, block_forward, embedding_norm_stats
 
 BF16 = torch.bfloat16
@@ -144,6 +145,7 @@ def coda_layer_forward(self, x, ss, positions, inv_freq):
     statistics. Called through the layer module (``layer(...)``), so that module hooks run around
     it: FSDP2 unshards the layer's parameters in its pre-forward hook (and again before its
     backward), which a loop reading the parameters from outside the module would skip."""
+    check_layer_inputs(ss, inv_freq)
     return block_forward(self._coda_cfg, x, ss, positions, inv_freq, *layer_weights(self, self._coda_cfg))
 
 

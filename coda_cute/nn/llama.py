@@ -41,6 +41,7 @@ from ..ops.qkv import segment_widths as qk_norm_head_dims
 from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf, check_hf_keys
 from .fold import FoldCache
+from .fsdp import check_layer_inputs, under_fsdp
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class CodaLlamaBlock(nn.Module):
         positions: (S,) int32; inv_freq: (hd/2,) fp32 rotary frequencies (angle = position * inv_freq).
         Returns the next residual stream (B, S, d) and its partials."""
         b = x.shape[0]
+        check_layer_inputs(ss, inv_freq)
         return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq,
                              self._folds[0](self.wqkv, self.attn_norm), self.wo,
                              self._folds[1](self.w_gu, self.ffn_norm), self.w_down, self.q_norm, self.k_norm)
@@ -203,7 +205,7 @@ class CodaLlama(nn.Module):
         """``cache_folds``: fold each RMSNorm weight into its consumer's weight once per version of
         the weights instead of every forward (``coda_cute.nn.fold``)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cache_folds = cfg, cache_folds
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype, cache_folds)
                                     for _ in range(cfg.n_layers))
@@ -217,10 +219,26 @@ class CodaLlama(nn.Module):
             layer.clear_folds()
         self.head.clear_folds()
 
+    def _fold_caches(self):
+        for layer in self.layers:
+            yield from layer._folds
+        yield self.head._fold
+
+    def _follow_fsdp(self):
+        """Under FSDP2 every all-gather rewrites the unsharded weights without bumping their version
+        counters (``coda_cute.nn.fsdp``): a cached fold would go stale, so fold every forward."""
+        caching = self.cache_folds and not under_fsdp(self)
+        for cache in self._fold_caches():
+            if cache.enabled and not caching:
+                cache.clear()
+            cache.enabled = caching
+
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 ignore_index: int = -100, reduction: str = "mean"):
         """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V)."""
         b, s = tokens.shape
+        if self.cache_folds:
+            self._follow_fsdp()
         x = self.embed(tokens)
         ss = embedding_norm_stats(x.reshape(b * s, -1))
         positions = torch.arange(s, device=tokens.device, dtype=torch.int32)
