@@ -5,12 +5,14 @@ through ``apply_coda``, from the same initialization and data order.
     coda-cute train --compile            # the HF run under torch.compile
     coda-cute train --cuda-graphs        # every run's forward + backward replayed from a CUDA graph
     coda-cute train --tiny               # a few steps on the CPU (coda_cute.reference_on_cpu)
+    torchrun --nproc_per_node 2 -m coda_cute.train --fsdp    # FSDP2 (or --ddp) over 2 GPUs
 
 Data: the Python standard library's own source files (``*.py`` under ``sysconfig``'s stdlib
 path, sorted), read at run time, as byte tokens (vocabulary 256); the last ``val_fraction`` of
 the bytes are the validation split. Each optimizer step draws ``micro_batch x accum`` windows of
 ``seq + 1`` bytes at offsets from a generator seeded with ``data_seed``, so runs with one seed
-see the same data in the same order.
+see the same data in the same order. Under torchrun (``--fsdp`` / ``--ddp``, :mod:`coda_cute.parallel`)
+``--micro-batch`` is per rank and each rank trains on its rows of every micro-batch.
 
 Training: an HF ``LlamaForCausalLM`` in fp32 master weights, ``torch.autocast`` to bf16,
 AdamW (betas 0.9 / 0.95, weight decay on matrices), gradient accumulation, linear warm-up then a
@@ -42,6 +44,8 @@ from pathlib import Path
 import torch
 
 from .argtypes import positive_int
+from . import parallel
+from .parallel import Ranks, no_sync_needed
 
 PRECISIONS = ("bf16",)
 #: steps left out of the timing: the first ones compile kernels and warm the allocator
@@ -71,10 +75,11 @@ class TrainConfig:
     seed: int = 0
     data_seed: int = 0
     precision: str = "bf16"
+    world: int = 1  # ranks; micro_batch is per rank
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.accum * self.seq
+        return self.micro_batch * self.world * self.accum * self.seq
 
 
 TINY = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=64, micro_batch=2, accum=2,
@@ -115,6 +120,13 @@ def windows(data: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> torch
     return torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
 
 
+def step_windows(data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+    """One optimizer step's windows, (accum, micro_batch x world, seq + 1), drawn in one call:
+    the same sequences for every split of them into ranks and micro-batches."""
+    rows = cfg.micro_batch * cfg.world
+    return windows(data, cfg.accum * rows, cfg.seq, gen).view(cfg.accum, rows, cfg.seq + 1)
+
+
 # -- model and schedule --------------------------------------------------------------------------------
 def build_model(cfg: TrainConfig):
     """An HF Llama in fp32 (master weights), byte vocabulary, seeded initialization."""
@@ -137,24 +149,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def optimizer(model, cfg: TrainConfig, device: torch.device):
+def optimizer(model, cfg: TrainConfig, device: torch.device, fused: bool = True):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
-                             fused=device.type == "cuda")
+                             fused=fused and device.type == "cuda")
 
 
 # -- one run ---------------------------------------------------------------------------------------------
 def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, train, val, device,
-              progress=None, cuda_graphs: bool = False) -> dict:
+              progress=None, cuda_graphs: bool = False, ranks: Ranks = Ranks(), sync=no_sync_needed) -> dict:
     """Train ``model`` (``forward(ids, labels)`` -> loss) for ``cfg.steps`` optimizer steps;
     returns the run's log and summary. ``cuda_graphs``: the micro-batches' forward and backward
-    replay from one CUDA graph (:class:`GraphedGradients`)."""
-    opt = optimizer(model, cfg, device)
+    replay from one CUDA graph (:class:`GraphedGradients`). ``ranks``, ``sync``: this rank and
+    the context of each micro-batch (:mod:`coda_cute.parallel`); losses are means over the ranks."""
+    # fused AdamW over FSDP2's DTensor shards is left out: foreach is the path FSDP2 documents
+    opt = optimizer(model, cfg, device, fused=ranks.mode != "fsdp")
     gen = torch.Generator().manual_seed(data_seed)
     val_gen = torch.Generator().manual_seed(12345)  # one validation set for every run
-    val_batches = [windows(val, cfg.micro_batch, cfg.seq, val_gen) for _ in range(cfg.eval_batches)]
+    val_batches = [ranks.rows(windows(val, cfg.micro_batch * cfg.world, cfg.seq, val_gen))
+                   for _ in range(cfg.eval_batches)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     steps, evals, losses = [], [], []
     cuda = device.type == "cuda"
@@ -162,14 +177,15 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
         torch.cuda.reset_peak_memory_stats(device)
     task = progress.add_task(label, total=cfg.steps) if progress else None
     grads, label = gradients(label, model, forward, cfg, device, train, cuda_graphs, progress)
+    grads.sync = sync
     clock = StepClock(cuda)
     wall = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         clock.start()
-        batches = torch.stack([windows(train, cfg.micro_batch, cfg.seq, gen) for _ in range(cfg.accum)])
-        step_loss = grads(batches.to(device, non_blocking=True))
+        batches = ranks.rows(step_windows(train, cfg, gen), dim=1)
+        step_loss = ranks.mean(grads(batches.to(device, non_blocking=True)))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         grads.zero_grad()
@@ -177,7 +193,7 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
         losses.append(step_loss)
         steps.append({"step": step, "lr": lr_at(step, cfg)})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            evals.append({"step": step, "val_loss": evaluate(forward, val_batches, device, autocast)})
+            evals.append({"step": step, "val_loss": evaluate(forward, val_batches, device, autocast, ranks)})
         if progress:  # the description reads a device value (a sync): every PROGRESS_EVERY steps
             text = None
             if step % PROGRESS_EVERY == 0:
@@ -192,7 +208,7 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
     return {"label": label, "steps": steps, "evals": evals,
             "tokens_per_s": cfg.tokens_per_step * len(timed) / sum(timed) * 1e3,
             "step_ms": sum(timed) / len(timed),
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "peak_gib": ranks.max(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None,
             "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
             "final_val_loss": evals[-1]["val_loss"]}
 
@@ -217,16 +233,19 @@ class Gradients:
     not read back)."""
 
     autocast_cache = True
+    #: ``sync(last)``: the context of each micro-batch (gradients reduced across ranks on the last)
+    sync = staticmethod(no_sync_needed)
 
     def __init__(self, model, forward, cfg: TrainConfig, device, train):
         self.model, self.forward, self.cfg, self.device = model, forward, cfg, device
 
     def __call__(self, batches: torch.Tensor) -> torch.Tensor:
         step_loss = torch.zeros((), device=self.device)
-        for batch in batches:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache):
-                loss = self.forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
-            (loss / self.cfg.accum).backward()
+        for i, batch in enumerate(batches):
+            with self.sync(i == len(batches) - 1):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache):
+                    loss = self.forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+                (loss / self.cfg.accum).backward()
             step_loss += loss.detach() / self.cfg.accum
         return step_loss
 
@@ -247,8 +266,7 @@ class GraphedGradients(Gradients):
     def __init__(self, model, forward, cfg: TrainConfig, device, train):
         super().__init__(model, forward, cfg, device, train)
         gen = torch.Generator().manual_seed(2**31 - 1)
-        self.batches = torch.stack([windows(train, cfg.micro_batch, cfg.seq, gen)
-                                    for _ in range(cfg.accum)]).to(device)
+        self.batches = step_windows(train, cfg, gen).to(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compiles kernels and warms the allocator off the capture
@@ -297,13 +315,13 @@ class StepClock:
 
 
 @torch.no_grad()
-def evaluate(forward, batches, device, autocast) -> float:
-    total = 0.0
+def evaluate(forward, batches, device, autocast, ranks: Ranks = Ranks()) -> float:
+    total = torch.zeros((), device=device)
     for batch in batches:
         batch = batch.to(device)
         with autocast:
-            total += float(forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
-    return total / len(batches)
+            total += forward(batch[:, :-1].contiguous(), batch[:, 1:].contiguous()).float()
+    return float(ranks.mean(total)) / len(batches)
 
 
 def hf_forward(model):
@@ -319,63 +337,82 @@ def add_arguments(p) -> None:
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model on the CPU (reference path)")
     p.add_argument("--compile", action="store_true", help="torch.compile the plain HF runs")
     p.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps}; --tiny {TINY.steps})")
+    p.add_argument("--micro-batch", type=positive_int,
+                   help=f"sequences per micro-batch and rank (default {d.micro_batch}; --tiny {TINY.micro_batch})")
+    p.add_argument("--accum", type=positive_int,
+                   help=f"micro-batches per optimizer step (default {d.accum}; --tiny {TINY.accum})")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="every run replays its micro-batches' forward and backward from one CUDA graph")
     p.add_argument("--out", default="train_out", help="folder for train_log.json and loss_curves.png")
+    par = p.add_mutually_exclusive_group()
+    par.add_argument("--fsdp", action="store_true", help="FSDP2 over the ranks torchrun starts (coda_cute.parallel)")
+    par.add_argument("--ddp", action="store_true", help="DDP over the ranks torchrun starts")
 
 
 def run(args) -> int:
     from rich.console import Console
+
+    console = Console()
+    try:
+        ranks = parallel.from_env("fsdp" if args.fsdp else "ddp" if args.ddp else None)
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        return 2
+    cfg = TINY if args.tiny else TrainConfig()
+    if args.steps is not None:
+        cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
+    cfg = replace(cfg, precision=args.precision, world=ranks.world, micro_batch=args.micro_batch or cfg.micro_batch,
+                  accum=args.accum or cfg.accum)
+    if args.cuda_graphs and (args.tiny or ranks.mode):
+        console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU and one process; "
+                      f"{'--tiny runs on the CPU' if args.tiny else f'--{ranks.mode} runs several'}[/]")
+        return 2
+    if not args.tiny and not torch.cuda.is_available():
+        console.print("[red]coda-cute train needs a CUDA GPU (or --tiny for the CPU reference path)[/]")
+        return 2
+    device = parallel.start(ranks, cpu=args.tiny)
+    try:
+        return _train_all(args, cfg, ranks, device, Console(quiet=not ranks.main))
+    finally:
+        parallel.stop(ranks)
+
+
+def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from . import reference_on_cpu
     from .nn import apply_coda
 
-    console = Console()
-    cfg = TINY if args.tiny else TrainConfig()
-    if args.steps is not None:
-        cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
-    cfg = replace(cfg, precision=args.precision)
-    if args.tiny and args.cuda_graphs:
-        console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU; --tiny runs on the CPU[/]")
-        return 2
-    if args.tiny:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        console.print("[red]coda-cute train needs a CUDA GPU (or --tiny for the CPU reference path)[/]")
-        return 2
     data = corpus_bytes(limit=200_000 if args.tiny else None)
     train, val = split(data, cfg.val_fraction)
+    spread = "" if ranks.mode is None else f", {ranks.mode} over {ranks.world} ranks"
     console.print(f"corpus: {len(corpus_files())} stdlib files, {len(data) / 1e6:.2f} M byte tokens "
                   f"({len(train) / 1e6:.2f} M train, {len(val) / 1e6:.2f} M validation); {cfg.steps} steps "
-                  f"of {cfg.tokens_per_step:,} tokens, model d {cfg.dim} x {cfg.layers} layers")
+                  f"of {cfg.tokens_per_step:,} tokens, model d {cfg.dim} x {cfg.layers} layers{spread}")
     base = build_model(cfg)
     runs = [("hf", cfg.data_seed, False)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, False)])
     runs.append(("coda", cfg.data_seed, True))
     results = []
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console) as progress:
+                        TimeElapsedColumn(), console=console, disable=not ranks.main) as progress:
         for label, seed, coda in runs:
             model = copy.deepcopy(base).to(device)
             if coda:
                 model = apply_coda(model)
-                forward = hf_forward(model)
-            else:
-                target = torch.compile(model) if args.compile else model
-                forward = hf_forward(target)
-                label += "+compile" if args.compile else ""
-            results.append(train_run(label, model, forward, cfg, seed, train, val, device, progress,
-                                     cuda_graphs=args.cuda_graphs))
-            del model
+            target, sync = parallel.wrap(model, ranks, device, compile_model=args.compile and not coda)
+            label += ("+compile" if args.compile and not coda else "") + (f"+{ranks.mode}" if ranks.mode else "")
+            results.append(train_run(label, model, hf_forward(target), cfg, seed, train, val, device,
+                                     progress if ranks.main else None, args.cuda_graphs, ranks, sync))
+            del model, target
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}")
+    if not ranks.main:
+        return 0
+    t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}{spread}")
     for col in ("run", "tokens/s", "step ms", "peak GiB", "train loss", "val loss"):
         t.add_column(col, justify="left" if col == "run" else "right")
     for r in results:
@@ -387,7 +424,8 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_log.json").write_text(json.dumps(
         {"config": asdict(cfg), "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
-         "compile": args.compile, "cuda_graphs": args.cuda_graphs, "runs": results}, indent=1))
+         "compile": args.compile, "cuda_graphs": args.cuda_graphs, "parallel": ranks.mode, "runs": results},
+        indent=1))
     plot(results, out / "loss_curves.png", cfg)
     console.print(f"wrote {out / 'train_log.json'} and {out / 'loss_curves.png'}")
     return 0

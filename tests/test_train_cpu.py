@@ -1,6 +1,10 @@
-"""CPU test of ``coda-cute train --tiny``: three short runs on the reference path, the log, the plot."""
+"""CPU tests of ``coda-cute train --tiny``: three short runs on the reference path, the log, the plot;
+two ranks under torchrun (FSDP2, DDP on gloo) against one process on the same sequences."""
 
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +54,46 @@ def test_bad_steps_is_a_usage_error(tmp_path, capsys):
 def test_cuda_graphs_need_a_gpu(tmp_path, capsys):
     assert cli_main(["train", "--tiny", "--cuda-graphs", "--out", str(tmp_path)]) == 2
     assert "--cuda-graphs needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def one_process_of_four(tmp_path_factory):
+    """The tiny runs in one process on 4 sequences per micro-batch: two ranks' global batch."""
+    out = tmp_path_factory.mktemp("one")
+    assert cli_main(["train", "--tiny", "--no-spread", "--steps", "4", "--micro-batch", "4", "--out", str(out)]) == 0
+    return json.loads((out / "train_log.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_torchrun_ranks_train_like_one_process_on_the_same_sequences(mode, tmp_path, one_process_of_four):
+    """``torchrun --nproc_per_node 2 -m coda_cute.train --tiny --<mode>``: 2 sequences per rank and
+    micro-batch, losses (means over the ranks) equal to one process's on the same 4 sequences,
+    one log written by rank 0."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free),
+           "-m", "coda_cute.train", "--tiny", "--no-spread", "--steps", "4", "--micro-batch", "2", f"--{mode}",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("coda-cute train: 4 steps") == 1  # the table from rank 0 only
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["parallel"] == mode and log["config"]["world"] == 2
+    want = {r["label"]: r for r in one_process_of_four["runs"]}
+    for run in log["runs"]:
+        ref = want[run["label"].removesuffix(f"+{mode}")]
+        for a, b in zip(run["steps"], ref["steps"], strict=True):
+            assert abs(a["loss"] - b["loss"]) < 2e-3 * b["loss"], (run["label"], a, b)
+        assert abs(run["final_val_loss"] - ref["final_val_loss"]) < 2e-3 * ref["final_val_loss"]
+
+
+def test_parallel_modes_need_torchrun(tmp_path, capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli_main(["train", "--tiny", "--fsdp", "--out", str(tmp_path)]) == 2
+    assert "--fsdp runs under torchrun" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["train", "--tiny", "--fsdp", "--ddp", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
