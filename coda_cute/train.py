@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import math
 import sys
@@ -343,6 +344,9 @@ def add_arguments(p) -> None:
                    help=f"micro-batches per optimizer step (default {d.accum}; --tiny {TINY.accum})")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
+                        "a run's final validation loss by a few %%) and compare their means")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="every run replays its micro-batches' forward and backward from one CUDA graph")
     p.add_argument("--out", default="train_out", help="folder for train_log.json and loss_curves.png")
@@ -399,12 +403,13 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=not ranks.main) as progress:
-        for label, seed, coda in runs:
+        for (label, seed, coda), repeat in itertools.product(runs, range(args.repeats)):
             model = copy.deepcopy(base).to(device)
             if coda:
                 model = apply_coda(model)
             target, sync = parallel.wrap(model, ranks, device, compile_model=args.compile and not coda)
             label += ("+compile" if args.compile and not coda else "") + (f"+{ranks.mode}" if ranks.mode else "")
+            label += f" #{repeat + 1}" if args.repeats > 1 else ""
             results.append(train_run(label, model, hf_forward(target), cfg, seed, train, val, device,
                                      progress if ranks.main else None, args.cuda_graphs, ranks, sync))
             del model, target
@@ -420,6 +425,8 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
                   "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
                   f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}")
     console.print(t)
+    if args.repeats > 1:
+        console.print(summary(results))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_log.json").write_text(json.dumps(
@@ -429,6 +436,27 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     plot(results, out / "loss_curves.png", cfg)
     console.print(f"wrote {out / 'train_log.json'} and {out / 'loss_curves.png'}")
     return 0
+
+
+def summary(results: list):
+    """A rich table of each run's repeats: mean tokens/s, mean / min / max final validation loss,
+    and the mean's distance from the first run's (plain HF)."""
+    from rich.table import Table
+
+    groups: dict = {}
+    for r in results:
+        groups.setdefault(r["label"].rsplit(" #", 1)[0], []).append(r)
+    t = Table(title="means over the repeats")
+    for col in ("run", "repeats", "tokens/s", "val loss mean", "min", "max", "mean vs first run"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    first = None
+    for label, rs in groups.items():
+        vals = [r["final_val_loss"] for r in rs]
+        mean = sum(vals) / len(vals)
+        first = mean if first is None else first
+        t.add_row(label, str(len(rs)), f"{sum(r['tokens_per_s'] for r in rs) / len(rs):,.0f}", f"{mean:.4f}",
+                  f"{min(vals):.4f}", f"{max(vals):.4f}", f"{100 * (mean / first - 1):+.2f} %")
+    return t
 
 
 def plot(results: list, path, cfg: TrainConfig) -> None:

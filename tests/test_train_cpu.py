@@ -97,3 +97,11 @@ def test_parallel_modes_need_torchrun(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli_main(["train", "--tiny", "--fsdp", "--ddp", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_repeats_train_each_run_again_and_compare_means(tmp_path, capsys):
+    assert cli_main(["train", "--tiny", "--no-spread", "--steps", "2", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert [r["label"] for r in log["runs"]] == ["hf #1", "hf #2", "coda #1", "coda #2"]
+    out = capsys.readouterr().out
+    assert "means over the repeats" in out and "+0.00 %" in out
