@@ -446,6 +446,22 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     return q, scale
 
 
+def fp8_roundtrip_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """x quantized in ``block`` blocks and dequantized (fp32): what an FP8 GEMM multiplies."""
+    return dequantize_blocks_ref(*quantize_blocks_ref(x.float(), block, dtype), block)
+
+
+def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int):
+    """``coda.mlp_block_fp8``'s forward: ``coda.mlp_block``'s math on the FP8 operands (y and h
+    in 1 x 128 blocks, the weights in 128 x 128), products in fp32, h rounded to bf16 before it is
+    quantized. Returns (y2, ss2, z) in y's dtype."""
+    act, wgt = (1, 128), (128, 128)
+    z = rms_rstd_ref(ss, y.shape[-1], eps).unsqueeze(-1) * (fp8_roundtrip_ref(y, act) @ fp8_roundtrip_ref(w_gu, wgt).T)
+    h = (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]).to(y.dtype)
+    y2 = (fp8_roundtrip_ref(h, act) @ fp8_roundtrip_ref(w_down, wgt).T + _wide(y)).to(y.dtype)
+    return y2, norm_stats_partials_ref(y2, tile_n), z.to(y.dtype)
+
+
 def dequantize_blocks_ref(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """q * s_b in fp32: the inverse of :func:`quantize_blocks_ref` up to FP8 rounding."""
     (r, c), (br, bc) = q.shape, block

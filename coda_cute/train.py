@@ -20,12 +20,13 @@ cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
 
 * ``hf``: the plain HF model (``--compile``: under ``torch.compile``);
 * ``hf_seed2``: the same with the data-order seed + 1, the spread two plain runs differ by;
-* ``coda``: ``apply_coda`` on a copy of the same initial weights.
+* ``coda``: ``apply_coda`` on a copy of the same initial weights;
+* ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the MLP sublayers'
+  forward and dgrad GEMMs in block-scaled FP8, against the bf16 ``coda`` run on the same data.
 
 Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
 and validation loss per run), a JSON log of every step and a PNG of the loss curves
-(``--out``, default ``train_out/``). ``--precision`` takes ``bf16`` only for now: the
-low-precision experiments will add their recipes here.
+(``--out``, default ``train_out/``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from .argtypes import positive_int
 from . import parallel
 from .parallel import Ranks, no_sync_needed
 
-PRECISIONS = ("bf16",)
+PRECISIONS = ("bf16", "fp8")
 #: steps left out of the timing: the first ones compile kernels and warm the allocator
 WARM_STEPS = 5
 #: the progress bar's loss is read from the device every this many steps
@@ -342,7 +343,8 @@ def add_arguments(p) -> None:
                    help=f"sequences per micro-batch and rank (default {d.micro_batch}; --tiny {TINY.micro_batch})")
     p.add_argument("--accum", type=positive_int,
                    help=f"micro-batches per optimizer step (default {d.accum}; --tiny {TINY.accum})")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="fp8: also train the CODA model with FP8 MLP GEMMs (coda_fp8), next to the bf16 one")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
@@ -397,8 +399,10 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
                   f"({len(train) / 1e6:.2f} M train, {len(val) / 1e6:.2f} M validation); {cfg.steps} steps "
                   f"of {cfg.tokens_per_step:,} tokens, model d {cfg.dim} x {cfg.layers} layers{spread}")
     base = build_model(cfg)
-    runs = [("hf", cfg.data_seed, False)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, False)])
-    runs.append(("coda", cfg.data_seed, True))
+    runs = [("hf", cfg.data_seed, None)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, None)])
+    runs.append(("coda", cfg.data_seed, "bf16"))
+    if cfg.precision == "fp8":
+        runs.append(("coda_fp8", cfg.data_seed, "fp8"))
     results = []
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -406,7 +410,7 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
         for (label, seed, coda), repeat in itertools.product(runs, range(args.repeats)):
             model = copy.deepcopy(base).to(device)
             if coda:
-                model = apply_coda(model)
+                model = apply_coda(model, precision=coda)
             target, sync = parallel.wrap(model, ranks, device, compile_model=args.compile and not coda)
             label += ("+compile" if args.compile and not coda else "") + (f"+{ranks.mode}" if ranks.mode else "")
             label += f" #{repeat + 1}" if args.repeats > 1 else ""

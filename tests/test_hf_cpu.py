@@ -195,3 +195,41 @@ def test_fp32_master_weights_get_fp32_gradients():
     assert all(p.grad.dtype == F32 for p in coda.parameters())
     assert abs(loss - want_loss) < 1e-2 * abs(want_loss)
     assert max(rel_err(got[n], want[n]) for n in want) < 2e-2
+
+
+def test_fp8_precision_runs_the_mlp_in_fp8_with_bounded_error():
+    """``apply_coda(model, precision="fp8")``: the MLP sublayers through ``coda.mlp_block_fp8``;
+    loss and gradients against the fp32 model, error above the bf16 patch's (it quantized) and
+    bounded (FP8 rounds each GEMM operand at 2^-4)."""
+    from coda_cute.precision import Fp8Recipe
+
+    ref, _, coda = models("llama")
+    fp8 = copy.deepcopy(coda)
+    apply_coda(coda)
+    apply_coda(fp8, precision="fp8")
+    assert fp8._coda.cfg.precision == Fp8Recipe() and coda._coda.cfg.precision == "bf16"
+    ids, labels = batch()
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    with coda_cute.reference_on_cpu():
+        loss16, got16 = loss_and_grads(coda, ids, labels)
+        loss8, got8 = loss_and_grads(fp8, ids, labels)
+    assert abs(loss8 - want_loss) < 2e-2 * abs(want_loss)
+    e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
+    e16 = rel_err(flat_grads(got16, want), flat_grads(want, want))
+    assert e16 < e8 < 0.1, (e8, e16)
+    print(f"fp8: loss error {abs(loss8 - want_loss):.2e} (bf16 patch {abs(loss16 - want_loss):.2e}); "
+          f"gradient error {e8:.3f} (bf16 patch {e16:.4f})")
+
+
+@pytest.mark.parametrize("precision, over, match", [
+    ("fp16", {}, "precision must be one of"),
+    ("fp8", {"intermediate_size": 136}, r"ffn_dim = 136: must be a multiple of 16 with FP8"),
+])
+def test_bad_precision_is_refused_before_any_change(precision, over, match):
+    cls, cfg = family("mistral", **over)
+    model = cls(cfg)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        apply_coda(model, precision=precision)
+    assert not hasattr(model, "_coda")
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())

@@ -156,3 +156,22 @@ def test_training_step_replays_from_a_cuda_graph():
     assert abs(static_loss.float().item() - want_loss.item()) <= 1e-4 * abs(want_loss.item())
     for n, p in coda.named_parameters():
         assert rel_err(p.grad.float(), want[n]) < 5e-3, n  # bf16 reduction order may differ
+
+
+def test_fp8_mlp_precision_vs_fp32_hf():
+    """``apply_coda(model, precision="fp8")`` on the Llama-3.2-1B-like config: loss and gradients
+    against the fp32 model, the FP8 error next to the bf16 patch's (printed with -s), bounded."""
+    ref, _, coda = models("llama-1b")
+    fp8 = copy.deepcopy(coda)
+    apply_coda(coda)
+    apply_coda(fp8, precision="fp8")
+    ids, labels = batch(ref.config.vocab_size)
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    loss16, got16 = loss_and_grads(coda, ids, labels)
+    loss8, got8 = loss_and_grads(fp8, ids, labels)
+    e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
+    e16 = rel_err(flat_grads(got16, want), flat_grads(want, want))
+    print(f"fp8 MLP: loss error {abs(loss8 - want_loss):.2e} (bf16 {abs(loss16 - want_loss):.2e}), "
+          f"gradient error {e8:.4f} (bf16 {e16:.4f})")
+    assert abs(loss8 - want_loss) < 1e-2 * abs(want_loss)
+    assert e16 < e8 < 0.1

@@ -103,15 +103,15 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     return ranked[0]
 
 
-def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms) -> GemmConfig:
+def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> GemmConfig:
     """The config whose tile sizes an op's outputs take on ``device``: :func:`choose_config` for
     CUDA tensors, real or fake (tracing must size per-tile partials exactly as the launch will);
     on the CPU reference path, which runs no kernel, the first of :func:`ranked_configs`, so
     that no build is compiled to ask ptxas about spills (about 2 s per op and process on a
     machine without a GPU). The two differ only where that first candidate spills."""
     if getattr(device, "type", device) == "cpu":
-        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms)[0]
-    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms)
+        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)[0]
+    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)
 
 
 class Plan:
@@ -332,7 +332,8 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None) -
             _input_view(i, inputs, m, n, batch, batched, op, n)
     _check_scalars(tree, inputs, op)
     if config is None:
-        config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device))
+        config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device),
+                           block_scales is not None)
     if product is None:
         product = torch.matmul(a.float(), b.float())
     out = evaluate(tree, product, inputs, (config.tile_m, config.tile_n))

@@ -33,12 +33,9 @@ import torch
 def decoder_layers(model: torch.nn.Module):
     """The decoder layers of a :class:`~coda_cute.nn.CodaLlama` (``model.layers``) or an HF causal LM
     (``model.model.layers``)."""
-    from .llama import CodaLlama
-
-    if isinstance(model, CodaLlama):
-        return model.layers
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(f"coda_cute.nn.shard: model must be a CodaLlama or an HF causal LM with "
                         f"model.model.layers, got {type(model).__name__}")

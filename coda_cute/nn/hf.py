@@ -59,7 +59,7 @@ def _refuse(field: str, value, why: str):
     raise ValueError(f"apply_coda: config.{field} = {value!r}: {why}; nothing was changed")
 
 
-def coda_config(hf_config, family: str) -> LlamaConfig:
+def coda_config(hf_config, family: str, precision="bf16") -> LlamaConfig:
     """The :class:`LlamaConfig` of an HF config of ``family``, or a ValueError naming the field
     the CODA path does not support."""
     c = hf_config
@@ -88,7 +88,7 @@ def coda_config(hf_config, family: str) -> LlamaConfig:
             ffn_dim=c.intermediate_size, vocab_size=c.vocab_size,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             norm_eps=c.rms_norm_eps, qk_norm=qk_norm, qk_norm_eps=c.rms_norm_eps if qk_norm else 1e-6,
-            rope_theta=float(rope["rope_theta"]), max_seq_len=c.max_position_embeddings)
+            rope_theta=float(rope["rope_theta"]), max_seq_len=c.max_position_embeddings, precision=precision)
     except ValueError as e:
         raise ValueError(f"apply_coda: the model's config does not fit the CODA kernels: {e}; "
                          "nothing was changed") from None
@@ -120,14 +120,16 @@ def rope_inv_freq(model) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_coda(model):
+def apply_coda(model, precision="bf16"):
     """Make ``model`` (an HF causal LM of a supported family) run its forward and backward on
-    the CODA ops, in place, and return it (module docstring). Raises ValueError, before any
-    change, for what the CODA path does not compute."""
+    the CODA ops, in place, and return it (module docstring). ``precision``: "bf16", or "fp8" /
+    an :class:`~coda_cute.precision.Fp8Recipe` for the MLP sublayers' forward and dgrad GEMMs in
+    FP8 (``coda.mlp_block_fp8``). Raises ValueError, before any change, for what the CODA path
+    does not compute."""
     family = type(model).__name__
     if family not in FAMILIES:
         raise TypeError(f"apply_coda: {family} is not supported; supported: {sorted(FAMILIES)}")
-    cfg = coda_config(model.config, family)
+    cfg = coda_config(model.config, family, precision)
     inv_freq = rope_inv_freq(model)
     layers = model.model.layers
     if len(layers) != cfg.n_layers:

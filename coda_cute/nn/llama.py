@@ -26,9 +26,10 @@ it with ``.to(device)``, not ``.to(dtype)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -36,8 +37,10 @@ from torch import nn
 from ..ops.attention import attention_block
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.mlp import mlp_block
+from ..ops.mlp_fp8 import mlp_block_fp8
 from ..ops.proj import norm_proj
 from ..ops.qkv import segment_widths as qk_norm_head_dims
+from ..precision import Fp8Recipe, recipe_for
 from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf, check_hf_keys
 from .fold import FoldCache
@@ -58,6 +61,9 @@ class LlamaConfig:
     qk_norm_eps: float = 1e-6
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
+    #: "bf16", or "fp8" / a :class:`~coda_cute.precision.Fp8Recipe`: the MLP sublayer's forward and
+    #: dgrad GEMMs in FP8 (``coda.mlp_block_fp8``); stored as the recipe
+    precision: Union[str, Fp8Recipe] = "bf16"
 
     def __post_init__(self):
         """Validate now, naming the field: a config the kernels cannot run fails here, not in
@@ -89,6 +95,18 @@ class LlamaConfig:
                 bad(field, "must be a finite number >= 0")
         if not isinstance(self.rope_theta, (int, float)) or not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             bad("rope_theta", "must be a finite number > 0")
+        try:
+            recipe = recipe_for(self.precision)
+        except ValueError as e:
+            bad("precision", str(e))
+        if recipe is not None:
+            if recipe.scaling != "block" or recipe.lm_head_fp8:
+                bad("precision", "the FP8 model runs the block-scaling recipe with the LM head in bf16 "
+                    "(Fp8Recipe(scaling='block', lm_head_fp8=False))")
+            for field in ("dim", "ffn_dim"):
+                if getattr(self, field) % 16:
+                    bad(field, "must be a multiple of 16 with FP8 (rows of FP8 values start on 16-byte boundaries)")
+            object.__setattr__(self, "precision", recipe)
 
 
 def embedding_norm_stats(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +135,10 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
     y1, ss1 = attention_block(
         x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
         c.head_dim, q_norm, k_norm, c.qk_norm_eps)[:2]
-    y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
+    if c.precision == "bf16":
+        y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
+    else:
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, c.precision.grad_dtype)[:2]
     return y2.view(b, s, d), ss2
 
 
@@ -201,10 +222,14 @@ class CodaLlamaHead(nn.Module):
 class CodaLlama(nn.Module):
     """Embedding, ``n_layers`` :class:`CodaLlamaBlock`, :class:`CodaLlamaHead`."""
 
-    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16, cache_folds: bool = False):
+    def __init__(self, cfg: LlamaConfig, device=None, dtype=torch.bfloat16, cache_folds: bool = False,
+                 precision: Union[str, Fp8Recipe, None] = None):
         """``cache_folds``: fold each RMSNorm weight into its consumer's weight once per version of
-        the weights instead of every forward (``coda_cute.nn.fold``)."""
+        the weights instead of every forward (``coda_cute.nn.fold``). ``precision``: overrides
+        ``cfg.precision`` ("bf16", "fp8" or an :class:`~coda_cute.precision.Fp8Recipe`)."""
         super().__init__()
+        if precision is not None:
+            cfg = dataclasses.replace(cfg, precision=precision)
         self.cfg, self.cache_folds = cfg, cache_folds
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(CodaLlamaBlock(cfg, device, dtype, cache_folds)

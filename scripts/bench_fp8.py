@@ -1,0 +1,159 @@
+"""Benchmark the MLP sublayer in FP8, forward + backward (the FP8 training issue's first table):
+``coda.mlp_block_fp8`` against its FP8 GEMM shadow, our bf16 ``coda.mlp_block``, and torchao's
+float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, where torchao imports).
+
+Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
+of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
+``torch._scaled_mm`` on pre-quantized operands in the layouts each needs: nothing but tensor-core
+time. The torchao module is the same sublayer (RMSNorm, gate and up projections, SwiGLU, down
+projection, residual) built from ``nn.Linear``s and converted with ``convert_to_float8_training``.
+All variants timed in turns (``coda_cute.sol.timing.interleaved_medians``, L2 flushed, CUDA-event
+medians). Also printed: the bytes our separate quantization passes move per step.
+
+    python scripts/bench_fp8.py [--tokens 16384] [--dim 4096] [--ffn 14336] [--rounds 20] [--json out.json]
+    python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
+
+``--baselines-only`` is for a machine call that carries torchao instead of the DSL (the two do not
+fit in one call's 64 MiB): the shadow is timed in both runs, so each run's ratios to it compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coda_cute.nn.llama import embedding_norm_stats
+from coda_cute.sol.timing import interleaved_medians
+
+EPS = 1e-5
+FP8 = torch.float8_e4m3fn
+
+
+def coda_step(op, y, ss, w_gu, w_down, dy2):
+    """One forward + backward of a CODA MLP op (leaf copies made once, gradients set to None)."""
+    leaves = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        op(leaves[0], ss, leaves[1], leaves[2], EPS)[0].backward(dy2)
+    return step
+
+
+def rowwise(x):
+    """(FP8 values, fp32 row scales (rows, 1)) of x, current scaling."""
+    s = x.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / torch.finfo(FP8).max
+    return (x.float() / s).to(FP8), s
+
+
+def shadow_step(m, d, f):
+    """The six FP8 row-wise GEMMs of the sublayer's forward + backward, operands pre-quantized."""
+    def pair(rows_a, k, n):  # a (rows_a, k) row-major, b (k, n) column-major, their scales
+        a, sa = rowwise(torch.randn(rows_a, k, device="cuda"))
+        b, sb = rowwise(torch.randn(n, k, device="cuda"))
+        return a, sa, b.t(), sb.t()
+    gemms = [pair(m, d, 2 * f), pair(m, f, d),          # gate/up, down
+             pair(m, d, f), pair(d, m, f),              # down dgrad, down wgrad (d x f over tokens)
+             pair(2 * f, m, d), pair(m, 2 * f, d)]      # gate/up wgrad, gate/up dgrad
+
+    def step():
+        for a, sa, b, sb in gemms:
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    return step
+
+
+class Mlp(torch.nn.Module):
+    """y + down(silu(gate(n)) * up(n)), n = RMSNorm(y): the sublayer torchao converts."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=EPS)
+        self.gate, self.up = torch.nn.Linear(d, f, bias=False), torch.nn.Linear(d, f, bias=False)
+        self.down = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, y):
+        n = self.norm(y)
+        return y + self.down(torch.nn.functional.silu(self.gate(n)) * self.up(n))
+
+
+def torchao_steps(y, dy2, d, f, console):
+    """{label: step} for torchao's tensor-wise and row-wise float8 training under torch.compile
+    (empty where torchao does not import)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        console.print(f"torchao not importable ({e}); its rows are left out")
+        return {}
+    steps = {}
+    for recipe in ("tensorwise", "rowwise"):
+        module = Mlp(d, f).cuda().to(torch.bfloat16)
+        convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
+        compiled = torch.compile(module)
+        leaf = y.clone().requires_grad_()
+
+        def step(compiled=compiled, leaf=leaf, module=module):
+            leaf.grad = None
+            module.zero_grad(set_to_none=True)
+            compiled(leaf).backward(dy2)
+        steps[f"torchao {recipe} + compile"] = step
+    return steps
+
+
+def quantize_bytes(m, d, f):
+    """Bytes our separate quantize passes move per forward + backward: each reads the bf16 tensor
+    and writes its FP8 values and fp32 scales (y, h, dy2, dz' in 1 x 128; the two weights in
+    128 x 128, with one FP8 transpose each for the dgrads)."""
+    acts = m * d + m * f + m * d + m * 2 * f
+    weights = 2 * f * d + d * f
+    return acts * (2 + 1 + 4 / 128) + weights * (2 + 1) + weights * 2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--json")
+    p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
+    args = p.parse_args(argv)
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]bench_fp8 needs a CUDA GPU[/]")
+        return 2
+    m, d, f = args.tokens, args.dim, args.ffn
+    y = torch.randn(m, d, device="cuda").bfloat16()
+    ss = None if args.baselines_only else embedding_norm_stats(y)
+    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
+    dy2 = torch.randn(m, d, device="cuda").bfloat16()
+    fns = {"fp8 shadow (6 row-wise _scaled_mm)": shadow_step(m, d, f)}
+    if not args.baselines_only:
+        fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
+        fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
+    fns.update(torchao_steps(y, dy2, d, f, console))
+    ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=2000)
+    shadow = ms["fp8 shadow (6 row-wise _scaled_mm)"]
+    ao = [v for k, v in ms.items() if k.startswith("torchao")]
+    t = Table(title=f"MLP sublayer forward + backward, M {m}, d {d}, ffn {f} (median ms)")
+    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for name, v in ms.items():
+        t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-")
+    console.print(t)
+    gb = quantize_bytes(m, d, f) / 1e9
+    console.print(f"our separate quantize passes move {gb:.2f} GB per step "
+                  f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"shape": [m, d, f], "ms": ms, "quantize_gb": gb}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

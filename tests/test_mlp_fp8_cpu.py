@@ -1,0 +1,110 @@
+"""CPU tests of ``torch.ops.coda.mlp_block_fp8`` (the MLP sublayer with FP8 forward and dgrad GEMMs):
+the reference path against ``reference.mlp_block_fp8_ref`` and against float64 math with its error
+next to the bf16 op's, the fake implementation, bad input on every path, and the block-scaled
+kernels of its four epilogue trees built for sm_90a without spills."""
+
+import pytest
+import torch
+
+import coda_cute
+from coda_cute import reference as R
+from coda_cute.epilogue.runner import ranked_configs, spills
+from coda_cute.nn.llama import embedding_norm_stats
+from coda_cute.ops.residual import residual_norm_stats_tree, stats_tile_n
+from coda_cute.ops.rmsnorm import norm_backward_tree
+from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree
+from helpers import on_path, rel_err
+
+EPS = 1e-5
+
+
+def _inputs(m, d, f, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(m, d, generator=g).bfloat16()
+    w_gu = (torch.randn(2 * f, d, generator=g) * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, generator=g) * f ** -0.5).bfloat16()
+    dy2 = torch.randn(m, d, generator=g).bfloat16()
+    with coda_cute.reference_on_cpu():
+        ss = embedding_norm_stats(y)
+    return y, ss, w_gu, w_down, dy2
+
+
+def _mlp64(y, w_gu, w_down):
+    r = torch.rsqrt(y.square().mean(-1, keepdim=True) + EPS)
+    z = r * (y @ w_gu.T)
+    return y + (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]) @ w_down.T
+
+
+def _grads(op, y, ss, w_gu, w_down, dy2, **kw):
+    leaves = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+    with coda_cute.reference_on_cpu():
+        y2 = op(leaves[0], ss, leaves[1], leaves[2], EPS, **kw)[0]
+        y2.backward(dy2)
+    return y2, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("m, d, f", [(200, 256, 384), (77, 272, 208)])  # whole and ragged 128-blocks
+def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
+    y, ss, w_gu, w_down, _ = _inputs(m, d, f, 1)
+    with coda_cute.reference_on_cpu():
+        y2, ss2, z, gu_q, gu_s, down_q, down_s = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f), w_down))
+    for got, ref in zip((y2, ss2, z), want):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    q, s = R.quantize_blocks_ref(w_gu.float(), (128, 128))
+    assert torch.equal(gu_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gu_s, s)
+    assert down_q.dtype == torch.float8_e4m3fn and down_s.shape == (-(-d // 128), -(-f // 128))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gradients_against_float64_next_to_the_bf16_op(grad_dtype):
+    """FP8 rounds every GEMM operand (2^-4 relative for E4M3, 2^-3 for E5M2): the error against
+    float64 math is several times bf16's, bounded, and the quantization visibly happened."""
+    y, ss, w_gu, w_down, dy2 = _inputs(256, 256, 384, 2)
+    leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
+    exact = _mlp64(*leaves)
+    exact.backward(dy2.double())
+    fp8_out, fp8_grads = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, grad_dtype=grad_dtype)
+    bf16_out, bf16_grads = _grads(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
+    delta = exact - leaves[0]  # the sublayer's own output, without the residual
+    err = lambda out: rel_err(out.double() - y.double(), delta)  # noqa: E731
+    assert err(bf16_out) < err(fp8_out) < 0.08
+    bound = 0.08 if grad_dtype == torch.float8_e4m3fn else 0.16
+    for name, f8, b16, leaf in zip(("dy", "dw_gu", "dw_down"), fp8_grads, bf16_grads, leaves):
+        e8, e16 = rel_err(f8.double(), leaf.grad), rel_err(b16.double(), leaf.grad)
+        assert e16 < e8 < bound, (name, e8, e16)
+
+
+def test_fake_outputs_are_the_cpu_outputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    y, ss, w_gu, w_down, _ = _inputs(77, 272, 208, 3)
+    with coda_cute.reference_on_cpu():
+        real = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("d, f, grad_dtype, match", [
+    (128, 128, torch.bfloat16, "grad_dtype must be torch.float8_e4m3fn"),
+    (136, 128, torch.float8_e4m3fn, "the model width d .* must be a multiple of 16 for FP8"),
+    (128, 200, torch.float8_e4m3fn, "the SwiGLU width f must be a multiple of 16 for FP8"),
+])
+def test_bad_input_is_refused_on_every_path(path, d, f, grad_dtype, match):
+    y, ss, w_gu, w_down, _ = _inputs(64, d, f, 4)
+    with on_path(path), pytest.raises(ValueError, match=match):
+        torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, grad_dtype)
+
+
+@pytest.mark.parametrize("tree, n, k", [
+    (norm_swiglu_tree(), 28672, 4096),       # gate/up: (M, 2f) from d
+    (residual_norm_stats_tree(), 4096, 14336),  # down-proj + residual + norm statistics
+    (swiglu_backward_tree(), 14336, 4096),   # down-proj dgrad + SwiGLU backward
+    (norm_backward_tree(True), 4096, 28672),  # gate/up dgrad + RMSNorm backward + residual grad
+], ids=["norm_swiglu", "residual", "swiglu_backward", "norm_backward"])
+def test_block_scaled_kernels_of_the_four_trees_build_without_spills(tree, n, k):
+    cfg = ranked_configs(tree, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
+    assert not spills(tree, cfg, True, 132, block_scaled=True)

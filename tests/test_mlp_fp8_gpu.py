@@ -1,0 +1,56 @@
+"""GPU tests of ``torch.ops.coda.mlp_block_fp8``: the block-scaled kernels of its four epilogue trees
+against ``reference.mlp_block_fp8_ref`` (the forward on the FP8 operands, float math) and the
+gradients against float64 math next to the bf16 op's, at whole and ragged 128-blocks."""
+
+import pytest
+import torch
+
+from coda_cute import reference as R
+from coda_cute.nn.llama import embedding_norm_stats
+from coda_cute.ops.residual import stats_tile_n
+from helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+
+
+def _inputs(m, d, f):
+    y = torch.randn(m, d, device="cuda").bfloat16()
+    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
+    return y, embedding_norm_stats(y), w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
+
+
+@pytest.mark.parametrize("m, d, f", [(1000, 1024, 2816), (333, 272, 208), (4096, 4096, 1536)])
+def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
+    y, ss, w_gu, w_down, _ = _inputs(m, d, f)
+    y2, ss2, z, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f, device="cuda"), w_down))
+    for name, got, ref in zip(("y2", "ss2", "z"), (y2, ss2, z), want):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        assert not got.float().isnan().any(), name
+        # h is rounded to bf16 and quantized again: a last-bit difference in h can move one FP8
+        # step of that element, so the comparison is statistical, not element-wise exact
+        assert rel_err(got.float(), ref.float()) < 5e-3, name
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gradients_against_float64_next_to_the_bf16_op(grad_dtype):
+    y, ss, w_gu, w_down, dy2 = _inputs(2048, 1024, 2816)
+    leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
+    r = torch.rsqrt(leaves[0].square().mean(-1, keepdim=True) + EPS)
+    zz = r * (leaves[0] @ leaves[1].T)
+    exact = leaves[0] + (torch.nn.functional.silu(zz[:, 0::2]) * zz[:, 1::2]) @ leaves[2].T
+    exact.backward(dy2.double())
+    errors = {}
+    for name, op, kw in (("fp8", torch.ops.coda.mlp_block_fp8, {"grad_dtype": grad_dtype}),
+                         ("bf16", torch.ops.coda.mlp_block, {})):
+        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+        out = op(ins[0], ss, ins[1], ins[2], EPS, **kw)[0]
+        out.backward(dy2)
+        errors[name] = [rel_err(out.double() - y.double(), exact - leaves[0])] + [
+            rel_err(t.grad.double(), leaf.grad) for t, leaf in zip(ins, leaves)]
+    bound = 0.08 if grad_dtype == torch.float8_e4m3fn else 0.16
+    for e8, e16 in zip(errors["fp8"], errors["bf16"]):
+        assert e16 < e8 < bound, errors
