@@ -60,17 +60,23 @@ class KernelSpec:
     label: str = field(default="tree", compare=False, hash=False)
     #: FP8 with 1 x 128 (A) and 128 x 128 (B) scales promoted per k-tile (``kernels.sm90.block_scales``)
     block_scaled: bool = False
+    #: block-scaled with B's scales per row too (1 x 128): the weight-gradient form
+    b_rows: bool = False
 
     @staticmethod
     def of(a_dtype, b_dtype, a_major, b_major, config, tree: Epilogue, arch="sm_90a", num_sms=132,
-           label="tree", block_scaled: bool = False) -> "KernelSpec":
+           label="tree", block_scaled: bool = False, b_rows: bool = False) -> "KernelSpec":
         return KernelSpec(a_dtype, b_dtype, a_major, b_major, config, tree.key, arch, num_sms, tree, label,
-                          block_scaled)
+                          block_scaled, b_rows)
 
     @property
     def name(self) -> str:
         return (f"{self.label}_{self.arch}_{short_dtype(self.a_dtype)}{short_dtype(self.b_dtype)}"
-                f"_{self.a_major}{self.b_major}{'_blockscaled' if self.block_scaled else ''}_{self.config.name}")
+                f"_{self.a_major}{self.b_major}{self._scaling}_{self.config.name}")
+
+    @property
+    def _scaling(self) -> str:
+        return ("_blockscaled1d" if self.b_rows else "_blockscaled") if self.block_scaled else ""
 
 
 @dataclass(frozen=True)
@@ -183,7 +189,7 @@ def _fake_signature(spec: KernelSpec):
     if spec.config.split_tail:  # the tail's fp32 partials and int32 arrival counters
         workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
     block_scales = None
-    if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128, K/128, L) fp32 scales, any strides
+    if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128 or N, K/128, L) fp32 scales, any strides
         kb = cute.sym_int()
         block_scales = tuple(fake("float32", (rows, kb, l), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
                              for rows in (m, cute.sym_int()))
@@ -245,7 +251,7 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
     from .kernels.sm90.gemm import Sm90Gemm
 
     kernel = Sm90Gemm(spec.config, cutlass_dtype(spec.a_dtype), cutlass_dtype(spec.b_dtype),
-                      spec.a_major, spec.b_major, spec.tree, spec.num_sms, spec.block_scaled)
+                      spec.a_major, spec.b_major, spec.tree, spec.num_sms, spec.block_scaled, spec.b_rows)
     return _cute_compile(spec, kernel, _fake_signature(spec), keep_artifacts)
 
 
@@ -332,11 +338,11 @@ def _build_digest() -> str:
     """Everything a binary depends on besides its spec: our kernel sources, the DSL, Python."""
     import cutlass
 
-    from . import kernels
+    from .kernels import __path__ as kernel_dirs
 
     h = hashlib.sha256()
     paths = [os.path.abspath(__file__)] + sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(kernels.__path__[0]) for f in fs if f.endswith(".py"))
+        os.path.join(d, f) for d, _, fs in os.walk(kernel_dirs[0]) for f in fs if f.endswith(".py"))
     for path in paths:
         with open(path, "rb") as fh:
             h.update(os.path.basename(path).encode() + fh.read())

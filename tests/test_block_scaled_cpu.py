@@ -109,3 +109,46 @@ def test_bad_input_raises_on_every_path(case, path):
 def test_op_outside_the_reference_path_names_it():
     with pytest.raises(ValueError, match="reference_on_cpu"):
         torch.ops.coda.gemm_blockwise(*quantized(8, 128, 128))
+
+
+# -- the weight-gradient form: B's scales per row too (b_block="1x128") ------------------------------
+@pytest.mark.parametrize("cfg", [
+    GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
+    GemmConfig(tile_m=128, tile_n=64, tile_k=128),
+    GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong"),
+], ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128"])
+def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
+    """Per k-tile the factor is the thread's row scales times its column scales: one more fp32
+    load per column it holds and one multiply per register next to the FFMA, without spills."""
+    k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "float32"),
+                                   block_scaled=True, b_rows=True), keep_artifacts=True)
+    assert spill_bytes(k) == 0 and not k.stats["wgmma_serialized"], k.stats
+    regs = cfg.tile_m * cfg.tile_n // (128 if cfg.schedule == "pingpong" else 256)
+    ptx = k.ptx
+    assert ptx.count("fma.rn.f32") >= regs and ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= regs
+    # the thread's columns (tile_n / 4 of them) and rows, each k-tile
+    assert ptx.count("ld.global.b32") + 2 * ptx.count("ld.global.v2.b32") >= cfg.tile_n // 4 + 2
+
+
+def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():
+    g = torch.Generator().manual_seed(5)
+    dy_t = torch.randn(136, 400, generator=g)  # (N_out, tokens): a gradient transposed
+    x_t = torch.randn(200, 400, generator=g) * torch.exp2(torch.randint(-4, 4, (200, 1), generator=g).float())
+    a_q, sa = R.quantize_blocks_ref(dy_t, (1, 128))
+    b_q, sb = R.quantize_blocks_ref(x_t, (1, 128))
+    with coda_cute.reference_on_cpu():
+        out = torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, torch.float32, "1x128")
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), out_dtype=torch.float64)
+    assert out.shape == (136, 200) and rel_err(out.double(), want) < 1e-6
+    assert spec(GemmConfig(tile_m=128, tile_n=128, tile_k=128)).name != KernelSpec.of(
+        E4M3, E4M3, "k", "k", GemmConfig(tile_m=128, tile_n=128, tile_k=128),
+        gemm_tree("none", "none", "bfloat16"), block_scaled=True, b_rows=True).name
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_wgrad_form_rules(path):
+    a_q, sa, b_q, sb = quantized(64, 256, 256)
+    with pytest.raises(ValueError, match=r"b_scales must be \(256, 2\) \(one scale per row"), on_path(path):
+        torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "1x128")
+    with pytest.raises(ValueError, match="b_block must be one of"), on_path(path):
+        torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "128x1")

@@ -61,3 +61,18 @@ def test_op_is_the_dequantized_product(m, n, k):
     out = torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), b_q, sb)
     want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (128, 128), out_dtype=torch.float64)
     assert out.dtype == torch.bfloat16 and rel_err(out.double(), want) < 4e-3
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 14336, 16384), (1000, 776, 1040), (136, 200, 4112)])
+@pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_wgrad_form_is_the_dequantized_product(m, n, k, a_dtype):
+    """``b_block="1x128"``: dW (M = N_out, N = K_in) over K = the tokens, both operands scaled per
+    row and 128 tokens (gradients E4M3 or E5M2), fp32 out, every element finite and within fp32
+    accumulation error of the float64 product."""
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128), a_dtype)
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (1, 128), torch.float8_e4m3fn)
+    out = torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), b_q, sb, torch.float32, "1x128")
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), out_dtype=torch.float64)
+    assert out.dtype == torch.float32 and bool(out.isfinite().all())
+    err = (out.double() - want).abs()
+    assert bool((err <= 1e-5 * want.abs() + 1e-5 * want.abs().max()).all()), float(err.max())

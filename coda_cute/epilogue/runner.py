@@ -63,6 +63,9 @@ def _epilogue_factor(tree, cfg: GemmConfig) -> float:
     return 1.0 + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
 
 
+#: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
+B_BLOCKS = ("128x128", "1x128")
+
 #: Candidates, in the heuristic's order, whose builds :func:`choose_config` inspects for spills.
 SPILL_CHECKS = 8
 
@@ -80,16 +83,18 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
                   * _epilogue_factor(tree, c))
 
 
-def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False) -> bool:
+def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False,
+           b_rows: bool = False) -> bool:
     """Whether ptxas spills registers in the tree's build on ``cfg`` (K-major bf16 or e4m3
     operands: the consumers' code, where the tree runs, does not depend on majors or on which
     16-bit or 8-bit type). Compiles the kernel, or takes it from the compiler's caches."""
     dt = "float8_e4m3fn" if fp8 else "bfloat16"
     return spill_bytes(get_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, "sm_90a", sms,
-                                              block_scaled=block_scaled))) > 0
+                                              block_scaled=block_scaled, b_rows=b_rows))) > 0
 
 
-def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> GemmConfig:
+def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
+                  b_rows: bool = False) -> GemmConfig:
     """The heuristic's config for the tree: the first of :func:`ranked_configs` whose build does
     not spill (among the first ``SPILL_CHECKS``), else the first. Spills follow no register count
     the heuristic could predict (an accumulator plus a few values per row spills on some tile
@@ -98,7 +103,7 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     outputs."""
     ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)
     for c in ranked[:SPILL_CHECKS]:
-        if not spills(tree, c, fp8, sms, block_scaled):
+        if not spills(tree, c, fp8, sms, block_scaled, b_rows):
             return c
     return ranked[0]
 
@@ -213,23 +218,28 @@ def _meta(t):
 
 def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         config: Optional[GemmConfig] = None, use_fast_accum: bool = False,
-        outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue", block_scales=None) -> dict:
+        outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue", block_scales=None,
+        b_block: str = "128x128") -> dict:
     """``a @ b`` with ``tree`` in the epilogue. ``inputs`` binds the tree's named inputs;
     ``outputs`` may pass preallocated outputs by name. ``block_scales``: FP8 ``a`` (M, K) and
     ``b`` (K, N) K-major with (a's 1 x 128 scales (M, ceil(K / 128)), b's 128 x 128 scales
-    (ceil(N / 128), ceil(K / 128))), fp32, promoted per k-block in the mainloop
+    (ceil(N / 128), ceil(K / 128)); ``b_block="1x128"``: b's per column of b, (N, ceil(K / 128)),
+    the weight-gradient form), fp32, promoted per k-block in the mainloop
     (``kernels.sm90.block_scales``). Returns the outputs by name."""
     if not isinstance(tree, N.Epilogue):
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
            len(inputs), config, use_fast_accum,
-           None if block_scales is None else tuple(_meta(t) for t in block_scales))
+           None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block))
     plan = _plans.get(key)
     if plan is None:
+        if b_block not in B_BLOCKS:
+            raise ValueError(f"{op}: b_block must be one of {B_BLOCKS}, got {b_block!r}")
+        b_rows = b_block == "1x128"
         if a.device.type == "cpu" and dispatch.reference_on_cpu_enabled():
-            return _reference_run(tree, a, b, inputs, config, outputs, op, block_scales)
-        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales)
+            return _reference_run(tree, a, b, inputs, config, outputs, op, block_scales, b_rows)
+        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales, b_rows)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -255,13 +265,13 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
     return out
 
 
-def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None) -> Plan:
+def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None, b_rows=False) -> Plan:
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
     blocked = block_scales is not None
     if blocked:
-        _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op)
+        _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op, b_rows)
     arch = dispatch.arch_of(a.device)
     _check_half_width(tree, n, op)
     plan = Plan()
@@ -271,7 +281,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
     plan.batched = batched
     sms = dispatch.num_sms(a.device)
     if config is None:
-        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked)
+        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked, b_rows)
     elif fp8 and use_fast_accum != config.fp8_fast_accum:
         config = config.with_(fp8_fast_accum=use_fast_accum)
     if not fp8:
@@ -307,12 +317,12 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
         plan.block_views = [((t.shape[0], t.shape[1], 1), (*t.stride(), t.shape[0] * t.shape[1]))
                             for t in block_scales]
     spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
-                         arch, sms, block_scaled=blocked)
+                         arch, sms, block_scaled=blocked, b_rows=b_rows)
     plan.kernel = get_gemm(spec).fn
     return plan
 
 
-def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None) -> dict:
+def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b_rows=False) -> dict:
     """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules,
     then the torch evaluator on the fp32 product (block-scaled: of the dequantized operands; no
     kernel); preallocated outputs are filled."""
@@ -321,9 +331,9 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None) -
     _check_inputs(a, b, inputs, tree, op)
     product = None
     if block_scales is not None:
-        _check_block_scaled(a, b, block_scales, fp8, False, config, op)
+        _check_block_scaled(a, b, block_scales, fp8, False, config, op, b_rows)
         product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
-                   @ dequantize_blocks_ref(b.t(), block_scales[1], (BLOCK, BLOCK)).t())
+                   @ dequantize_blocks_ref(b.t(), block_scales[1], (1, BLOCK) if b_rows else (BLOCK, BLOCK)).t())
     _check_half_width(tree, n, op)
     if not _check_extents(m, n, k, batch, op):
         _operand_views(a, b, fp8, op)
@@ -346,26 +356,27 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None) -
     return out
 
 
-def check_block_scales(a, b, scales, op):
+def check_block_scales(a, b, scales, op, b_rows: bool = False):
     """The block scales of FP8 ``a`` (M, K) and ``b`` (K, N): (a's (M, ceil(K / 128)), b's
-    (ceil(N / 128), ceil(K / 128))) fp32 on the operands' device, any strides."""
+    (ceil(N / 128), ceil(K / 128)), ``b_rows``: (N, ceil(K / 128))) fp32 on the operands' device,
+    any strides."""
     if not (isinstance(scales, tuple) and len(scales) == 2):
         raise ValueError(f"{op}: block_scales must be (a_scales, b_scales)")
     (m, k), n = a.shape, b.shape[1]
     kb = -(-k // BLOCK)
-    for name, t, rows in (("a_scales", scales[0], m), ("b_scales", scales[1], -(-n // BLOCK))):
+    for name, t, rows in (("a_scales", scales[0], m), ("b_scales", scales[1], n if b_rows else -(-n // BLOCK))):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
             raise ValueError(f"{op}: {name} must be a 2-D float32 tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)}")
         if tuple(t.shape) != (rows, kb):
             raise ValueError(f"{op}: {name} must be {(rows, kb)} (one scale per "
-                             f"{'row and 128 columns' if name == 'a_scales' else '128 x 128 block'}), "
+                             f"{'row and 128 columns' if name == 'a_scales' or b_rows else '128 x 128 block'}), "
                              f"got {tuple(t.shape)}")
         if t.device != a.device:
             raise ValueError(f"{op}: {name} is on {t.device}, the operands on {a.device}")
 
 
-def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op):
+def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b_rows: bool = False):
     """:func:`check_block_scales`, and what the launch needs besides: 2-D FP8 operands, two-level
     accumulation and a config the kernel can scale."""
     if not fp8 or a.dim() != 2:
@@ -375,7 +386,7 @@ def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op):
     if config is not None and config not in dispatch.block_scaled_config_space():
         raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
                          "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")
-    check_block_scales(a, b, scales, op)
+    check_block_scales(a, b, scales, op, b_rows)
 
 
 def _check_half_width(tree, n: int, op):

@@ -1,7 +1,10 @@
 """``torch.ops.coda.gemm_blockwise``: the block-scaled FP8 GEMM of the FP8 recipe
-(``coda_cute.precision``, DeepSeek-V3 / TE ``Float8BlockScaling``), the fprop / dgrad form:
+(``coda_cute.precision``, DeepSeek-V3 / TE ``Float8BlockScaling``). The fprop / dgrad form
+(``b_block="128x128"``) and the weight-gradient form (``b_block="1x128"``, both operands scaled
+per row and 128-deep k-block, K being the tokens):
 
     out[m, n] = sum_kb  a_scales[m, kb] * b_scales[n // 128, kb] * sum_{k in block kb} a[m, k] b[n, k]
+    out[m, n] = sum_kb  a_scales[m, kb] * b_scales[n, kb] * sum_{k in block kb} a[m, k] b[n, k]
 
 a (M, K) FP8 with one scale per row and 128 columns (1 x 128), b (N, K) FP8 stored like an
 nn.Linear weight with one scale per 128 x 128 block; out = dequant(a) @ dequant(b).T, accumulated
@@ -20,7 +23,7 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..epilogue.runner import check_block_scales
+from ..epilogue.runner import B_BLOCKS, check_block_scales
 from ..kernels.epilogue.plain import gemm_tree
 from ..operands import FP8, dtype_name
 from .checks import check_same_device
@@ -34,7 +37,7 @@ def _tree(out_dtype: str) -> E.Epilogue:
     return gemm_tree("none", "none", out_dtype)
 
 
-def check_blockwise(a, a_scales, b, b_scales, out_dtype):
+def check_blockwise(a, a_scales, b, b_scales, out_dtype, b_block="128x128"):
     """Operands, the scale grid and the output dtype, on every path (GPU, fake, CPU). Returns
     (M, N, the output dtype)."""
     for name, t in (("a", a), ("b", b)):
@@ -47,31 +50,35 @@ def check_blockwise(a, a_scales, b, b_scales, out_dtype):
     od = torch.bfloat16 if out_dtype is None else out_dtype
     if od not in OUT_DTYPES:
         raise ValueError(f"{OP}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if b_block not in B_BLOCKS:
+        raise ValueError(f"{OP}: b_block must be one of {B_BLOCKS}, got {b_block!r}")
     check_same_device(OP, a=a, a_scales=a_scales, b=b, b_scales=b_scales)
-    check_block_scales(a, b.t(), (a_scales, b_scales), OP)
+    check_block_scales(a, b.t(), (a_scales, b_scales), OP, b_block == "1x128")
     return a.shape[0], b.shape[0], od
 
 
 @torch.library.custom_op("coda::gemm_blockwise", mutates_args=())
 def gemm_blockwise(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """dequant(a) @ dequant(b).T (module docstring); out_dtype bf16 (default), fp16 or fp32."""
-    return _run(a, a_scales, b, b_scales, out_dtype)
+                   out_dtype: Optional[torch.dtype] = None, b_block: str = "128x128") -> torch.Tensor:
+    """dequant(a) @ dequant(b).T (module docstring); out_dtype bf16 (default), fp16 or fp32;
+    b_block "128x128" (b a weight) or "1x128" (the weight-gradient form)."""
+    return _run(a, a_scales, b, b_scales, out_dtype, b_block)
 
 
-def _run(a, a_scales, b, b_scales, out_dtype):
+def _run(a, a_scales, b, b_scales, out_dtype, b_block):
     """The runner's launch (CUDA), or its reference evaluation inside ``reference_on_cpu``."""
-    _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
-    return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP)["out"]
+    _, _, od = check_blockwise(a, a_scales, b, b_scales, out_dtype, b_block)
+    return E.run(_tree(dtype_name(od)), a, b.t(), {}, block_scales=(a_scales, b_scales), op=OP,
+                 b_block=b_block)["out"]
 
 
 @gemm_blockwise.register_fake
-def _fake(a, a_scales, b, b_scales, out_dtype=None):
-    m, n, od = check_blockwise(a, a_scales, b, b_scales, out_dtype)
+def _fake(a, a_scales, b, b_scales, out_dtype=None, b_block="128x128"):
+    m, n, od = check_blockwise(a, a_scales, b, b_scales, out_dtype, b_block)
     return a.new_empty((m, n), dtype=od)
 
 
 @gemm_blockwise.register_kernel("cpu")
-def _cpu(a, a_scales, b, b_scales, out_dtype=None):
+def _cpu(a, a_scales, b, b_scales, out_dtype=None, b_block="128x128"):
     dispatch.require_reference(OP)
-    return _run(a, a_scales, b, b_scales, out_dtype)
+    return _run(a, a_scales, b, b_scales, out_dtype, b_block)

@@ -1,6 +1,7 @@
-"""``torch.ops.coda.mlp_block_fp8``: ``coda.mlp_block`` with its forward and dgrad GEMMs in FP8,
-block-scaled as in ``coda_cute.precision.Fp8Recipe`` (1 x 128 activation / gradient blocks along K,
-128 x 128 weight blocks), on the same epilogue trees.
+"""``torch.ops.coda.mlp_block_fp8``: ``coda.mlp_block`` with its six GEMMs in FP8, block-scaled as
+in ``coda_cute.precision.Fp8Recipe`` (1 x 128 activation / gradient blocks along K, 128 x 128
+weight blocks, 1 x 128 blocks along the tokens for the weight gradients), on the same epilogue
+trees.
 
 Forward (Q1: 1 x 128 blocks along the row; QW: 128 x 128 blocks; each GEMM promotes every
 128-deep k-block with its activation-block x weight-block scale):
@@ -12,7 +13,11 @@ Backward, from dy2:
 
     dz', h, zdz = swiglu_backward tree on  Q1(dy2) @ QW(W_down)     (QW(W)^T is QW(W^T) exactly:
     dy          = norm_backward tree on    Q1(dz') @ QW(W_gu) + dy2  the blocks are square)
-    dw_down = dy2^T h,  dw_gu = dz'^T y                               bf16 wgrad GEMMs (for now)
+    dw_down = Q1(dy2^T) @ Q1(h^T)^T,  dw_gu = Q1(dz'^T) @ Q1(y^T)^T  the wgrad form: both operands
+                                                                     in 1 x 128 blocks along M
+
+The weight gradients quantize bf16 transposes (separate passes); with a token count M that is no
+multiple of 16 (the FP8 rows of a transpose must start on 16-byte boundaries) they are bf16 GEMMs.
 
 The gradients are quantized to ``grad_dtype`` (E4M3, or E5M2 for range). The weights are
 quantized once per forward and kept for the backward. The quantizations are separate
@@ -31,6 +36,7 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .gemm import gemm_op
+from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -111,14 +117,24 @@ def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, gra
     bwd = _gemm(swiglu_backward_tree(), dy2, w_down_q, w_down_s, dict(norm_inputs(d, ss, eps), z=z),
                 transposed=True, grad_dtype=grad_dtype)
     dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-    dw_down = gemm_op(dy2.t(), h) if needs[2] else None
-    dw_gu = gemm_op(dzp.t(), y) if needs[1] else None
+    dw_down = _wgrad(dy2, h, grad_dtype) if needs[2] else None
+    dw_gu = _wgrad(dzp, y, grad_dtype) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
         dy = _gemm(norm_backward_tree(True), dzp, w_gu_q, w_gu_s, inputs, transposed=True,
                    grad_dtype=grad_dtype)["dy"]
     return dy, dw_gu, dw_down
+
+
+def _wgrad(dy, x, grad_dtype):
+    """dy^T @ x over the tokens (M): FP8 with both operands in 1 x 128 blocks along M
+    (``coda.gemm_blockwise``'s wgrad form), or bf16 where M is no multiple of 16."""
+    if dy.shape[0] % 16:
+        return gemm_op(dy.t(), x)
+    a_q, a_s = quantize_fp8(dy.t().contiguous(), "1x128", None, grad_dtype)
+    b_q, b_s = quantize_fp8(x.t().contiguous(), "1x128")
+    return gemm_blockwise(a_q, a_s, b_q, b_s, dy.dtype, "1x128")
 
 
 def _setup(ctx, inputs, output):

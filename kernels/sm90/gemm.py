@@ -69,7 +69,7 @@ class Sm90Gemm:
     """
 
     def __init__(self, cfg: GemmConfig, a_dtype, b_dtype, a_major: str, b_major: str,
-                 tree: Epilogue, num_sms: int, block_scaled: bool = False):
+                 tree: Epilogue, num_sms: int, block_scaled: bool = False, b_rows: bool = False):
         is_fp8 = a_dtype in FP8_TYPES
         if is_fp8 != (b_dtype in FP8_TYPES):
             raise TypeError(f"A and B must both be 16-bit or both be FP8, got {a_dtype} and {b_dtype}")
@@ -93,7 +93,9 @@ class Sm90Gemm:
             raise ValueError("block-scaled FP8 needs two-level accumulation, tile_k = 128 (one k-tile "
                              "per scale block), tile_n dividing 128 (one weight block per N-tile) and "
                              f"no split_tail; got {cfg.name}")
-        self.block_scaled = block_scaled
+        if b_rows and not block_scaled:
+            raise ValueError("b_rows (B's scales per row) is a block-scaled mode")
+        self.block_scaled, self.b_rows = block_scaled, b_rows
         cfg.check_registers(self.two_level)
         self.pingpong = cfg.schedule == "pingpong"
         # cooperative two-level: each next tile's first k-tile is issued before the epilogue
@@ -113,7 +115,8 @@ class Sm90Gemm:
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
-            paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS,
+            # the wgrad form's column scales need the registers a second temporary would take
+            paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not b_rows,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -124,7 +127,8 @@ class Sm90Gemm:
         tensor inputs, outputs and runtime scalars in the epilogue's order (``None`` when
         empty); ``workspace``: ``split_tail`` only (else ``None``), the tail's fp32 partials and
         its per-tile int32 arrival counters (zeroed); ``block_scales``: block-scaled FP8 only
-        (else ``None``), A's 1 x 128 and B's 128 x 128 fp32 scales (``block_scales.py``)."""
+        (else ``None``), A's 1 x 128 and B's 128 x 128 (``b_rows``: 1 x 128) fp32 scales
+        (``block_scales.py``)."""
         tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
@@ -354,7 +358,7 @@ class Sm90Gemm:
             return None
         wm, wn, wl = sched.coord(work)
         return BlockScales(block_scales[0], block_scales[1], thr_mma.partition_C(cD[(None, None, wm, wn)]),
-                           problem_mnl, wn * self.tile_mnk[1], wl)
+                           problem_mnl, wn * self.tile_mnk[1], wl, self.b_rows)
 
     def _first_factor(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
         scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
