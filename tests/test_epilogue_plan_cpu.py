@@ -124,7 +124,7 @@ def test_choose_config_takes_the_first_candidate_that_does_not_spill(monkeypatch
     ranked = ranked_configs(tree, *shape)
     asked = []
 
-    def fake_spills(t, cfg, fp8, sms, block_scaled=False):
+    def fake_spills(t, cfg, fp8, sms, block_scaled=False, b_rows=False):
         asked.append(cfg)
         return cfg in ranked[:2]
 
