@@ -15,8 +15,8 @@ import torch
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
-           "QuantizeRowsSpec", "QuantizeWeightSpec", "compile_elementwise", "fold_backward",
-           "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight"]
+           "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "compile_elementwise", "fold_backward",
+           "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -137,6 +137,61 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
                             dispatch.arch_of(x.device))
     get_kernel(spec).fn(x, q, scales)
     return q, scales
+
+
+@dataclass(frozen=True)
+class QuantizeDualSpec:
+    """Both 1 x 128 FP8 quantizations of a 16-bit matrix, along its rows and along its columns
+    (``kernels.elementwise.quantize_dual``); ``rows=False``: the column one only."""
+
+    dtype: str
+    out_dtype: str = "float8_e4m3fn"
+    rows: bool = True
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        part = "dual" if self.rows else "cols"
+        return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.quantize_dual import QuantizeDual
+        from .reference import FP8_MAX
+
+        m, k = cute.sym_int(), cute.sym_int()
+        fp8_max = FP8_MAX[getattr(torch, self.out_dtype)]
+
+        def scales(rows):
+            return _fake("float32", (rows, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()))
+        # rows=False: q, s are placeholders the kernel never touches, of any shape
+        qm, qk = (m, k) if self.rows else (cute.sym_int(), cute.sym_int())
+        return QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows), (
+            _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+            _fake(self.out_dtype, (qm, qk), (cute.sym_int64(divisibility=8), 1), 16), scales(qm),
+            _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16), scales(k),
+        )
+
+
+def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True):
+    """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 and M of 16: q, s its 1 x 128
+    quantization (``reference.quantize_blocks_ref``), qt, st that of ``x.t()`` (K, M); ``rows``
+    False: (None, None, qt, st). Scales fp32 (rows, ceil(cols / 128)), contiguous."""
+    from . import dispatch
+
+    m, k = x.shape
+    qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
+    st = torch.empty((k, -(-m // 128)), dtype=torch.float32, device=x.device)
+    if rows:
+        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        s = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=x.device)
+    else:  # placeholders: the kernel writes neither
+        q, s = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1]
+    spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
+                            dispatch.arch_of(x.device))
+    get_kernel(spec).fn(x, q, s, qt, st)
+    return (q, s, qt, st) if rows else (None, None, qt, st)
 
 
 @dataclass(frozen=True)

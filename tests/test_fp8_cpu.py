@@ -204,3 +204,43 @@ def test_quantize_op_bad_input_raises_on_every_path(case, path):
     _, args, match = case
     with pytest.raises(ValueError, match=match), on_path(path):
         torch.ops.coda.quantize_fp8(*args)
+
+
+# -- both 1 x 128 quantizations in one pass: coda.quantize_fp8_dual -----------------------------------
+@pytest.mark.parametrize("rows", [True, False])
+def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
+    """x read once with 16-byte loads; the rows' FP8 values (8-byte stores) and the transposed
+    copy's (16-byte stores, 64 values down a shared-memory column per thread); IEEE scales; no
+    spills. ``rows=False`` stores no row values."""
+    from coda_cute.elementwise import QuantizeDualSpec
+
+    k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows), keep_artifacts=True)
+    ptx = k.ptx
+    assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("st.global.v4.b32") == 4
+    assert ptx.count("st.global.v2.b32") == (8 if rows else 0)
+    assert "div.rn.f32" in ptx and "div.approx" not in ptx and "bar.sync" in ptx
+    assert spill_bytes(k) == 0
+
+
+def test_dual_op_on_the_reference_path_is_both_quantizations():
+    x, _ = fresh(144, 264)
+    x = x.to(torch.bfloat16)
+    with coda_cute.reference_on_cpu():
+        q, s, qt, st = torch.ops.coda.quantize_fp8_dual(x, torch.float8_e5m2)
+    want_q, want_s = R.quantize_blocks_ref(x.float(), (1, 128), torch.float8_e5m2)
+    want_qt, want_st = R.quantize_blocks_ref(x.float().t(), (1, 128), torch.float8_e5m2)
+    assert qt.is_contiguous() and qt.shape == (264, 144) and st.shape == (264, 2)
+    for got, want in ((q, want_q), (qt, want_qt)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(s, want_s) and torch.equal(st, want_st)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("shape, dtype, match", [
+    ((100, 64), torch.float8_e4m3fn, r"rows \(M = 100\) must be a multiple of 16"),
+    ((64, 60), torch.float8_e4m3fn, "K a multiple of 8"),
+    ((64, 64), torch.bfloat16, "dtype must be torch.float8_e4m3fn"),
+])
+def test_dual_op_rejects_bad_input_on_every_path(path, shape, dtype, match):
+    with on_path(path), pytest.raises(ValueError, match=match):
+        torch.ops.coda.quantize_fp8_dual(torch.randn(*shape).bfloat16(), dtype)

@@ -1,5 +1,5 @@
-"""GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128, and
-``quantize_weight``, the fold + 128 x 128) against the oracle
+"""GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128,
+``quantize_weight``, the fold + 128 x 128, and ``quantize_dual``, 1 x 128 of x and of x^T) against the oracle
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
 buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
@@ -76,3 +76,36 @@ def test_quantize_op_is_the_reference():
     qw, sw = torch.ops.coda.quantize_fp8(w, "128x128", g)
     want_qw, want_sw = R.quantize_blocks_ref(w * g, (128, 128))
     assert torch.equal(sw, want_sw) and torch.equal(qw.view(torch.uint8), want_qw.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("m, k", [(16, 8), (1008, 1000), (4096, 4096), (272, 136)])
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows):
+    """``quantize_dual``: x's 1 x 128 quantization and x^T's, bit for bit (values and scales),
+    ragged tiles both ways, zero / inf / NaN blocks in both directions, outputs NaN-poisoned."""
+    from coda_cute.elementwise import QuantizeDualSpec
+    from coda_cute.compiler import get_kernel
+
+    x = _input(m, k, torch.bfloat16)
+    if m > 100:
+        x[3, :] = 0  # a zero row block (and parts of column blocks)
+        x[:, 5] = 0  # a zero column block of x^T's first row block
+        x[7, k - 1] = float("inf")
+        x[m - 2, 2] = float("nan")
+    poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # noqa: E731
+    q, qt = poison(m, k), poison(k, m)
+    s = torch.full((m, -(-k // 128)), float("nan"), device="cuda")
+    st = torch.full((k, -(-m // 128)), float("nan"), device="cuda")
+    spec = QuantizeDualSpec("bfloat16", str(out_dtype)[6:], rows)
+    get_kernel(spec).fn(x, q, s, qt, st)
+    checks = [(qt, st, x.float().t())] + ([(q, s, x.float())] if rows else [])
+    for got_q, got_s, src in checks:
+        want_q, want_s = R.quantize_blocks_ref(src.contiguous(), (1, 128), out_dtype)
+        assert bool((torch.isnan(got_s) == torch.isnan(want_s)).all())
+        assert torch.equal(got_s[~torch.isnan(got_s)], want_s[~torch.isnan(want_s)])
+        nan = want_q.float().isnan()
+        assert bool((got_q.float().isnan() == nan).all())
+        assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
+    if not rows:
+        assert bool(s.isnan().all())  # untouched

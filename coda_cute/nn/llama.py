@@ -138,7 +138,8 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
     if c.precision == "bf16":
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     else:
-        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, c.precision.grad_dtype)[:2]
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps,
+                               c.precision.grad_format == "e5m2")[:2]
     return y2.view(b, s, d), ss2
 
 

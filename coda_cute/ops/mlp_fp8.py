@@ -16,12 +16,15 @@ Backward, from dy2:
     dw_down = Q1(dy2^T) @ Q1(h^T)^T,  dw_gu = Q1(dz'^T) @ Q1(y^T)^T  the wgrad form: both operands
                                                                      in 1 x 128 blocks along M
 
-The weight gradients quantize bf16 transposes (separate passes); with a token count M that is no
-multiple of 16 (the FP8 rows of a transpose must start on 16-byte boundaries) they are bf16 GEMMs.
+The gradients dy2 and dz' are quantized once for both of their GEMMs (``coda.quantize_fp8_dual``:
+along K and, transposed, along M); h and y, whose row quantization the forward had, are quantized
+transposed only. With a token count M that is no multiple of 16 (the rows of a transposed FP8
+copy must start on 16-byte boundaries) the weight gradients are bf16 GEMMs.
 
-The gradients are quantized to ``grad_dtype`` (E4M3, or E5M2 for range). The weights are
-quantized once per forward and kept for the backward. The quantizations are separate
-bandwidth-bound passes (``coda.quantize_fp8``) for now. Numerics: the dequantized operands'
+The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
+quantized once per forward and kept for the backward. The quantizations are bandwidth-bound
+passes of their own (``coda.quantize_fp8``, ``coda.quantize_fp8_dual``) for now, not yet in the
+producing GEMMs' epilogues. Numerics: the dequantized operands'
 products summed in fp32, so the error against an fp32 reference is FP8's rounding of each operand
 (about 2^-4 relative per element for E4M3), not the GEMM's.
 """
@@ -38,23 +41,26 @@ from .eager import direct
 from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from .quantize import quantize_fp8
+from .quantize import quantize_dual_fp8, quantize_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
 
 OP = "coda.mlp_block_fp8"
-GRAD_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def check_mlp_fp8(y, ss, w_gu, w_down, eps, grad_dtype):
+def check_mlp_fp8(y, ss, w_gu, w_down, eps):
     m, f = check_mlp(y, ss, w_gu, w_down, eps)
     for name, width in (("the model width d (columns of y)", y.shape[1]), ("the SwiGLU width f", f)):
         if width % 16:  # the FP8 operands' rows start on 16-byte boundaries (TMA)
             raise ValueError(f"{OP}: {name} must be a multiple of 16 for FP8 operands, got {width}")
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"{OP}: grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
     return m, f
+
+
+def _grad_format(e5m2_grads: bool) -> torch.dtype:
+    # a bool in the schema, not a dtype: torch.library hands a dtype argument's default to
+    # setup_context as its ScalarType number
+    return torch.float8_e5m2 if e5m2_grads else torch.float8_e4m3fn
 
 
 def _weight(w):
@@ -70,36 +76,35 @@ def _operand(q, s, transposed: bool = False):
     return q.t(), s
 
 
-def _gemm(tree, a, w_q, w_s, inputs, transposed=False, grad_dtype=torch.float8_e4m3fn):
-    """``tree`` on Q1(a) @ B, B the quantized weight (or its transpose)."""
-    a_q, a_s = quantize_fp8(a, "1x128", None, grad_dtype)
+def _gemm(tree, a_q, a_s, w_q, w_s, inputs, transposed=False):
+    """``tree`` on the quantized a (1 x 128) @ B, B the quantized weight (or its transpose)."""
     b, b_s = _operand(w_q, w_s, transposed)
     return E.run(tree, a_q, b, inputs, op=OP, block_scales=(a_s, b_s))
 
 
 @torch.library.custom_op("coda::mlp_block_fp8", mutates_args=())
 def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, eps: float,
-                  grad_dtype: torch.dtype = torch.float8_e4m3fn
+                  e5m2_grads: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
     Arguments as ``coda.mlp_block``'s (y (M, d) bf16, ss its norm statistics, w_gu (2f, d) bf16
-    interleaved with gamma folded in, w_down (d, f) bf16), and ``grad_dtype``, the FP8 format of
-    the gradients in the backward. Returns (y2, ss2, z, then the quantized weights kept for the
+    interleaved with gamma folded in, w_down (d, f) bf16), and ``e5m2_grads``: the backward's
+    gradients in E5M2 rather than E4M3. Returns (y2, ss2, z, then the quantized weights kept for the
     backward: W_gu's values and scales, W_down's); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
-    check_mlp_fp8(y, ss, w_gu, w_down, eps, grad_dtype)
+    check_mlp_fp8(y, ss, w_gu, w_down, eps)
     gu_q, gu_s = _weight(w_gu)
     down_q, down_s = _weight(w_down)
-    out = _gemm(norm_swiglu_tree(), y, gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
-    res = _gemm(residual_norm_stats_tree(), out["h"], down_q, down_s, {"residual": y})
+    out = _gemm(norm_swiglu_tree(), *quantize_fp8(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
+    res = _gemm(residual_norm_stats_tree(), *quantize_fp8(out["h"]), down_q, down_s, {"residual": y})
     return res["y"], res["ss"], out["z"], gu_q, gu_s, down_q, down_s
 
 
 @mlp_block_fp8.register_fake
-def _fake(y, ss, w_gu, w_down, eps, grad_dtype=torch.float8_e4m3fn):
-    m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps, grad_dtype)
+def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
+    m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps)
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, f, sms, y.device.type, block_scaled=True))
@@ -112,36 +117,48 @@ def _fake(y, ss, w_gu, w_down, eps, grad_dtype=torch.float8_e4m3fn):
 
 def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, grad_dtype,
                      needs=(True, True, True)):
-    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed)."""
+    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed). dy2 and
+    dz' are each quantized once for both of their GEMMs (``coda.quantize_fp8_dual``: along K
+    for the dgrad, transposed along M for the wgrad); h and y, whose row quantization the
+    forward had, only transposed."""
     d = y.shape[1]
-    bwd = _gemm(swiglu_backward_tree(), dy2, w_down_q, w_down_s, dict(norm_inputs(d, ss, eps), z=z),
-                transposed=True, grad_dtype=grad_dtype)
+    wgrad_fp8 = y.shape[0] % 16 == 0  # the transposed FP8 copies' rows start on 16-byte boundaries
+    dy_q, dy_s, dyt_q, dyt_s = _grad_operands(dy2, grad_dtype, wgrad_fp8)
+    bwd = _gemm(swiglu_backward_tree(), dy_q, dy_s, w_down_q, w_down_s, dict(norm_inputs(d, ss, eps), z=z),
+                transposed=True)
     dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-    dw_down = _wgrad(dy2, h, grad_dtype) if needs[2] else None
-    dw_gu = _wgrad(dzp, y, grad_dtype) if needs[1] else None
+    dz_q, dz_s, dzt_q, dzt_s = _grad_operands(dzp, grad_dtype, wgrad_fp8)
+    dw_down = _wgrad(dy2, dyt_q, dyt_s, h) if needs[2] else None
+    dw_gu = _wgrad(dzp, dzt_q, dzt_s, y) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
-        dy = _gemm(norm_backward_tree(True), dzp, w_gu_q, w_gu_s, inputs, transposed=True,
-                   grad_dtype=grad_dtype)["dy"]
+        dy = _gemm(norm_backward_tree(True), dz_q, dz_s, w_gu_q, w_gu_s, inputs, transposed=True)["dy"]
     return dy, dw_gu, dw_down
 
 
-def _wgrad(dy, x, grad_dtype):
+def _grad_operands(g, grad_dtype, transposed: bool):
+    """(q, s, qt, st) of a gradient: 1 x 128 along K, and (``transposed``) along M; else qt, st None."""
+    if transposed:
+        return quantize_dual_fp8(g, grad_dtype)
+    return (*quantize_fp8(g, "1x128", None, grad_dtype), None, None)
+
+
+def _wgrad(dy, dyt_q, dyt_s, x):
     """dy^T @ x over the tokens (M): FP8 with both operands in 1 x 128 blocks along M
-    (``coda.gemm_blockwise``'s wgrad form), or bf16 where M is no multiple of 16."""
-    if dy.shape[0] % 16:
+    (``coda.gemm_blockwise``'s wgrad form; dy's transposed quantization given), or bf16 where
+    there is none (M no multiple of 16)."""
+    if dyt_q is None:
         return gemm_op(dy.t(), x)
-    a_q, a_s = quantize_fp8(dy.t().contiguous(), "1x128", None, grad_dtype)
-    b_q, b_s = quantize_fp8(x.t().contiguous(), "1x128")
-    return gemm_blockwise(a_q, a_s, b_q, b_s, dy.dtype, "1x128")
+    _, _, xt_q, xt_s = quantize_dual_fp8(x, torch.float8_e4m3fn, rows=False)
+    return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
 
 
 def _setup(ctx, inputs, output):
-    y, ss, _w_gu, _w_down, eps, grad_dtype = inputs
+    y, ss, _w_gu, _w_down, eps, e5m2_grads = inputs
     _y2, ss2, z, gu_q, gu_s, down_q, down_s = output
     ctx.save_for_backward(y, ss, z, gu_q, gu_s, down_q, down_s)
-    ctx.eps, ctx.grad_dtype = eps, grad_dtype
+    ctx.eps, ctx.grad_dtype = eps, _grad_format(e5m2_grads)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 

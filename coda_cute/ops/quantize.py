@@ -12,6 +12,9 @@ for the operands no GEMM epilogue quantizes:
     holding inf or NaN);  q = fp8(clamp(x * (1 / s_b), +-FP8_MAX))
 
 exactly ``coda_cute.reference.quantize_blocks_ref`` (bit for bit on the GPU). Returns (q, scales).
+``coda.quantize_fp8_dual`` quantizes x along K and x^T along M in one pass (the weight
+gradient's operands, quantized along the tokens).
+
 No autograd: the FP8 training ops quantize detached values and carry their own backward.
 """
 
@@ -22,7 +25,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..elementwise import quantize_rows, quantize_weight
+from ..elementwise import quantize_dual, quantize_rows, quantize_weight
 from ..reference import quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
 
@@ -92,3 +95,49 @@ def _cpu(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn):
     want_q, want_s = quantize_blocks_ref(values, BLOCKS[block], dtype)
     q, scales = _outputs(x, block, grid, dtype)
     return q.copy_(want_q), scales.copy_(want_s)
+
+
+# == both 1 x 128 quantizations in one pass: x along K and x^T along M (the wgrad operand) =========
+OP_DUAL = "coda.quantize_fp8_dual"
+
+
+def check_dual(x, dtype):
+    """``coda.quantize_fp8_dual``'s rules (those of 1 x 128 blocks, and M a multiple of 16: the
+    rows of the transposed FP8 copy start on 16-byte boundaries). Returns (M, K)."""
+    m, k, _ = check_quantize(x, "1x128", None, dtype)
+    if m % 16:
+        raise ValueError(f"{OP_DUAL}: x's rows (M = {m}) must be a multiple of 16: the transposed FP8 "
+                         "copy's rows start on 16-byte boundaries")
+    return m, k
+
+
+def quantize_dual_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True):
+    """(q, s, qt, st): x's 1 x 128 quantization and that of x^T (K, M), scales (rows,
+    ceil(cols / 128)) contiguous; ``rows`` False: (None, None, qt, st). The kernel on CUDA
+    (``kernels.elementwise.quantize_dual``), the reference inside ``reference_on_cpu``."""
+    check_dual(x, dtype)
+    if x.device.type == "cuda":
+        return quantize_dual(x, dtype, rows)
+    dispatch.require_reference(OP_DUAL)
+    qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, 128), dtype)
+    if not rows:
+        return None, None, qt, st
+    q, s = quantize_blocks_ref(x.float(), (1, 128), dtype)
+    return q, s, qt, st
+
+
+@torch.library.custom_op("coda::quantize_fp8_dual", mutates_args=())
+def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, qt, st) of 16-bit ``x`` (M, K) in one pass: q, s = its 1 x 128 quantization along K,
+    qt, st = that of ``x.t()`` (K, M) along M, each ``reference.quantize_blocks_ref``'s (bit for
+    bit on the GPU); scales (rows, ceil(cols / 128)) fp32. The weight gradient's operands are
+    quantized along the tokens, which a 1 x 128 tensor cannot be transposed into."""
+    return quantize_dual_fp8(x, dtype)
+
+
+@quantize_fp8_dual.register_fake
+def _dual_fake(x, dtype=torch.float8_e4m3fn):
+    m, k = check_dual(x, dtype)
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, -(-k // 128)), dtype=F32),
+            x.new_empty((k, m), dtype=dtype), x.new_empty((k, -(-m // 128)), dtype=F32))

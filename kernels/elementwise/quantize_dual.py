@@ -1,0 +1,124 @@
+"""Both 1 x 128 FP8 quantizations of a 16-bit matrix in one pass (``coda_cute.precision``'s recipe):
+for x (M, K),
+
+    q, s   = 1 x 128 blocks of x along K     (the dgrad / fprop operand, x as stored)
+    qt, st = 1 x 128 blocks of x^T along M   (the weight-gradient operand: x transposed, (K, M))
+
+each exactly ``coda_cute.reference.quantize_blocks_ref`` (``fp8_math``), bit for bit. A 1 x 128
+quantized tensor cannot be transposed afterwards (its blocks run the other way), so the weight
+gradient needs the second quantization; reading x once for both moves 2 bytes in and 2 out per
+element where a bf16 transpose plus two quantizations move 10. ``rows=False`` writes only qt, st
+(an operand whose row quantization exists already).
+
+Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in two phases around one
+barrier. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
+the 8 columns ``8 j ..`` (one 16-byte load per row, zeros past the matrix, which add nothing to an
+amax); per row a butterfly over the half-warp gives the block's amax, then the 8 quantized values
+and (lane 0) the scale; the 16-bit values go to shared memory. Columns phase: thread ``t`` owns
+column ``t % 128`` of rows ``64 (t // 128) ..`` (64 values read down the column, a warp's lanes on
+consecutive columns: no bank conflicts), the two halves' amaxes meet in shared memory, and each
+thread writes its 64 quantized values of row ``t % 128`` of qt as four 16-byte stores. K must be a
+multiple of 8 (16-byte rows of x) and M of 16 (16-byte rows of qt).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .fp8_math import abs_max, block_scale, quantize
+
+THREADS = 256
+BLOCK = 128
+#: columns per thread and row in the rows phase: one 16-byte load of 16-bit values
+VEC = 8
+#: lanes per row: a half-warp
+LANES = BLOCK // VEC
+#: rows per thread in the rows phase
+ROWS = BLOCK // (THREADS // LANES)
+#: rows per thread in the columns phase (two halves of the tile)
+HALF = BLOCK // 2
+#: FP8 values per store of qt
+OUT_VEC = 16
+#: padding of the shared tile's rows (16 bytes), so the rows phase's 16-byte stores of two
+#: half-warps do not share banks
+PAD = 8
+
+
+class QuantizeDual:
+    """``q, s, qt, st`` of 16-bit ``x`` (M, K) in ``out_dtype`` (E4M3 / E5M2): q (M, K), s
+    (M, ceil(K / 128)), qt (K, M), st (K, ceil(M / 128)); scales fp32 of any strides.
+    ``rows=False``: q and s are not written (pass them anyway, any tensors of those shapes)."""
+
+    def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True):
+        self.dtype, self.out_dtype, self.fp8_max, self.rows = dtype, out_dtype, fp8_max, rows
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
+                 stream):
+        gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
+        gq = cute.zipped_divide(q, (1, VEC))
+        gqt = cute.zipped_divide(qt, (1, OUT_VEC))  # ((1, 16), (K, M / 16))
+        m, k = x.shape
+        self.kernel(gx, gq, s, gqt, st, m, k).launch(
+            grid=(cute.ceil_div(k, BLOCK), cute.ceil_div(m, BLOCK), 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, s: cute.Tensor, gqt: cute.Tensor, st: cute.Tensor,
+               m: Int32, k: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        _, groups = gx.shape[1]
+        smem = cutlass.memory.SmemAllocator()
+        tile = smem.allocate_tensor(self.dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + PAD, 1)), 16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((2, BLOCK)), 16)
+        fmax = Float32(self.fp8_max)
+
+        # rows phase
+        h, j = tidx // LANES, tidx % LANES
+        col = Int32(bx * LANES + j)
+        buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
+        buf.fill(0.0)
+        for i in cutlass.range_constexpr(ROWS):
+            row = by * BLOCK + h + LANES * i
+            if row < m and col < groups:
+                buf[(None, i)].store(gx[(None, (row, col))].load())
+        tile_v = cute.zipped_divide(tile, (1, VEC))
+        for i in cutlass.range_constexpr(ROWS):
+            tile_v[(None, (h + LANES * i, j))].store(buf[(None, i)].load())
+            if cutlass.const_expr(self.rows):
+                row = by * BLOCK + h + LANES * i
+                v = buf[(None, i)].load().to(Float32)
+                amax = abs_max(Float32(0.0), v, VEC)
+                for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+                scale, inv = block_scale(amax, fmax)
+                if row < m and col < groups:
+                    gq[(None, (row, col))].store(quantize(v, inv, fmax, VEC).to(self.out_dtype))
+                    if j == 0:
+                        s[(row, bx)] = scale
+        cute.arch.sync_threads()
+
+        # columns phase
+        c, half = tidx % BLOCK, tidx // BLOCK
+        # laid out as the four 16-value stores of qt take them
+        vals = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), Float32)
+        for e in cutlass.range_constexpr(HALF):
+            vals[e] = tile[(half * HALF + e, c)].to(Float32)
+        red[(half, c)] = abs_max(Float32(0.0), vals.load(), HALF)
+        cute.arch.sync_threads()
+        scale, inv = block_scale(cute.arch.fmax(red[(0, c)], red[(1, c)], nan=True), fmax)
+        kk = bx * BLOCK + c
+        if kk < k:
+            out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), self.out_dtype)
+            out.store(quantize(vals.load(), inv, fmax, HALF).to(self.out_dtype))
+            for u in cutlass.range_constexpr(HALF // OUT_VEC):
+                m0 = by * BLOCK + half * HALF + u * OUT_VEC
+                if m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out
+                    gqt[(None, (kk, m0 // OUT_VEC))].store(out[(None, u)].load())
+            if half == 0:
+                st[(kk, by)] = scale
