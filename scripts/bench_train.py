@@ -15,6 +15,8 @@ every variant runs on the same weights:
   coda        coda_cute.nn.CodaLlama.from_hf(...)(tokens, targets).backward(), eager; targets are
               the labels shifted (targets[:, :-1] = labels[:, 1:], targets[:, -1] = -100), so it
               computes the same loss as HF (checked at start-up: both printed, ~1e-2 relative)
+  coda_fp8    (``--fp8``) the same model with precision="fp8": the MLP sublayers' six GEMMs in
+              block-scaled FP8 (coda.mlp_block_fp8), the rest bf16
   hf_eager    LlamaForCausalLM(input_ids, labels=labels).loss.backward()
   hf_compile  torch.compile(hf_model) (default mode) of the same; compiled before timing
   liger       a second HF instance (a deep copy, same weights) patched by Liger-Kernel's
@@ -109,8 +111,8 @@ from train_shadow import (  # noqa: E402
 
 SHADOW_KEYS = ("shadow_ms", "shadow_gemm_ms", "shadow_attention_ms", "shadow_chain_ms", "attention_ms",
                "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio", "gemm_flops")
-VARIANTS = ("coda", "hf_eager", "hf_compile", "liger")
-BASELINES = VARIANTS[1:]
+VARIANTS = ("coda", "coda_fp8", "hf_eager", "hf_compile", "liger")
+BASELINES = VARIANTS[2:]
 
 out_console = Console(width=180)
 
@@ -159,6 +161,17 @@ def run_config(spec: ModelSpec, args, device) -> dict:
         steps["coda"] = (coda_step(coda, ids, targets, coda_params), coda_params)
     except Exception as exc:  # noqa: BLE001
         report_failure("coda: build", exc, errors, "coda")
+    if args.fp8:
+        say("building the CODA model in FP8")
+        try:
+            if CODA_IMPORT_ERROR:
+                raise RuntimeError(CODA_IMPORT_ERROR)
+            fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision="fp8"), hf_model.state_dict(), device=device)
+            fp8.train()
+            fp8_params = list(fp8.parameters())
+            steps["coda_fp8"] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
+        except Exception as exc:  # noqa: BLE001
+            report_failure("coda_fp8: build", exc, errors, "coda_fp8")
 
     if not args.no_compile and not smoke:
         say("torch.compile(hf_model)")
@@ -345,6 +358,7 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="default 4096 (--smoke: 32)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-liger", action="store_true", help="skip the Liger-Kernel baseline")
+    ap.add_argument("--fp8", action="store_true", help="also time CodaLlama with precision='fp8' (coda_fp8)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
     ap.add_argument("--smoke", action="store_true",
                     help="run every variant once on a tiny config on CPU (no timing, compile, Liger)")
