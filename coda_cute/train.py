@@ -21,8 +21,8 @@ cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
 * ``hf``: the plain HF model (``--compile``: under ``torch.compile``);
 * ``hf_seed2``: the same with the data-order seed + 1, the spread two plain runs differ by;
 * ``coda``: ``apply_coda`` on a copy of the same initial weights;
-* ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the MLP sublayers'
-  forward and dgrad GEMMs in block-scaled FP8, against the bf16 ``coda`` run on the same data.
+* ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the decoder layers'
+  GEMMs in block-scaled FP8, against the bf16 ``coda`` run on the same data.
 
 Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
 and validation loss per run), a JSON log of every step and a PNG of the loss curves

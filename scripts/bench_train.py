@@ -15,8 +15,8 @@ every variant runs on the same weights:
   coda        coda_cute.nn.CodaLlama.from_hf(...)(tokens, targets).backward(), eager; targets are
               the labels shifted (targets[:, :-1] = labels[:, 1:], targets[:, -1] = -100), so it
               computes the same loss as HF (checked at start-up: both printed, ~1e-2 relative)
-  coda_fp8    (``--fp8``) the same model with precision="fp8": the MLP sublayers' six GEMMs in
-              block-scaled FP8 (coda.mlp_block_fp8), the rest bf16
+  coda_fp8    (``--fp8``) the same model with precision="fp8": the decoder layers' GEMMs in
+              block-scaled FP8 (coda.attention_block_fp8, coda.mlp_block_fp8), the LM head bf16
   hf_eager    LlamaForCausalLM(input_ids, labels=labels).loss.backward()
   hf_compile  torch.compile(hf_model) (default mode) of the same; compiled before timing
   liger       a second HF instance (a deep copy, same weights) patched by Liger-Kernel's

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..ops.attention import attention_block
+from ..ops.attention_fp8 import attention_block_fp8
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.mlp import mlp_block
 from ..ops.mlp_fp8 import mlp_block_fp8
@@ -61,8 +62,8 @@ class LlamaConfig:
     qk_norm_eps: float = 1e-6
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
-    #: "bf16", or "fp8" / a :class:`~coda_cute.precision.Fp8Recipe`: the MLP sublayer's forward and
-    #: dgrad GEMMs in FP8 (``coda.mlp_block_fp8``); stored as the recipe
+    #: "bf16", or "fp8" / a :class:`~coda_cute.precision.Fp8Recipe`: the sublayers' GEMMs in FP8
+    #: (``coda.attention_block_fp8``, ``coda.mlp_block_fp8``); stored as the recipe
     precision: Union[str, Fp8Recipe] = "bf16"
 
     def __post_init__(self):
@@ -106,6 +107,8 @@ class LlamaConfig:
             for field in ("dim", "ffn_dim"):
                 if getattr(self, field) % 16:
                     bad(field, "must be a multiple of 16 with FP8 (rows of FP8 values start on 16-byte boundaries)")
+            if self.n_heads * self.head_dim % 16:
+                bad("head_dim", "times n_heads must be a multiple of 16 with FP8")
             object.__setattr__(self, "precision", recipe)
 
 
@@ -132,14 +135,15 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
     the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu.
     Returns the next residual stream (B, S, d) and its partials."""
     b, s, d = x.shape
-    y1, ss1 = attention_block(
-        x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
-        c.head_dim, q_norm, k_norm, c.qk_norm_eps)[:2]
+    args = (x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
+            c.head_dim, q_norm, k_norm, c.qk_norm_eps)
     if c.precision == "bf16":
+        y1, ss1 = attention_block(*args)[:2]
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
-    else:
-        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps,
-                               c.precision.grad_format == "e5m2")[:2]
+    else:  # the projections' GEMMs in FP8; the attention core and the LM head stay bf16
+        e5m2 = c.precision.grad_format == "e5m2"
+        y1, ss1 = attention_block_fp8(*args, e5m2)[:2]
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2)[:2]
     return y2.view(b, s, d), ss2
 
 

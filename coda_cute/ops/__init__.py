@@ -6,11 +6,11 @@
   ``swiglu`` (gate/up + SwiGLU, and its backward in the down-proj dgrad), ``qkv`` (QKV + RoPE,
   and its backward), ``proj`` (a norm-scaled projection), ``lm_head_ce`` (final norm + LM head +
   cross-entropy), ``rmsnorm`` (the norm's backward in the consumers' dgrad).
-* The sublayers as single autograd ops: ``attention`` and ``mlp``; ``mlp_fp8``: the MLP sublayer
-  with FP8 forward and dgrad GEMMs.
+* The sublayers as single autograd ops: ``attention`` and ``mlp``; ``attention_fp8`` and
+  ``mlp_fp8``: the same with their GEMMs in block-scaled FP8 (``fp8_gemms``).
 * ``checks``: the argument rules they share.
 """
 
 from . import gemm, gemm_blockwise, quantize  # noqa: F401
 from . import fold, rmsnorm, residual, swiglu, qkv, proj, lm_head_ce, mlp, attention  # noqa: F401
-from . import mlp_fp8  # noqa: F401
+from . import mlp_fp8, attention_fp8  # noqa: F401

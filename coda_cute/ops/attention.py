@@ -174,17 +174,17 @@ def _core_bwd_cpu(do, q, k, v, o, lse, rng_a, rng_b):
 
 # -- the sublayer -----------------------------------------------------------------------------------
 def check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
-                          head_dim, q_norm_w, k_norm_w, qk_eps):
-    check_tensor(OP, "x", x, 3, (BF16,), aligned=True)
+                          head_dim, q_norm_w, k_norm_w, qk_eps, op: str = OP):
+    check_tensor(op, "x", x, 3, (BF16,), aligned=True)
     b, s, d = x.shape
     x2 = x.view(b * s, d)
     check_qkv(x2, w_qkv, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
-              k_norm_w, qk_eps, op=OP)
-    check_tensor(OP, "w_o", w_o, 2, (BF16,), aligned=True)
+              k_norm_w, qk_eps, op=op)
+    check_tensor(op, "w_o", w_o, 2, (BF16,), aligned=True)
     if tuple(w_o.shape) != (d, n_heads * head_dim):
-        raise ValueError(f"{OP}: w_o must be (d, n_heads * head_dim) = {(d, n_heads * head_dim)} "
+        raise ValueError(f"{op}: w_o must be (d, n_heads * head_dim) = {(d, n_heads * head_dim)} "
                          f"(nn.Linear: out x in), got {tuple(w_o.shape)}")
-    check_same_device(OP, x=x, w_o=w_o)
+    check_same_device(op, x=x, w_o=w_o)
     return b, s, d
 
 

@@ -18,8 +18,7 @@ Backward, from dy2:
 
 The gradients dy2 and dz' are quantized once for both of their GEMMs (``coda.quantize_fp8_dual``:
 along K and, transposed, along M); h and y, whose row quantization the forward had, are quantized
-transposed only. With a token count M that is no multiple of 16 (the rows of a transposed FP8
-copy must start on 16-byte boundaries) the weight gradients are bf16 GEMMs.
+transposed only (``ops.fp8_gemms``).
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward and kept for the backward. The quantizations are bandwidth-bound
@@ -34,14 +33,12 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .. import epilogue as E
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .gemm import gemm_op
-from .gemm_blockwise import gemm_blockwise
+from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, wgrad
 from .mlp import check_mlp
-from .quantize import quantize_dual_fp8, quantize_fp8
+from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
@@ -51,35 +48,8 @@ OP = "coda.mlp_block_fp8"
 
 def check_mlp_fp8(y, ss, w_gu, w_down, eps):
     m, f = check_mlp(y, ss, w_gu, w_down, eps)
-    for name, width in (("the model width d (columns of y)", y.shape[1]), ("the SwiGLU width f", f)):
-        if width % 16:  # the FP8 operands' rows start on 16-byte boundaries (TMA)
-            raise ValueError(f"{OP}: {name} must be a multiple of 16 for FP8 operands, got {width}")
+    check_fp8_widths(OP, **{"the model width d (columns of y)": y.shape[1], "the SwiGLU width f": f})
     return m, f
-
-
-def _grad_format(e5m2_grads: bool) -> torch.dtype:
-    # a bool in the schema, not a dtype: torch.library hands a dtype argument's default to
-    # setup_context as its ScalarType number
-    return torch.float8_e5m2 if e5m2_grads else torch.float8_e4m3fn
-
-
-def _weight(w):
-    """W (N, K) in FP8 128 x 128 blocks: (q, scales)."""
-    return quantize_fp8(w, "128x128")
-
-
-def _operand(q, s, transposed: bool = False):
-    """A quantized weight (N, K) as the GEMM's K-major B: (K, N) and its (N / 128, K / 128)
-    scales; ``transposed``: W^T's (the dgrad's B), the FP8 values transposed, the same scales."""
-    if transposed:
-        return q.t().contiguous().t(), s.t()
-    return q.t(), s
-
-
-def _gemm(tree, a_q, a_s, w_q, w_s, inputs, transposed=False):
-    """``tree`` on the quantized a (1 x 128) @ B, B the quantized weight (or its transpose)."""
-    b, b_s = _operand(w_q, w_s, transposed)
-    return E.run(tree, a_q, b, inputs, op=OP, block_scales=(a_s, b_s))
 
 
 @torch.library.custom_op("coda::mlp_block_fp8", mutates_args=())
@@ -95,10 +65,10 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
-    gu_q, gu_s = _weight(w_gu)
-    down_q, down_s = _weight(w_down)
-    out = _gemm(norm_swiglu_tree(), *quantize_fp8(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
-    res = _gemm(residual_norm_stats_tree(), *quantize_fp8(out["h"]), down_q, down_s, {"residual": y})
+    gu_q, gu_s = weight(w_gu)
+    down_q, down_s = weight(w_down)
+    out = project(OP, norm_swiglu_tree(), *quantize_fp8(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
+    res = project(OP, residual_norm_stats_tree(), *quantize_fp8(out["h"]), down_q, down_s, {"residual": y})
     return res["y"], res["ss"], out["z"], gu_q, gu_s, down_q, down_s
 
 
@@ -117,48 +87,27 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
 
 def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, grad_dtype,
                      needs=(True, True, True)):
-    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed). dy2 and
-    dz' are each quantized once for both of their GEMMs (``coda.quantize_fp8_dual``: along K
-    for the dgrad, transposed along M for the wgrad); h and y, whose row quantization the
-    forward had, only transposed."""
+    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed)."""
     d = y.shape[1]
-    wgrad_fp8 = y.shape[0] % 16 == 0  # the transposed FP8 copies' rows start on 16-byte boundaries
-    dy_q, dy_s, dyt_q, dyt_s = _grad_operands(dy2, grad_dtype, wgrad_fp8)
-    bwd = _gemm(swiglu_backward_tree(), dy_q, dy_s, w_down_q, w_down_s, dict(norm_inputs(d, ss, eps), z=z),
-                transposed=True)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
+    bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_q, w_down_s,
+                  dict(norm_inputs(d, ss, eps), z=z), transposed=True)
     dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-    dz_q, dz_s, dzt_q, dzt_s = _grad_operands(dzp, grad_dtype, wgrad_fp8)
-    dw_down = _wgrad(dy2, dyt_q, dyt_s, h) if needs[2] else None
-    dw_gu = _wgrad(dzp, dzt_q, dzt_s, y) if needs[1] else None
+    dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype)
+    dw_down = wgrad(dy2, dyt_q, dyt_s, h) if needs[2] else None
+    dw_gu = wgrad(dzp, dzt_q, dzt_s, y) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
-        dy = _gemm(norm_backward_tree(True), dz_q, dz_s, w_gu_q, w_gu_s, inputs, transposed=True)["dy"]
+        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_q, w_gu_s, inputs, transposed=True)["dy"]
     return dy, dw_gu, dw_down
-
-
-def _grad_operands(g, grad_dtype, transposed: bool):
-    """(q, s, qt, st) of a gradient: 1 x 128 along K, and (``transposed``) along M; else qt, st None."""
-    if transposed:
-        return quantize_dual_fp8(g, grad_dtype)
-    return (*quantize_fp8(g, "1x128", None, grad_dtype), None, None)
-
-
-def _wgrad(dy, dyt_q, dyt_s, x):
-    """dy^T @ x over the tokens (M): FP8 with both operands in 1 x 128 blocks along M
-    (``coda.gemm_blockwise``'s wgrad form; dy's transposed quantization given), or bf16 where
-    there is none (M no multiple of 16)."""
-    if dyt_q is None:
-        return gemm_op(dy.t(), x)
-    _, _, xt_q, xt_s = quantize_dual_fp8(x, torch.float8_e4m3fn, rows=False)
-    return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
 
 
 def _setup(ctx, inputs, output):
     y, ss, _w_gu, _w_down, eps, e5m2_grads = inputs
     _y2, ss2, z, gu_q, gu_s, down_q, down_s = output
     ctx.save_for_backward(y, ss, z, gu_q, gu_s, down_q, down_s)
-    ctx.eps, ctx.grad_dtype = eps, _grad_format(e5m2_grads)
+    ctx.eps, ctx.grad_dtype = eps, grad_format(e5m2_grads)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 

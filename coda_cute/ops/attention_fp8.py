@@ -1,0 +1,162 @@
+"""``torch.ops.coda.attention_block_fp8``: ``coda.attention_block`` with its projections in FP8,
+block-scaled as in ``coda_cute.precision.Fp8Recipe`` (``ops.fp8_gemms``): the QKV and out-proj
+GEMMs of the forward, their dgrads and their weight gradients, on the bf16 op's epilogue trees.
+The attention core and the RoPE / QK-norm backward stay bf16 (the recipe's), as does everything
+the epilogues compute.
+
+Forward (Q1: 1 x 128 blocks along K; QW: 128 x 128 weight blocks):
+
+    qkv, pre = norm_rope_qkv tree on  Q1(x) @ QW(W_qkv)^T     RMSNorm r, QK-norm, RoPE in the epilogue
+    o, lse   = attention core (bf16)
+    y, ss_y  = residual tree on       Q1(o) @ QW(W_o)^T + x
+
+Backward, from dy:
+
+    do          = Q1(dy) @ QW(W_o)                dW_o   = Q1(dy^T) @ Q1(o^T)^T   (along the tokens)
+    dq, dk, dv  = attention core backward;  g, zdz = coda.rope_backward (bf16)
+    dx          = norm_backward tree on  Q1(g) @ QW(W_qkv) + dy      dW_qkv = Q1(g^T) @ Q1(x^T)^T
+
+dy and g are quantized once for their dgrad and wgrad (``coda.quantize_fp8_dual``). Saved as the
+bf16 op's, plus the quantized weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..kernels.epilogue.plain import gemm_tree
+from ..reference import rms_rstd_ref
+from .attention import (attention_backward, attention_forward, check_attention_block, heads_to_rows,
+                        qkv_heads, _core_fake)
+from .autocast import bf16_under_autocast
+from .checks import F32
+from .eager import direct
+from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, wgrad
+from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
+from .quantize import quantize_fp8
+from .residual import residual_norm_stats_tree
+from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
+
+OP = "coda.attention_block_fp8"
+
+
+def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
+                              head_dim, q_norm_w, k_norm_w, qk_eps):
+    b, s, d = check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
+                                    head_dim, q_norm_w, k_norm_w, qk_eps, op=OP)
+    # with head_dim a multiple of 8, the QKV width then is one of 16 too
+    check_fp8_widths(OP, **{"the model width d (columns of x)": d,
+                            "n_heads * head_dim (columns of w_o)": n_heads * head_dim})
+    return b, s, d
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_tree():
+    """The out-proj dgrad's epilogue: do = acc, bf16."""
+    return gemm_tree("none", "none", "bfloat16")
+
+
+@torch.library.custom_op("coda::attention_block_fp8", mutates_args=())
+def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor,
+                        positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, n_heads: int,
+                        n_kv_heads: int, head_dim: int, q_norm_w: Optional[torch.Tensor] = None,
+                        k_norm_w: Optional[torch.Tensor] = None, qk_eps: float = 1e-6, e5m2_grads: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
+    and ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3. d, n_heads * head_dim
+    (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the quantized
+    weights kept for the backward (W_qkv's values and scales, W_o's); only y carries a gradient."""
+    if x.device.type == "cpu":
+        dispatch.require_reference(OP)
+    b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
+                                        head_dim, q_norm_w, k_norm_w, qk_eps)
+    x2 = x.view(b * s, d)
+    qkv_q, qkv_s = weight(w_qkv)
+    o_q, o_s = weight(w_o)
+    qk_norm = q_norm_w is not None
+    tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
+    inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
+                             k_norm_w, qk_eps)
+    out = project(OP, tree, *quantize_fp8(x2), qkv_q, qkv_s, inputs)
+    qkv = out["qkv"]
+    q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
+    o, lse, rng_a, rng_b = attention_forward(q, k, v)
+    res = project(OP, residual_norm_stats_tree(), *quantize_fp8(heads_to_rows(o)), o_q, o_s, {"residual": x2})
+    pre = out["pre"] if qk_norm else qkv.new_empty((0,))
+    return res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, qkv_q, qkv_s, o_q, o_s
+
+
+@attention_block_fp8.register_fake
+def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_dim,
+          q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False):
+    b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
+                                        head_dim, q_norm_w, k_norm_w, qk_eps)
+    m, n, hh = b * s, w_qkv.shape[0], n_heads * head_dim
+    qkv = x.new_empty((m, n))
+    q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
+    o, lse, rng_a, rng_b = _core_fake(q, k, v)
+    sms = dispatch.num_sms_or_default(x.device)
+    t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, hh, sms, x.device.type, block_scaled=True))
+    pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
+    fp8 = torch.float8_e4m3fn
+    blocks = lambda rows, cols: x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=F32)  # noqa: E731
+    return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
+            w_qkv.new_empty(w_qkv.shape, dtype=fp8), blocks(n, d), w_o.new_empty(w_o.shape, dtype=fp8),
+            blocks(d, hh))
+
+
+def _setup(ctx, inputs, output):
+    x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads = inputs
+    _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_q, qkv_s, o_q, o_s = output
+    ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
+                          qkv_q, qkv_s, o_q, o_s)
+    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads))
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, *_):
+    (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
+     qkv_q, qkv_s, o_q, o_s) = ctx.saved_tensors
+    if dy is None:
+        return (None,) * 14
+    eps, h, hkv, hd, qk_eps, grad_dtype = ctx.args
+    n = ctx.needs_input_grad
+    b, s, d = x.shape
+    x2 = x.view(b * s, d)
+    dy2 = dy.reshape(b * s, d).contiguous()
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
+    do = project(OP, _plain_tree(), dy_q, dy_s, o_q, o_s, {}, transposed=True)["out"]
+    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o)) if n[3] else None
+    q, k, v = qkv_heads(qkv, b, h, hkv, hd)
+    dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
+    r = rms_rstd_ref(ss, d, eps)
+    g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre if qn is not None else None,
+                                     qn, kn, qk_eps)
+    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype)
+    dx = None
+    if n[0]:
+        inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
+        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_q, qkv_s, inputs, transposed=True)["dy"]
+        dx = dx.view(b, s, d)
+    dw_qkv = wgrad(g, gt_q, gt_s, x2) if n[2] else None
+    if qn is None:
+        dqn = dkn = None
+    return dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn, None, None
+
+
+attention_block_fp8.register_autograd(_backward, setup_context=_setup)
+
+
+# torch.autocast: activations and weights in bf16 (ops.autocast), then quantized
+bf16_under_autocast("coda::attention_block_fp8", (0, 2, 3, 10, 11))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager)
+attention_block_fp8 = direct(attention_block_fp8)

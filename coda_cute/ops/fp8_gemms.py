@@ -1,0 +1,69 @@
+"""The FP8 sublayers' GEMMs (``coda.mlp_block_fp8``, ``coda.attention_block_fp8``), block-scaled as in
+``coda_cute.precision.Fp8Recipe``:
+
+* a weight W (N, K) in 128 x 128 blocks, quantized once per forward and kept for the backward; its
+  dgrad reads the FP8 transpose with the same scales (QW(W)^T = QW(W^T) exactly: square blocks);
+* an activation or gradient in 1 x 128 blocks along K, for the forward and dgrad GEMMs, which run
+  the ops' epilogue trees on the block-scaled kernel (:func:`project`);
+* a gradient dY and the activation X of a weight gradient dW = dY^T X in 1 x 128 blocks along the
+  tokens M (the wgrad form of ``coda.gemm_blockwise``). A gradient feeding both a dgrad and a wgrad
+  is quantized once for both (``coda.quantize_fp8_dual``); where M is no multiple of 16 (the rows
+  of a transposed FP8 copy start on 16-byte boundaries) the weight gradients are bf16 GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import epilogue as E
+from .gemm import gemm_op
+from .gemm_blockwise import gemm_blockwise
+from .quantize import quantize_dual_fp8, quantize_fp8
+
+FP8 = torch.float8_e4m3fn
+
+
+def grad_format(e5m2_grads: bool) -> torch.dtype:
+    """The gradients' FP8 dtype. The ops take a bool, not a dtype: torch.library hands a dtype
+    argument's default to setup_context as its ScalarType number."""
+    return torch.float8_e5m2 if e5m2_grads else FP8
+
+
+def check_fp8_widths(op: str, **widths) -> None:
+    """Every named width (a GEMM's K or N) a multiple of 16: the FP8 operands' rows start on
+    16-byte boundaries (TMA)."""
+    for name, width in widths.items():
+        if width % 16:
+            raise ValueError(f"{op}: {name} must be a multiple of 16 for FP8 operands, got {width}")
+
+
+def weight(w: torch.Tensor):
+    """W (N, K) in FP8 128 x 128 blocks: (q, scales)."""
+    return quantize_fp8(w, "128x128")
+
+
+def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False) -> dict:
+    """``tree`` on the quantized a (1 x 128) @ B, B the quantized weight W as the GEMM's K-major
+    (K, N) operand (x @ W.T), or ``transposed`` its FP8 transpose (dY @ W), with the scales."""
+    if transposed:
+        b, b_s = w_q.t().contiguous().t(), w_s.t()
+    else:
+        b, b_s = w_q.t(), w_s
+    return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s))
+
+
+def grad_operands(g: torch.Tensor, grad_dtype):
+    """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
+    multiple of 16, along M transposed for its wgrad (else qt, st None)."""
+    if g.shape[0] % 16 == 0:
+        return quantize_dual_fp8(g, grad_dtype)
+    return (*quantize_fp8(g, "1x128", None, grad_dtype), None, None)
+
+
+def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
+    transposed quantization given, :func:`grad_operands`), or bf16 where there is none."""
+    if dyt_q is None:
+        return gemm_op(dy.t(), x)
+    _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False)
+    return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

@@ -1,0 +1,44 @@
+"""GPU test of ``torch.ops.coda.attention_block_fp8``: its block-scaled projection kernels (QKV with
+RMSNorm, RoPE and QK-norm in the epilogue; out-proj + residual + norm statistics; both dgrads with
+the RMSNorm backward; the weight gradients along the tokens) inside the sublayer's forward and
+backward, against float64 autograd through the references, next to the bf16 op's errors."""
+
+import pytest
+import torch
+
+import test_attention_fp8_cpu as C
+from coda_cute import reference as R
+from coda_cute.nn.llama import embedding_norm_stats
+from helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("h, hkv, hd, qk_norm", [(16, 4, 64, False), (8, 2, 128, True)], ids=["hd64", "hd128-qk_norm"])
+def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_norm):
+    b, s, d = 2, 1000, 1024  # ragged: 2000 tokens
+    monkeypatch.setattr(C, "B", b)
+    monkeypatch.setattr(C, "S", s)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(b, s, d, device="cuda", generator=g).bfloat16()
+    w_qkv = (torch.randn((h + 2 * hkv) * hd, d, device="cuda", generator=g) * d ** -0.5).bfloat16()
+    w_o = (torch.randn(d, h * hd, device="cuda", generator=g) * (h * hd) ** -0.5).bfloat16()
+    pos = torch.arange(s, dtype=torch.int32, device="cuda").repeat(b)
+    extra = ()
+    if qk_norm:
+        extra = tuple((1 + 0.1 * torch.randn(hd, device="cuda", generator=g)).bfloat16() for _ in range(2)) + (1e-6,)
+    args = (x, embedding_norm_stats(x.reshape(b * s, d)), w_qkv, w_o, pos,
+            R.rope_inv_freq(hd, 10000.0).cuda(), 1e-5, h, hkv, hd) + extra
+    dy = torch.randn(b, s, d, device="cuda", generator=g).bfloat16()
+    exact = C._exact(args, dy)
+    fp8 = C._run(torch.ops.coda.attention_block_fp8, args, dy)
+    bf16 = C._run(torch.ops.coda.attention_block, args, dy)
+    xd = x.double()
+    errors = []
+    for i in range(4):
+        want = exact[i] - xd if i == 0 else exact[i]
+        e8 = rel_err((fp8[i].double() - xd) if i == 0 else fp8[i].double(), want)
+        e16 = rel_err((bf16[i].double() - xd) if i == 0 else bf16[i].double(), want)
+        errors.append((e8, e16))
+        assert e16 < e8 < 0.1, errors
+    print(f"attention fp8 errors (fp8, bf16) for y - x, dx, dw_qkv, dw_o: {errors}")
