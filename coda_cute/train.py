@@ -344,7 +344,8 @@ def add_arguments(p) -> None:
     p.add_argument("--accum", type=positive_int,
                    help=f"micro-batches per optimizer step (default {d.accum}; --tiny {TINY.accum})")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="fp8: also train the CODA model with FP8 MLP GEMMs (coda_fp8), next to the bf16 one")
+                   help="fp8: also train the CODA model with its decoder layers' GEMMs in FP8 (coda_fp8), "
+                        "next to the bf16 one")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
