@@ -9,7 +9,10 @@ Kernel families compiled (no GPU needed):
   * ``training`` - bf16 with the other operand majors training needs, on the default bf16 config:
     ``kn`` (dY @ W, dgrad), ``mn`` (dY.T @ X, wgrad) and ``mk``;
   * ``coda``     - the fused CODA block ops (``torch.ops.coda.*``): each op's epilogue tree on the
-    config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T).
+    config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T);
+  * ``coda_fp8`` - the FP8 sublayers' block-scaled kernels (``coda.attention_block_fp8``,
+    ``coda.mlp_block_fp8``): forward, dgrad (W's FP8 transpose) and the wgrad form, E4M3, each on
+    the block-scaled config its heuristic picks at that Llama-3-8B layer.
 ``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
 square problem on a 132-SM Hopper part.
 
@@ -56,6 +59,8 @@ FAMILIES = {
     "fp8": "fp8 e4m3 x @ W.T: A and B K-major, row-wise fp32 scales, bf16 out",
     "training": "bf16 training layouts (A major, B major): kn = dY @ W (dgrad), mn = dY.T @ X (wgrad), mk",
     "coda": "CODA block ops, bf16 x @ W.T, each at its Llama-3-8B layer (16384 tokens) on the heuristic's config",
+    "coda_fp8": "FP8 sublayer ops, block-scaled e4m3 (1 x 128 activations, 128 x 128 weights; wgrad 1 x 128 both), "
+                "each at its Llama-3-8B layer",
 }
 TRAINING_LAYOUTS = (("k", "n"), ("m", "n"), ("m", "k"))
 _PTX_TYPE = {"bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -82,7 +87,7 @@ def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec | KernelSpec]
     cfg = default_config(False)
     out += [("training", GemmSpec("bfloat16", "bfloat16", "bfloat16", am, bm, cfg, arch=ARCH))
             for am, bm in TRAINING_LAYOUTS]
-    return out + [("coda", spec) for spec in coda_op_specs()]
+    return out + [("coda", spec) for spec in coda_op_specs()] + [("coda_fp8", s) for s in coda_fp8_specs()]
 
 
 def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
@@ -117,6 +122,34 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
     return [KernelSpec.of("bfloat16", "bfloat16", majors[0], majors[1],
                           choose_config(tree, *mnk, 1, False, False, sms), tree, ARCH, sms, label=op)
             for op, tree, mnk, majors in ops]
+
+
+def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
+    """One kernel per block-scaled GEMM of the FP8 sublayers, labelled with its role: the forward
+    trees, the dgrads (dY @ W through W's FP8 transpose: K-major like every FP8 operand) and the
+    weight-gradient form (dY^T X over the tokens, B scaled per row), on the config each one's
+    heuristic picks (``choose_config`` with block scales) at the ``model`` layer."""
+    from .kernels.epilogue.plain import gemm_tree
+    from .ops import qkv, residual, rmsnorm, swiglu
+    from .sol.shapes import LLAMA3, llama_block
+
+    c = LLAMA3[model]
+    fwd = {s.layer: s.mnk for s in llama_block(c)}
+    m = fwd["qkv"][0]
+    n_qk = (c.n_heads + c.n_kv_heads) * c.head_dim
+    plain = gemm_tree("none", "none", "bfloat16")
+    ops = (("fp8.norm_swiglu", swiglu.norm_swiglu_tree(), fwd["gate_up"], False),
+           ("fp8.residual.down", residual.residual_norm_stats_tree(), fwd["down"], False),
+           ("fp8.norm_rope_qkv", qkv.norm_rope_qkv_tree(n_qk, c.head_dim, False), fwd["qkv"], False),
+           ("fp8.residual.o", residual.residual_norm_stats_tree(), fwd["o"], False),
+           ("fp8.swiglu_backward", swiglu.swiglu_backward_tree(), (m, c.ffn, c.d), False),
+           ("fp8.norm_backward.gate_up", rmsnorm.norm_backward_tree(True), (m, c.d, 2 * c.ffn), False),
+           ("fp8.dgrad.o", plain, (m, fwd["o"][2], c.d), False),
+           ("fp8.wgrad.gate_up", plain, (2 * c.ffn, c.d, m), True))
+    return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
+                          choose_config(tree, *mnk, 1, True, False, sms, True, b_rows), tree, ARCH, sms,
+                          label=op, block_scaled=True, b_rows=b_rows)
+            for op, tree, mnk, b_rows in ops]
 
 
 def expected_wgmma(spec: GemmSpec | KernelSpec) -> str:

@@ -58,6 +58,10 @@ def test_spec_list_covers_the_config_spaces():
     majors = {s.label: s.a_major + s.b_major for f, s in SPECS if f == "coda"}
     assert majors["swiglu_backward"] == majors["norm_backward.qkv"] == "kn"
     assert majors["lm_head_ce_train.dw"] == "mn"
+    fp8 = {s.label: s for f, s in SPECS if f == "coda_fp8"}
+    assert all(s.block_scaled and s.a_major + s.b_major == "kk" and s.a_dtype == "float8_e4m3fn"
+               for s in fp8.values())
+    assert [label for label, s in fp8.items() if s.b_rows] == ["fp8.wgrad.gate_up"]
 
 
 def stores(spec) -> bool:
@@ -259,7 +263,7 @@ def test_report_json(tmp_path, capsys):
     rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
     assert rc == 0
     records = json.loads(path.read_text())
-    assert len(records) == len(report.kernel_specs("default")) == 18
+    assert len(records) == len(report.kernel_specs("default")) == 26
     for r in records:
         assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
         for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
@@ -270,7 +274,8 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "18 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "26 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "fp8.wgrad.gate_up" in out
 
 
 def test_report_without_nvdisasm_shows_unknown(monkeypatch):
