@@ -107,3 +107,21 @@ def test_bad_input_is_refused_on_every_path(path, d, f, e5m2_grads, match):
 def test_block_scaled_kernels_of_the_four_trees_build_without_spills(tree, n, k):
     cfg = ranked_configs(tree, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
     assert not spills(tree, cfg, True, 132, block_scaled=True)
+
+
+def test_fp8_ops_pass_opcheck():
+    """Schema, autograd registration and fake tensors of the FP8 sublayer ops and the dual
+    quantizer (``test_aot_dispatch_dynamic`` too for the quantizer: it sums every output to make a
+    loss, which torch cannot do for the sublayers' FP8 weight outputs on the CPU)."""
+    import test_attention_fp8_cpu as A
+
+    basic = ("test_schema", "test_autograd_registration", "test_faketensor")
+    y, ss, w_gu, w_down, _ = _inputs(64, 128, 128, 1)
+    attn = tuple(t.requires_grad_() if i in (0, 2, 3) else t for i, t in enumerate(A._args(2, qk_norm=True)))
+    with coda_cute.reference_on_cpu():
+        torch.library.opcheck(torch.ops.coda.mlp_block_fp8.default,
+                              (y.requires_grad_(), ss, w_gu.requires_grad_(), w_down.requires_grad_(), EPS),
+                              test_utils=basic)
+        torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, test_utils=basic)
+        torch.library.opcheck(torch.ops.coda.quantize_fp8_dual.default, (torch.randn(48, 40).bfloat16(),),
+                              test_utils=basic + ("test_aot_dispatch_dynamic",))
