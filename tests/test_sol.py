@@ -326,3 +326,21 @@ def test_unfused_model_is_gemm_plus_one_pass():
     assert recs[("gemm", "qkv")].unfused_bytes is None
     lm = recs[("lm_head_ce", "lm_head")]
     assert lm.unfused_bytes > 5 * lm.bytes and lm.unfused_sol_ms > lm.sol_ms  # the logits round trip
+
+
+def test_block_scaled_fp8_gemms_cost_their_scales_and_are_measurable():
+    """The FP8 recipe's GEMMs: 1-byte operands, bf16 out, one fp32 scale per row and k-block of A
+    and per 128 x 128 block of B (the wgrad form: per row of B too); fp8 only."""
+    c = model.gemm_blockwise(1024, 512, 300)
+    assert c.flops == 2 * 1024 * 512 * 300 and c.dtype == "fp8"
+    assert c.traffic["scale_a"] == 1024 * 3 * 4 and c.traffic["scale_b"] == 4 * 3 * 4
+    assert model.gemm_blockwise(1024, 512, 300, "1x128").traffic["scale_b"] == 512 * 3 * 4
+    shape = sol.parse_shapes(["llama3-8b"])[0]  # the qkv layer: M 16384, N 6144, K 4096
+    wgrad = sol.OPS["gemm_blockwise_wgrad"].cost(shape, "fp8")
+    assert (wgrad.m, wgrad.n, wgrad.k) == (shape.n, shape.k, shape.m)
+    from coda_cute.sol.registry import groups
+
+    assert groups()["fp8"] == ["gemm_blockwise", "gemm_blockwise_wgrad"]
+    for name in ("gemm_blockwise", "gemm_blockwise_wgrad"):
+        with pytest.raises(NotImplementedError, match="fp8"):
+            sol.OPS[name].build(shape, "bf16", torch.device("cpu"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import rope_inv_freq
+from ..reference import quantize_blocks_ref, rope_inv_freq
 from .registry import register_op
 from .shapes import Shape
 
@@ -68,7 +68,23 @@ def build_lm_head_ce(shape: Shape, dtype: str, device):
     return lambda: torch.ops.coda.lm_head_ce(y, w, ss, EPS, targets)
 
 
+def _blockwise_build(b_block: str):
+    """A layer's product on ``coda.gemm_blockwise``: its forward x @ W.T (W in 128 x 128 blocks),
+    or with ``b_block="1x128"`` its weight gradient dY^T X over the tokens (both operands in
+    1 x 128 blocks along them), from standard-normal data quantized by the reference."""
+    def build(shape: Shape, dtype: str, device):
+        if dtype != "fp8":
+            raise NotImplementedError("the block-scaled GEMM runs on fp8 (e4m3) operands")
+        m, n, k = (shape.n, shape.k, shape.m) if b_block == "1x128" else shape.mnk
+        a, sa = quantize_blocks_ref(torch.randn(m, k, device=device), (1, 128))
+        b, sb = quantize_blocks_ref(torch.randn(n, k, device=device), (1, 128) if b_block == "1x128" else (128, 128))
+        return lambda: torch.ops.coda.gemm_blockwise(a, sa, b, sb, None, b_block)
+    return build
+
+
 register_op("residual_norm_stats", build=build_residual_norm_stats)
+register_op("gemm_blockwise", build=_blockwise_build("128x128"))
+register_op("gemm_blockwise_wgrad", build=_blockwise_build("1x128"))
 register_op("scaled_swiglu", build=build_scaled_swiglu)
 register_op("scaled_rope", build=build_scaled_rope)
 register_op("lm_head_ce", build=build_lm_head_ce)

@@ -158,6 +158,21 @@ def gemm(m: int, n: int, k: int, dtype: str = "bf16", out_dtype: Optional[str] =
     return OpCost(op, m, n, k, dtype, 2 * m * n * k, 0, traffic)
 
 
+def gemm_blockwise(m: int, n: int, k: int, b_block: str = "128x128", op: str = "gemm_blockwise") -> OpCost:
+    """Block-scaled FP8 GEMM (``coda.gemm_blockwise``): e4m3 A (m, k) with one fp32 scale per row
+    and 128-deep k-block, B (n, k) with one per 128 x 128 block (``b_block="1x128"``, the
+    weight-gradient form: per row and k-block too), bf16 out.
+
+    FLOPs: 2·m·n·k (the per-k-block promotion is part of the GEMM). Bytes: A m·k and B n·k (1 B
+    each), out m·n bf16, scales 4·m·⌈k/128⌉ and 4·⌈n/128⌉·⌈k/128⌉ (``1x128``: 4·n·⌈k/128⌉).
+    """
+    kb = -(-k // 128)
+    rows_b = n if b_block == "1x128" else -(-n // 128)
+    traffic = {"a": m * k, "b": n * k, "out": m * n * DTYPE_BYTES["bf16"],
+               "scale_a": m * kb * SCALE_BYTES, "scale_b": rows_b * kb * SCALE_BYTES}
+    return OpCost(op, m, n, k, "fp8", 2 * m * n * k, 0, traffic)
+
+
 # -- CODA forward ops (coda-math.md section 2) ----------------------------------------------------------
 def residual_norm_stats(m: int, d: int, k: int, dtype: str = "bf16", act: Optional[str] = None,
                         tile_n: int = DEFAULT_TILE_N, store_scaled: bool = False) -> OpCost:

@@ -208,5 +208,9 @@ def _rope_cost(qk_norm: bool):
 register_op("scaled_rope", cost=_rope_cost(False), group="coda", layers=("qkv",), needs_model=True)
 register_op("scaled_rope_qknorm", cost=_rope_cost(True), layers=("qkv",), needs_model=True)
 register_op("scaled_proj", cost=lambda s, dt: model.scaled_proj(s.m, s.n, s.k, dt))
+# the FP8 recipe's block-scaled GEMMs (their shadow: our row-wise FP8 GEMM of the same product)
+register_op("gemm_blockwise", cost=lambda s, dt: model.gemm_blockwise(s.m, s.n, s.k), group="fp8")
+register_op("gemm_blockwise_wgrad", group="fp8",
+            cost=lambda s, dt: model.gemm_blockwise(*_GEMM_OF_LAYOUT["wgrad"](s), "1x128", op="gemm_blockwise_wgrad"))
 register_op("lm_head_ce", cost=lambda s, dt: model.lm_head_ce(s.m, s.n, s.k, dt),
             group="coda", layers=("lm_head",))
