@@ -86,8 +86,13 @@ def start(ranks: Ranks, cpu: bool) -> torch.device:
     return device
 
 
-def stop(ranks: Ranks) -> None:
+def stop(ranks: Ranks, together: bool = True) -> None:
+    """Leave the process group; ``together`` (a run that finished): all ranks first meet, since
+    rank 0 writes the outputs last and a rank that tore its group down while another still used it
+    was seen to abort under gloo. After an error no barrier: the other ranks may never reach it."""
     if ranks.mode is not None and torch.distributed.is_initialized():
+        if together:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -381,9 +381,12 @@ def run(args) -> int:
         return 2
     device = parallel.start(ranks, cpu=args.tiny)
     try:
-        return _train_all(args, cfg, ranks, device, Console(quiet=not ranks.main))
-    finally:
-        parallel.stop(ranks)
+        rc = _train_all(args, cfg, ranks, device, Console(quiet=not ranks.main))
+    except BaseException:
+        parallel.stop(ranks, together=False)
+        raise
+    parallel.stop(ranks)
+    return rc
 
 
 def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
