@@ -105,12 +105,16 @@ def torchao_steps(y, dy2, d, f, console):
 
 
 def quantize_bytes(m, d, f):
-    """Bytes our separate quantize passes move per forward + backward: each reads the bf16 tensor
-    and writes its FP8 values and fp32 scales (y, h, dy2, dz' in 1 x 128; the two weights in
-    128 x 128, with one FP8 transpose each for the dgrads)."""
-    acts = m * d + m * f + m * d + m * 2 * f
-    weights = 2 * f * d + d * f
-    return acts * (2 + 1 + 4 / 128) + weights * (2 + 1) + weights * 2
+    """Bytes our separate quantize passes move per forward + backward of ``coda.mlp_block_fp8``
+    (each reads bf16, writes 1 byte per FP8 value and an fp32 scale per 128 values): y and h
+    along K in the forward; dy2 and dz' both ways in one pass each (``coda.quantize_fp8_dual``);
+    h and y along the tokens for the weight gradients; the two weights in 128 x 128 blocks and
+    their FP8 transposes for the dgrads."""
+    one = 2 + 1 + 4 / 128  # read bf16, write FP8 + scales
+    both = 2 + 2 * (1 + 4 / 128)
+    acts = (m * d + m * f) * one + (m * d + m * 2 * f) * both + (m * f + m * d) * one
+    weights = 3 * f * d
+    return acts + weights * (2 + 1) + weights * 2
 
 
 def main(argv=None) -> int:
