@@ -101,6 +101,7 @@ def _worker(rank, port, mode, out):
             result = {"loss": _mean_over_ranks(loss), "grads": _gathered(model)}
         if rank == 0:
             torch.save(result, out)
+        dist.barrier()  # leave together: a gloo rank tearing down while the other works can abort
     finally:
         dist.destroy_process_group()
 

@@ -69,8 +69,8 @@ def shard(model: torch.nn.Module, mp_policy=None, compile_layers: bool | dict = 
     ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` over fp32
     master weights: the CODA ops then see bf16 parameters and the gradients reach the fp32 shards.
     ``compile_layers``: ``torch.compile`` each decoder layer first (per block, the pattern FSDP2
-    supports); a dict gives ``torch.compile``'s keyword arguments. Other keyword arguments (``mesh``, ``reshard_after_forward``, ...) go to every
-    ``fully_shard`` call."""
+    supports); a dict gives ``torch.compile``'s keyword arguments. Other keyword arguments
+    (``mesh``, ``reshard_after_forward``, ...) go to every ``fully_shard`` call."""
     from torch.distributed.fsdp import fully_shard
 
     root, layer_kwargs = dict(fully_shard_kwargs), dict(fully_shard_kwargs)

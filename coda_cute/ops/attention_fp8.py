@@ -35,7 +35,7 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, wgrad
+from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -104,11 +104,8 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     sms = dispatch.num_sms_or_default(x.device)
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, hh, sms, x.device.type, block_scaled=True))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
-    fp8 = torch.float8_e4m3fn
-    blocks = lambda rows, cols: x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=F32)  # noqa: E731
     return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
-            w_qkv.new_empty(w_qkv.shape, dtype=fp8), blocks(n, d), w_o.new_empty(w_o.shape, dtype=fp8),
-            blocks(d, hh))
+            *weight_fake(w_qkv), *weight_fake(w_o))
 
 
 def _setup(ctx, inputs, output):

@@ -42,6 +42,12 @@ def weight(w: torch.Tensor):
     return quantize_fp8(w, "128x128")
 
 
+def weight_fake(w: torch.Tensor):
+    """:func:`weight`'s outputs for the fake implementations: q (N, K) e4m3, scales fp32 blocks."""
+    n, k = w.shape
+    return w.new_empty(w.shape, dtype=FP8), w.new_empty((-(-n // 128), -(-k // 128)), dtype=torch.float32)
+
+
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False) -> dict:
     """``tree`` on the quantized a (1 x 128) @ B, B the quantized weight W as the GEMM's K-major
     (K, N) operand (x @ W.T), or ``transposed`` its FP8 transpose (dY @ W), with the scales."""

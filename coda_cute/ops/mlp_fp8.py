@@ -36,7 +36,7 @@ from .. import dispatch
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, wgrad
+from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
 from .mlp import check_mlp
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -78,11 +78,8 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, f, sms, y.device.type, block_scaled=True))
-    fp8 = torch.float8_e4m3fn
-    blocks = lambda rows, cols: y.new_empty((-(-rows // 128), -(-cols // 128)), dtype=F32)  # noqa: E731
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
-            w_gu.new_empty(w_gu.shape, dtype=fp8), blocks(2 * f, d),
-            w_down.new_empty(w_down.shape, dtype=fp8), blocks(d, f))
+            *weight_fake(w_gu), *weight_fake(w_down))
 
 
 def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, grad_dtype,
