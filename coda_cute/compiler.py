@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .kernels.common.config import GemmConfig
 from .kernels.epilogue.nodes import Epilogue
@@ -354,13 +354,16 @@ def _disk_path(spec) -> tuple[str, str] | None:
     base = disk_cache_dir()
     if base is None or not _gpu_matches(spec.arch):
         return None
-    if not isinstance(spec, KernelSpec):  # an element-wise spec: a frozen dataclass
-        key = repr(spec)
-    else:
-        key = repr((spec.a_dtype, spec.b_dtype, spec.a_major, spec.b_major, spec.config, spec.tree_key,
-                    spec.arch, spec.num_sms))
-    digest = hashlib.sha256((key + _build_digest()).encode()).hexdigest()[:32]
+    digest = hashlib.sha256((disk_key(spec) + _build_digest()).encode()).hexdigest()[:32]
     return os.path.join(base, f"{digest}.o"), f"coda_{digest[:16]}"
+
+
+def disk_key(spec) -> str:
+    """What names a spec's binary on disk: its class and every field its equality compares (a
+    KernelSpec's tree by its key, not the object), so two specs share an object only if they are
+    one kernel (an element-wise spec of another class may have the same fields).
+    A field left out here once let a block-scaled kernel load its weight-gradient form's binary."""
+    return repr((type(spec).__qualname__,) + tuple((f.name, getattr(spec, f.name)) for f in fields(spec) if f.compare))
 
 
 def _gpu_matches(arch: str) -> bool:

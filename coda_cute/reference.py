@@ -409,6 +409,8 @@ def llama_head_ce_ref(y, norm_w, w_lm, targets, eps: float, ignore_index: int = 
 
 # -- FP8 block scaling (coda_cute.precision's recipes) --------------------------------------------
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+#: the smallest block scale, 2^-126 (the smallest normal fp32): 1 / s stays finite
+MIN_SCALE = 2.0 ** -126
 
 
 def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn,
@@ -416,13 +418,14 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     """(q, scales): ``x`` (R, C) in FP8 with one fp32 scale per ``block`` = (rows, cols) block
     (the last blocks along each axis may be partial), current scaling:
 
-        amax_b = max |x| over block b;  s_b = amax_b / FP8_MAX  (``pow2_scales``: the power of
-        two at or above it, so no value overflows);
+        amax_b = max |x| over block b;  s_b = max(amax_b / FP8_MAX, 2^-126)  (``pow2_scales``:
+        the power of two at or above it, so no value overflows);
         q = cast(clamp(x * (1 / s_b), +-FP8_MAX), dtype)   (1 / s_b rounded to fp32 once)
 
     x ~= q * s_b. (1, 128) blocks are the activations' and gradients' (along K), (128, 1) the
     same along the token dimension (weight gradients), (128, 128) the weights'. A block of zeros
-    gets s = 1 (q = 0, exact). A block holding inf or NaN gets s = NaN, so all its values
+    gets s = 1 (q = 0, exact); the floor at the smallest normal fp32 keeps 1 / s finite for a
+    block of denormals (else its zeros would become 0 * inf = NaN). A block holding inf or NaN gets s = NaN, so all its values
     dequantize to NaN: the non-finite value spreads to its block, never silently clipped.
     Returns q (R, C) of ``dtype`` and scales (ceil(R / rows), ceil(C / cols)) fp32."""
     fmax = _check_quantize(x, block, dtype)
@@ -433,7 +436,7 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     amax = blocks.abs().amax(dim=(1, 3))
     # a tensor divisor: CUDA turns `tensor / python_scalar` into a multiply by the scalar's
     # rounded reciprocal, which is not the IEEE quotient the kernels compute
-    scale = amax / torch.full_like(amax, fmax)
+    scale = (amax / torch.full_like(amax, fmax)).clamp_min(MIN_SCALE)
     if pow2_scales:  # exactly: frexp's mantissa is 0.5 only on a power of two
         mant, exp = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))

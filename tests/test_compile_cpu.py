@@ -8,6 +8,7 @@ opcodes (when nvdisasm is installed), and no register spills. Plus the config ru
 for configs or archs the kernels do not support.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -340,3 +341,31 @@ def test_pingpong_kernels_prefetch_their_tile_vectors_into_l1():
     for cfg, prefetches in ((pp, 2), (coop, 0)):
         spec = GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", cfg, "row", "row")
         assert built(spec)[0].ptx.count("prefetch.global.L1") == prefetches, cfg.name
+
+
+def test_disk_key_tells_every_kernel_apart():
+    """The on-disk name of a binary follows every field the spec's equality compares: the plain
+    FP8 GEMM, its block-scaled form and the weight-gradient form of one tree and config are three
+    kernels and three files (one key once omitted the block scales, and a block-scaled GEMM loaded
+    the wgrad form's binary from an earlier process)."""
+    from coda_cute.compiler import KernelSpec, disk_key
+
+    cfg = GemmConfig(128, 128, 128, "cooperative", 2, 1)
+    tree = gemm_tree("none", "none", "bfloat16")
+    specs = [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, tree, **kw)
+             for kw in ({}, {"block_scaled": True}, {"block_scaled": True, "b_rows": True},
+                        {"block_scaled": True, "num_sms": 78}, {"block_scaled": True, "arch": "sm_100a"})]
+    assert len({disk_key(s) for s in specs}) == len(specs)
+    # the label is not part of the kernel: the same binary under another name
+    relabelled = KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, tree, label="other")
+    assert disk_key(relabelled) == disk_key(specs[0])
+    # element-wise specs of different kernels may carry the same field values
+    from coda_cute.elementwise import QuantizeWeightSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class Twin:
+        dtype: str
+        gamma_dtype: str | None = None
+        out_dtype: str = "float8_e4m3fn"
+        arch: str = "sm_90a"
+    assert disk_key(Twin("bfloat16")) != disk_key(QuantizeWeightSpec("bfloat16"))

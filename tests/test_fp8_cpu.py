@@ -81,6 +81,22 @@ def test_zero_and_non_finite_blocks():
     assert bool(d[3].isfinite().all())
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_a_block_of_denormals_keeps_a_finite_inverse_scale(dtype):
+    """A block whose amax / FP8_MAX underflows (a gradient row of denormals next to exact zeros,
+    as the first token's dq is) gets the floor scale 2^-126: 1 / s stays finite, so its zeros
+    stay zero instead of becoming 0 * inf = NaN, and nothing dequantizes above the block's amax."""
+    x, _ = fresh(2, 256, spread=False)
+    x[0, :128] = 0
+    x[0, 3], x[0, 77] = 1e-40, -3e-39  # fp32 denormals
+    q, s = R.quantize_blocks_ref(x, (1, 128), dtype)
+    assert s[0, 0] == 2.0 ** -126 and math.isfinite(1.0 / float(s[0, 0]))
+    d = R.dequantize_blocks_ref(q, s, (1, 128))
+    assert bool(d.isfinite().all()) and bool((d[0, :128].abs() <= 3e-39).all())
+    assert bool((d[0, :128][x[0, :128] == 0] == 0).all())
+    assert torch.equal(s[1], (x[1].abs().view(2, 128).amax(-1) / R.FP8_MAX[dtype]))  # untouched
+
+
 def test_token_dimension_blocks_are_the_transposed_layout():
     x, seed = fresh(300, 160)
     q, s = R.quantize_blocks_ref(x, (128, 1), E4M3)

@@ -3,7 +3,7 @@
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
 buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
-where the reference's is not)."""
+where the reference's is not), blocks of denormals (the floor scale)."""
 
 import pytest
 import torch
@@ -28,6 +28,9 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
         x[1, : min(k, 128)] = 0
         x[2, min(k - 1, 130)] = float("inf")
         x[m - 1, k - 1] = float("nan")
+    if m > 3:  # a block of zeros and denormals: the floor scale, zeros kept zero
+        x[3, : min(k, 128)] = 0
+        x[3, 0] = 1e-39
     want_q, want_s = R.quantize_blocks_ref(x, (1, 128), out_dtype)
     kb = -(-k // 128)
     scales = torch.full((kb, m), float("nan"), device="cuda").t()  # M-major, as a GEMM reads it
@@ -53,6 +56,9 @@ def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtyp
     gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if with_gamma else None
     if n > 200:
         w[130, 5] = float("nan")
+    if n > 256 and k > 256:
+        w[128:256, 128:256] = 0  # a weight block of zeros and a denormal: the floor scale
+        w[200, 200] = 1e-39 if dtype == torch.float32 else 1e-38
     folded = w.float() * gamma.float() if with_gamma else w.float()
     want_q, want_s = R.quantize_blocks_ref(folded, (128, 128))
     scales = torch.full(want_s.shape, float("nan"), device="cuda")
@@ -93,6 +99,8 @@ def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, ro
         x[:, 5] = 0  # a zero column block of x^T's first row block
         x[7, k - 1] = float("inf")
         x[m - 2, 2] = float("nan")
+        x[9, 128:256] = 0  # a row block of zeros and a denormal: the floor scale
+        x[9, 129] = -1e-39
     poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # noqa: E731
     q, qt = poison(m, k), poison(k, m)
     s = torch.full((m, -(-k // 128)), float("nan"), device="cuda")

@@ -1,10 +1,14 @@
 """The FP8 block-quantization arithmetic the quantize kernels share, exactly as
 ``coda_cute.reference.quantize_blocks_ref`` specifies it:
 
-    s = amax / FP8_MAX, 1 where amax = 0, NaN where amax is inf or NaN;  q = clamp(x * (1 / s))
+    s = max(amax / FP8_MAX, 2^-126), 1 where amax = 0, NaN where amax is inf or NaN;
+    q = clamp(x * (1 / s))
 
 with IEEE division for s and 1 / s (once per block) and NaN-keeping min / max, so a NaN spreads
-to its block and nothing is silently clipped.
+to its block and nothing is silently clipped. The floor (the smallest normal fp32) keeps 1 / s
+finite for a block of tiny values (a gradient row of denormals): 1 / s overflowing would turn
+its zeros into 0 * inf = NaN. It applies only to blocks whose values all lie below
+FP8_MAX * 2^-126 (about 5e-36 for E4M3).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+#: the smallest scale, 2^-126 (the smallest normal fp32): 1 / s stays finite
+MIN_SCALE = 2.0 ** -126
 
 
 @cute.jit
@@ -25,7 +32,7 @@ def abs_max(amax, v, n: cutlass.Constexpr):
 @cute.jit
 def block_scale(amax, fmax):
     """(s, 1 / s) of a block with absolute maximum ``amax``."""
-    s = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), amax / fmax))
+    s = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), cute.arch.fmax(amax / fmax, Float32(MIN_SCALE))))
     s = s + (amax - amax)  # NaN exactly where amax is inf or NaN, + 0 otherwise
     return s, Float32(1.0) / s
 
