@@ -11,8 +11,10 @@ All variants timed in turns (``coda_cute.sol.timing.interleaved_medians``, L2 fl
 medians). Also printed: the bytes our separate quantization passes move per step.
 
     python scripts/bench_fp8.py [--tokens 16384] [--dim 4096] [--ffn 14336] [--rounds 20] [--json out.json]
+        [--profile]                                  # also the kernels of one coda fp8 step
     python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
 
+Each variant is also timed alone, five calls back to back (the table's last column).
 ``--baselines-only`` is for a machine call that carries torchao instead of the DSL (the two do not
 fit in one call's 64 MiB): the shadow is timed in both runs, so each run's ratios to it compare.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 import torch
@@ -117,6 +120,40 @@ def quantize_bytes(m, d, f):
     return acts + weights * (2 + 1) + weights * 2
 
 
+def back_to_back_ms(fn, calls: int = 5) -> float:
+    """Milliseconds per call of ``calls`` calls in a row (no flush between), CUDA events: next to
+    the interleaved median, it shows whether a variant's time depends on what ran before it."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def print_profile(fn, console) -> None:
+    """The kernels of one call of ``fn`` in launch order with their GPU times (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    t = Table(title=f"one coda fp8 step: {len(kernels)} kernels, "
+                    f"{sum(e.device_time for e in kernels) / 1e3:.3f} ms GPU time")
+    t.add_column("ms", justify="right")
+    t.add_column("kernel", overflow="fold")
+    for e in kernels:
+        name = re.sub(r"_object_at_[0-9a-fx]+", "", e.name)
+        t.add_row(f"{e.device_time / 1e3:.3f}", name[:70] + (" ... " + name[-50:] if len(name) > 120 else name[70:]))
+    console.print(t)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -124,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="print the kernels of one coda fp8 step")
     p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
     args = p.parse_args(argv)
     console = Console()
@@ -142,20 +180,23 @@ def main(argv=None) -> int:
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     fns.update(torchao_steps(y, dy2, d, f, console))
     ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=2000)
+    alone = {name: back_to_back_ms(fn) for name, fn in fns.items()}
     shadow = ms["fp8 shadow (6 row-wise _scaled_mm)"]
     ao = [v for k, v in ms.items() if k.startswith("torchao")]
     t = Table(title=f"MLP sublayer forward + backward, M {m}, d {d}, ffn {f} (median ms)")
-    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this"):
+    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in ms.items():
-        t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-")
+        t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name]:.3f}")
     console.print(t)
+    if args.profile and "coda fp8" in fns:
+        print_profile(fns["coda fp8"], console)
     gb = quantize_bytes(m, d, f) / 1e9
     console.print(f"our separate quantize passes move {gb:.2f} GB per step "
                   f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": [m, d, f], "ms": ms, "quantize_gb": gb}, fh, indent=1)
+            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": alone, "quantize_gb": gb}, fh, indent=1)
     return 0
 
 
