@@ -1,0 +1,93 @@
+"""Experiment: where the block-scaled FP8 GEMM (``coda.gemm_blockwise``) loses to row-wise FP8.
+
+Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): the block-scaled
+GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
+kernel, while its weight-gradient form (both operands scaled per row and 128 tokens, promoted one
+k-tile at a time) ran the gate/up weight gradient at 1005 TFLOP/s against 830 for the forward
+form. The forward form promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``);
+its per-k-tile scale loads are L2 round trips. Variants, each compiled afresh (no disk cache)
+and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same operands:
+
+* ``paired``: today's kernel;
+* ``single``: one promotion per k-tile (the weight-gradient form's loop);
+* ``paired_ahead`` / ``single_ahead``: where the kernel has ``SCALE_AHEAD`` (each promotion
+  group loads the next group's factors), the same with it on; the plain names then have it off.
+
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ["CODA_CUTE_CACHE_DIR"] = "0"
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from coda_cute import compiler, dispatch  # noqa: E402
+from coda_cute import reference as R  # noqa: E402
+from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
+from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
+from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+
+SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
+
+
+def variants():
+    """{name: (paired allowed, scale ahead or None where the kernel has no such switch)}."""
+    if hasattr(G, "SCALE_AHEAD"):
+        return {"paired": (True, False), "single": (False, False),
+                "paired_ahead": (True, True), "single_ahead": (False, True)}
+    return {"paired": (True, None), "single": (False, None)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    args = ap.parse_args()
+    console = Console(width=160)
+    tree = gemm_tree("none", "none", "bfloat16")
+    sms = dispatch.num_sms(torch.device("cuda"))
+    max_acc, ahead0 = G.MAX_ACC_REGISTERS, getattr(G, "SCALE_AHEAD", None)
+    table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
+    names = list(variants())
+    for col in ["M x N x K", "config", "ours row", "torch block", *names, "best / torch"]:
+        table.add_column(col, justify="right")
+    for m, n, k in SHAPES:
+        a_q, sa = R.quantize_blocks_ref(torch.randn(m, k, device="cuda"), (1, 128))
+        b_q, sb = R.quantize_blocks_ref(torch.randn(n, k, device="cuda"), (128, 128))
+        sa = sa.t().contiguous().t()  # M-major, as the ops pass them
+        ra = a_q.float().abs().amax(-1, keepdim=True) / 448.0
+        rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
+        fns = {"ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
+               "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),
+                                                      out_dtype=torch.bfloat16)}
+        base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True)
+        for name, (paired, ahead) in variants().items():
+            G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
+            if ahead is not None:
+                G.SCALE_AHEAD = ahead
+            compiler._cache.clear()
+            runner._plans.clear()
+            plan = runner._make_plan(tree, a_q, b_q.t(), {}, base, False, "exp", (sa, sb))
+            fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
+            want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
+            err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
+            console.log(f"{m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
+        G.MAX_ACC_REGISTERS = max_acc
+        if ahead0 is not None:
+            G.SCALE_AHEAD = ahead0
+        ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=500)
+        tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
+        best = max(tf[name] for name in names)
+        table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}", f"{tf['torch block']:.0f}",
+                      *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
