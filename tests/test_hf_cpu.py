@@ -16,6 +16,7 @@ import torch
 
 import coda_cute
 from coda_cute.nn import apply_coda
+from coda_cute.precision import Fp8Recipe
 from helpers import flat_grads, loss_and_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -224,6 +225,10 @@ def test_fp8_precision_runs_the_mlp_in_fp8_with_bounded_error():
 @pytest.mark.parametrize("precision, over, match", [
     ("fp16", {}, "precision must be one of"),
     ("fp8", {"intermediate_size": 136}, r"ffn_dim = 136: must be a multiple of 16 with FP8"),
+    # recipes the kernels do not run are refused, not run as the default one
+    (Fp8Recipe(pow2_scales=True), {}, r"pow2_scales=False"),
+    (Fp8Recipe(lm_head_fp8=True), {}, r"lm_head_fp8=False"),
+    (Fp8Recipe(scaling="row"), {}, r"scaling='block'"),
 ])
 def test_bad_precision_is_refused_before_any_change(precision, over, match):
     cls, cfg = family("mistral", **over)

@@ -101,9 +101,10 @@ class LlamaConfig:
         except ValueError as e:
             bad("precision", str(e))
         if recipe is not None:
-            if recipe.scaling != "block" or recipe.lm_head_fp8:
-                bad("precision", "the FP8 model runs the block-scaling recipe with the LM head in bf16 "
-                    "(Fp8Recipe(scaling='block', lm_head_fp8=False))")
+            if recipe.scaling != "block" or recipe.lm_head_fp8 or recipe.pow2_scales:
+                bad("precision", "the FP8 model runs the block-scaling recipe with fp32 scales and the LM "
+                    "head in bf16 (Fp8Recipe(scaling='block', pow2_scales=False, lm_head_fp8=False)); "
+                    f"got {recipe}")
             for field in ("dim", "ffn_dim"):
                 if getattr(self, field) % 16:
                     bad(field, "must be a multiple of 16 with FP8 (rows of FP8 values start on 16-byte boundaries)")
