@@ -5,7 +5,9 @@ batch.
 
 * ``apply_coda`` on an HF Llama, bf16 parameters, under ``coda_cute.nn.shard`` (one FSDP2 unit per
   decoder layer, then the root), under DDP, under FSDP2 with a ``MixedPrecisionPolicy`` over fp32
-  master weights, and under FSDP2 with every decoder layer compiled (``aot_eager``).
+  master weights, under FSDP2 with every decoder layer compiled (``aot_eager``), and under FSDP2
+  with ``precision="fp8"`` (each weight quantized from its all-gathered copy, the ranks' token
+  blocks those of the single process).
 * ``CodaLlama(cache_folds=True)`` under FSDP2 over two optimizer steps: the fold cache is off (a γ
   fold made before an all-gather would be reused after it, FSDP2 keeping the gathered weights'
   version counters) and the second step's loss is the single process's."""
@@ -29,13 +31,13 @@ WORLD = 2
 MP = {"fsdp_mp"}
 
 
-def tiny_model(master_fp32: bool = False):
+def tiny_model(master_fp32: bool = False, precision: str = "bf16"):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=99,
                                    max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    return apply_coda(model if master_fp32 else model.to(torch.bfloat16))
+    return apply_coda(model if master_fp32 else model.to(torch.bfloat16), precision=precision)
 
 
 def tiny_coda_llama():
@@ -44,8 +46,13 @@ def tiny_coda_llama():
     return CodaLlama(cfg, cache_folds=True)
 
 
-def global_batch():
-    return torch.randint(0, 99, (2 * WORLD, 24), generator=torch.Generator().manual_seed(7))
+def global_batch(seq: int = 24):
+    return torch.randint(0, 99, (2 * WORLD, seq), generator=torch.Generator().manual_seed(7))
+
+
+#: FP8: each rank's 2 x 64 tokens are one 128-token block of the weight gradients' quantization
+#: (along the tokens), the single process's blocks are the ranks' (rank 0's rows first)
+FP8_SEQ = 64
 
 
 def _wrap(model, mode):
@@ -86,14 +93,14 @@ def _worker(rank, port, mode, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        ids = global_batch().chunk(WORLD)[rank]
+        ids = global_batch(FP8_SEQ if mode == "fsdp_fp8" else 24).chunk(WORLD)[rank]
         if mode == "coda_llama_cached":
             model = shard(tiny_coda_llama())
             with coda_cute.reference_on_cpu():
                 result = {"losses": [_mean_over_ranks(x) for x in _two_steps(model, ids)],
                           "caching": [c.enabled for c in model._fold_caches()]}
         else:
-            model = tiny_model(master_fp32=mode in MP)
+            model = tiny_model(master_fp32=mode in MP, precision="fp8" if mode == "fsdp_fp8" else "bf16")
             wrapped = _wrap(model, mode)
             with coda_cute.reference_on_cpu():
                 loss = wrapped(input_ids=ids, labels=ids).loss
@@ -118,11 +125,13 @@ def _spawn(mode, tmp_path):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "fsdp_mp", "fsdp_compile"])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "fsdp_mp", "fsdp_compile", "fsdp_fp8"])
 def test_two_ranks_give_the_single_process_loss_and_gradients(mode, tmp_path):
     got = _spawn(mode, tmp_path)
-    model = tiny_model()  # bf16: what the mixed-precision policy computes in, too
-    ids = global_batch()
+    fp8 = mode == "fsdp_fp8"
+    # bf16: what the mixed-precision policy computes in, too
+    model = tiny_model(precision="fp8" if fp8 else "bf16")
+    ids = global_batch(FP8_SEQ if fp8 else 24)
     with coda_cute.reference_on_cpu():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -133,6 +142,12 @@ def test_two_ranks_give_the_single_process_loss_and_gradients(mode, tmp_path):
     assert set(got["grads"]) == set(want)
     # bf16 gradients reduced across ranks vs summed in one process: rounding-level differences
     assert rel_err(flat_grads(got["grads"], want), flat_grads(want, want)) < 2e-2
+    if fp8:  # and FP8 really ran: its gradients are further from the bf16 model's than that
+        bf16 = tiny_model()
+        with coda_cute.reference_on_cpu():
+            bf16(input_ids=ids, labels=ids).loss.backward()
+        other = {n: p.grad.float() for n, p in bf16.named_parameters()}
+        assert rel_err(flat_grads(other, want), flat_grads(want, want)) > 3e-2
 
 
 def test_cached_folds_follow_fsdp_all_gathers(tmp_path):
