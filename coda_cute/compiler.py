@@ -363,7 +363,8 @@ def disk_key(spec) -> str:
     KernelSpec's tree by its key, not the object), so two specs share an object only if they are
     one kernel (an element-wise spec of another class may have the same fields).
     A field left out here once let a block-scaled kernel load its weight-gradient form's binary."""
-    return repr((type(spec).__qualname__,) + tuple((f.name, getattr(spec, f.name)) for f in fields(spec) if f.compare))
+    compared = tuple((f.name, getattr(spec, f.name)) for f in fields(spec) if f.compare)
+    return repr((type(spec).__qualname__,) + compared)
 
 
 def _gpu_matches(arch: str) -> bool:

@@ -25,6 +25,14 @@ def _fake(dtype: str, shape, stride, align: int = 4):
     return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), shape, stride=stride, assumed_align=align)
 
 
+def _rows16(dtype: str, n, k):
+    """A fake (n, k) 16-bit matrix whose rows start on 16-byte boundaries (row stride a multiple
+    of 8 elements), unit column stride."""
+    import cutlass.cute as cute
+
+    return _fake(dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
+
+
 @dataclass(frozen=True)
 class ScaleColumnsSpec:
     """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype.
@@ -43,12 +51,9 @@ class ScaleColumnsSpec:
         from .kernels.elementwise.scale_columns import ScaleColumns
 
         n, k = cute.sym_int(), cute.sym_int()
-
-        def matrix():
-            return _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
-
         gamma = _fake(self.dtype, (k,), (1,), 16)
-        return ScaleColumns(cutlass_dtype(self.dtype)), (matrix(), gamma, matrix())
+        w, out = (_rows16(self.dtype, n, k) for _ in range(2))
+        return ScaleColumns(cutlass_dtype(self.dtype)), (w, gamma, out)
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,10 @@ class FoldBackwardSpec:
         from .kernels.elementwise.fold_backward import FoldBackward
 
         n, k = cute.sym_int(), cute.sym_int()
-
-        def matrix():
-            return _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
-
         partial = _fake("float32", (cute.sym_int(), k), (cute.sym_int64(divisibility=8), 1), 16)
-        return FoldBackward(cutlass_dtype(self.dtype)), (matrix(), matrix(), _fake(self.dtype, (k,), (1,), 16),
-                                                         matrix(), partial)
+        dw, w, out = (_rows16(self.dtype, n, k) for _ in range(3))
+        gamma = _fake(self.dtype, (k,), (1,), 16)
+        return FoldBackward(cutlass_dtype(self.dtype)), (dw, w, gamma, out, partial)
 
 
 def fold_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):

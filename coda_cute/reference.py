@@ -425,8 +425,9 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     x ~= q * s_b. (1, 128) blocks are the activations' and gradients' (along K), (128, 1) the
     same along the token dimension (weight gradients), (128, 128) the weights'. A block of zeros
     gets s = 1 (q = 0, exact); the floor at the smallest normal fp32 keeps 1 / s finite for a
-    block of denormals (else its zeros would become 0 * inf = NaN). A block holding inf or NaN gets s = NaN, so all its values
-    dequantize to NaN: the non-finite value spreads to its block, never silently clipped.
+    block of denormals (else its zeros would become 0 * inf = NaN). A block holding inf or NaN
+    gets s = NaN, so all its values dequantize to NaN: the non-finite value spreads to its block,
+    never silently clipped.
     Returns q (R, C) of ``dtype`` and scales (ceil(R / rows), ceil(C / cols)) fp32."""
     fmax = _check_quantize(x, block, dtype)
     (r, c), (br, bc) = x.shape, block
