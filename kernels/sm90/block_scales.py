@@ -44,6 +44,23 @@ class OuterFactor:
         return self.rows.load() * self.cols.load()
 
 
+class RowFactor:
+    """A promotion factor of one value per accumulator row: ``rows`` laid out like the
+    accumulator with zero strides on the column modes."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def load(self):
+        return self.rows.load()
+
+    def assign(self, other: "RowFactor"):
+        """Take ``other``'s values (copying the distinct registers only)."""
+        n = cute.cosize(self.rows.layout)
+        dst = cute.make_tensor(self.rows.iterator, cute.make_layout(n))
+        dst.store(cute.make_tensor(other.rows.iterator, cute.make_layout(n)).load())
+
+
 class BlockScales:
     """Promotion factors of one output tile. ``sa``: (M, ceil(K / 128), L) fp32, ``sb``:
     (ceil(N / 128), ceil(K / 128), L) fp32 (``b_rows``: (N, ceil(K / 128), L)), any strides.
@@ -65,9 +82,10 @@ class BlockScales:
 
     @cute.jit
     def factors(self, k):
-        """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register (zero strides on the
-        column modes: only the thread's rows occupy registers); ``b_rows``: the
+        """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register, a :class:`RowFactor`
+        (only the thread's rows occupy registers); ``b_rows``: the
         :class:`OuterFactor` of sa[m, k] and sb[n, k]."""
+        k = cutlass.min(k, self.sa.shape[1] - 1)  # a prefetch past the last k-block
         rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
         b = Float32(1.0) if const_expr(self.b_rows) else self.sb[(self.nb, k, self.tl)]
         for mm in cutlass.range_constexpr(self.mma_m):
@@ -76,7 +94,7 @@ class BlockScales:
                 m = cutlass.min(self.coords[crd][0], self.problem[0] - 1)
                 rows[crd] = self.sa[(m, k, self.tl)] * b
         if const_expr(not self.b_rows):
-            return rows
+            return RowFactor(rows)
         # the thread's columns: (pairs, groups, MMA_N) values, zero strides on the row modes
         p, g = self.pairs, self.groups
         cols = cute.make_rmem_tensor(

@@ -312,7 +312,7 @@ class Sm90Gemm:
             scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
-                self.overlap, None if const_expr(scales is None) else scales.factors)
+                self.overlap, None if const_expr(scales is None) else scales.factors, not self.b_rows)
             next_factor = None
             if const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)

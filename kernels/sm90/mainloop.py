@@ -143,7 +143,7 @@ class Sm90Mainloop:
 
     @cute.jit
     def run(self, tiled_mma, frags, acc, tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger,
-            preloaded: cutlass.Constexpr = False, scale=None):
+            preloaded: cutlass.Constexpr = False, scale=None, scale_ahead: cutlass.Constexpr = False):
         """``k_tiles`` k-tiles of one output tile. ``on_last_issue()`` runs once the last WGMMAs
         are issued, before waiting for them (ping-pong cues the other warpgroup there; the
         epilogue starts its per-tile loads). ``stagger`` (two-level cooperative only) offsets the
@@ -151,6 +151,9 @@ class Sm90Mainloop:
         (:meth:`issue_first`, :meth:`take_first`) and ``k_tiles`` are the ones after it.
         ``scale`` (two-level, block-scaled FP8): ``scale(k)`` gives k-tile k's promotion factors
         laid out like the accumulator (``kernels.sm90.block_scales``): acc += factor * tmp.
+        ``scale_ahead`` (paired): each group loads the next group's factors, so their L2 round
+        trip runs under two k-tiles of WGMMAs rather than one (a few registers per factor; not
+        for the weight-gradient form, whose factors hold a value per column).
         Returns (advanced read state, on_last_issue's result)."""
         extra = None
         if const_expr(not self.two_level):
@@ -175,19 +178,24 @@ class Sm90Mainloop:
             release_state = read_state.clone()
             singles = k_tiles
             first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
+            ahead = None
             if const_expr(self.paired):
                 groups = k_tiles // PROMOTION_GROUP
+                if const_expr(scale is not None and scale_ahead):
+                    ahead = [scale(first_k + i) for i in range(PROMOTION_GROUP)]
                 for j in cutlass.range(groups, unroll=1):
                     read_state, release_state = self._group(
                         tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k)
+                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k, ahead)
                 singles = k_tiles - groups * PROMOTION_GROUP
                 first_k = first_k + groups * PROMOTION_GROUP
             for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
                 factor = None
-                if const_expr(scale is not None):
+                if const_expr(ahead is not None):
+                    factor = ahead[0]  # paired: at most one single, the last group loaded it
+                elif const_expr(scale is not None):
                     factor = scale(first_k + k)  # loads under the WGMMAs
                 read_state.advance()
                 if const_expr(stagger is not None):
@@ -230,31 +238,43 @@ class Sm90Mainloop:
 
     @cute.jit
     def _group(self, op, frags, acc, tmp, ab_pipe, read_state, release_state, n: cutlass.Constexpr,
-               k0, stagger, scale=None, first_k=None):
+               k0, stagger, scale=None, first_k=None, ahead=None):
         """k-tiles k0 .. k0 + n - 1, software-pipelined: k-tile i + 1 is issued into its own
         temporary before k-tile i is promoted, so only the last promotion waits for the tensor
         cores to drain. Two temporaries are live at a time; all are created here, in the loop
-        body (see the module docstring). Returns the advanced (read, release) states."""
-        temps, factors = [], []
+        body (see the module docstring). ``ahead``: this group's factors, loaded by the group
+        before; refilled with the next group's. Returns the advanced (read, release) states."""
+        temps, factors, nxt = [], [], []
         for i in cutlass.range_constexpr(n):
             temps.append(cute.make_rmem_tensor(tmp.layout, cutlass.Float32))
             ab_pipe.consumer_wait(read_state)
             self._issue(op, temps[i], frags, read_state.index, False)
-            factors.append(scale(first_k + k0 + i) if const_expr(scale is not None) else None)
+            if const_expr(ahead is not None):
+                factors.append(ahead[i])
+                nxt.append(scale(first_k + k0 + n + i))  # past the tile's last: never used
+            else:
+                factors.append(scale(first_k + k0 + i) if const_expr(scale is not None) else None)
             read_state.advance()
             if const_expr(stagger is not None and i == 0):
                 if k0 == 0:
                     stagger.pass_turn()
             if const_expr(i > 0):
                 warpgroup.wait_group(1)
-                _promote(acc, temps[i - 1], factors[i - 1])
+                self._promote_from(acc, temps[i - 1], factors[i - 1], nxt, i - 1)
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
         warpgroup.wait_group(0)
-        _promote(acc, temps[n - 1], factors[n - 1])
+        self._promote_from(acc, temps[n - 1], factors[n - 1], nxt, n - 1)
         ab_pipe.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+    @staticmethod
+    def _promote_from(acc, tmp, factor, nxt, i: int):
+        """:func:`_promote`, then (scales ahead) the factor's registers take the next group's."""
+        _promote(acc, tmp, factor)
+        if nxt:
+            factor.assign(nxt[i])
 
 
 @cute.jit
