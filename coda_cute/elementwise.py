@@ -199,17 +199,20 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
 @dataclass(frozen=True)
 class QuantizeWeightSpec:
     """A weight's fold and 128 x 128 FP8 quantization (``kernels.elementwise.quantize_weight``):
-    the weight's dtype (fp32 masters or 16-bit), gamma's (None: no fold) and the FP8 dtype."""
+    the weight's dtype (fp32 masters or 16-bit), gamma's (None: no fold), the FP8 dtype, and
+    whether it also writes the FP8 transpose (the dgrad operand)."""
 
     dtype: str
     gamma_dtype: str | None = None
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
+    transposed: bool = False
 
     @property
     def name(self) -> str:
         g = f"_g{short_dtype(self.gamma_dtype)}" if self.gamma_dtype else ""
-        return f"quantize_weight_{self.arch}_{short_dtype(self.dtype)}{g}_{short_dtype(self.out_dtype)}"
+        t = "_t" if self.transposed else ""
+        return f"quantize_weight_{self.arch}_{short_dtype(self.dtype)}{g}_{short_dtype(self.out_dtype)}{t}"
 
     def build(self):
         import cutlass.cute as cute
@@ -221,20 +224,27 @@ class QuantizeWeightSpec:
         row16 = 16 // torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         gamma = None if self.gamma_dtype is None else _fake(self.gamma_dtype, (k,), (1,), 16)
         kernel = QuantizeWeight(cutlass_dtype(self.dtype), self.gamma_dtype and cutlass_dtype(self.gamma_dtype),
-                                cutlass_dtype(self.out_dtype), FP8_MAX[getattr(torch, self.out_dtype)])
+                                cutlass_dtype(self.out_dtype), FP8_MAX[getattr(torch, self.out_dtype)],
+                                self.transposed)
+        # qt's rows take 16-byte stores: N a multiple of 16
+        qt = _fake(self.out_dtype, (k, n), (cute.sym_int64(divisibility=16), 1), 16) if self.transposed else None
         return kernel, (
             _fake(self.dtype, (n, k), (cute.sym_int64(divisibility=row16), 1), 16), gamma,
             # 8-byte stores of q: a K that is a multiple of 8 (not 16) keeps them aligned
             _fake(self.out_dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16),
             _fake("float32", (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
+            qt,
         )
 
 
 def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtype=torch.float8_e4m3fn,
-                    scales: torch.Tensor | None = None, q: torch.Tensor | None = None):
+                    scales: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                    transposed: bool = False, qt: torch.Tensor | None = None):
     """(q, scales) of ``w * gamma`` (N, K) in FP8 with one fp32 scale per 128 x 128 block
     (``reference.quantize_blocks_ref`` on ``w.float() * gamma.float()``); ``scales``, ``q`` may be
-    preallocated ((ceil(N / 128), ceil(K / 128)) fp32 any strides; (N, K) contiguous)."""
+    preallocated ((ceil(N / 128), ceil(K / 128)) fp32 any strides; (N, K) contiguous).
+    ``transposed`` (N a multiple of 16): (q, scales, qt) with qt = q^T (K, N) contiguous (may
+    be preallocated too)."""
     from . import dispatch
 
     n, k = w.shape
@@ -242,11 +252,13 @@ def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtyp
         q = torch.empty((n, k), dtype=out_dtype, device=w.device)
     if scales is None:
         scales = torch.empty((-(-n // 128), -(-k // 128)), dtype=torch.float32, device=w.device)
+    if transposed and qt is None:
+        qt = torch.empty((k, n), dtype=out_dtype, device=w.device)
     name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
     spec = QuantizeWeightSpec(name(w), None if gamma is None else name(gamma),
-                              str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device))
-    get_kernel(spec).fn(w, gamma, q, scales)
-    return q, scales
+                              str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device), transposed)
+    get_kernel(spec).fn(w, gamma, q, scales, qt)
+    return (q, scales, qt) if transposed else (q, scales)
 
 
 @dataclass(frozen=True)

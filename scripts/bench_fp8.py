@@ -111,13 +111,13 @@ def quantize_bytes(m, d, f):
     """Bytes our separate quantize passes move per forward + backward of ``coda.mlp_block_fp8``
     (each reads bf16, writes 1 byte per FP8 value and an fp32 scale per 128 values): y and h
     along K in the forward; dy2 and dz' both ways in one pass each (``coda.quantize_fp8_dual``);
-    h and y along the tokens for the weight gradients; the two weights in 128 x 128 blocks and
-    their FP8 transposes for the dgrads."""
+    h and y along the tokens for the weight gradients; the two weights in 128 x 128 blocks with
+    their FP8 transposes for the dgrads, in the same pass (read bf16, write both)."""
     one = 2 + 1 + 4 / 128  # read bf16, write FP8 + scales
     both = 2 + 2 * (1 + 4 / 128)
     acts = (m * d + m * f) * one + (m * d + m * 2 * f) * both + (m * f + m * d) * one
     weights = 3 * f * d
-    return acts + weights * (2 + 1) + weights * 2
+    return acts + weights * (2 + 1 + 1)
 
 
 def back_to_back_ms(fn, calls: int = 5) -> float:

@@ -163,16 +163,22 @@ def test_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, out_dtyp
     assert spill_bytes(k) == 0
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype, gamma", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", None)])
-def test_weight_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, gamma):
+def test_weight_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, gamma, transposed):
     """The fold + 128 x 128 weight quantizer for sm_90a: 16-byte loads of the weight (fp32
     masters or 16-bit), 8-byte FP8 stores, the CTA's amax through shuffles and a barrier, the
-    reference's IEEE scale division; no spills."""
-    k = compile_elementwise(QuantizeWeightSpec(dtype, gamma), keep_artifacts=True)
+    reference's IEEE scale division; no spills. ``transposed``: the block also goes through
+    shared memory (8-byte stores in, one byte per value out) to four 16-byte stores per thread of
+    qt, and q's eight 8-byte stores stay."""
+    k = compile_elementwise(QuantizeWeightSpec(dtype, gamma, transposed=transposed), keep_artifacts=True)
     for op in ("cvt.rn.satfinite.e4m3x2.f32", "ld.global.v4.b32", "st.global.v2.b32", "div.rn.f32",
                "shfl.sync.bfly.b32", "bar.sync"):
         assert op in k.ptx, op
     assert "ld.global.b32" not in k.ptx and "ld.global.u16" not in k.ptx  # no scalar weight loads
+    assert k.ptx.count("st.global.v2.b32") == 8
+    assert k.ptx.count("st.global.v4.b32") == (4 if transposed else 0)
+    assert (k.ptx.count("ld.shared.u8") + k.ptx.count("ld.shared.b8")) == (64 if transposed else 0)
     assert spill_bytes(k) == 0
 
 

@@ -71,6 +71,28 @@ def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtyp
     assert torch.equal(q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
 
 
+@pytest.mark.parametrize("n, k", [(256, 128), (304, 1000), (4096, 1040), (1008, 136)])
+def test_weight_quantize_kernel_writes_the_transpose_with_the_same_scales(n, k):
+    """``quantize_weight(transposed=True)``: qt (K, N) is q^T byte for byte and q, s are the
+    reference's (ragged N and K, a NaN block, every output NaN-poisoned first)."""
+    from coda_cute.elementwise import quantize_weight
+
+    w = _input(n, k, torch.bfloat16)
+    w[n - 3, 2] = float("nan")
+    want_q, want_s = R.quantize_blocks_ref(w.float(), (128, 128))
+    poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # noqa: E731
+    q = poison(n, k)
+    scales = torch.full(want_s.shape, float("nan"), device="cuda")
+    got_q, got_s, qt = quantize_weight(w, None, scales=scales, q=q, transposed=True, qt=poison(k, n))
+    assert bool((torch.isnan(got_s) == torch.isnan(want_s)).all())
+    assert torch.equal(got_s[~torch.isnan(got_s)], want_s[~torch.isnan(want_s)])
+    nan = want_q.float().isnan()
+    assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
+    # the transpose byte for byte (poisoned with 0x7F, a NaN: an unwritten byte of a finite
+    # block differs)
+    assert torch.equal(qt.view(torch.uint8), got_q.view(torch.uint8).t().contiguous())
+
+
 def test_quantize_op_is_the_reference():
     """``coda.quantize_fp8`` on the GPU: both blocks, the M-major activation scales."""
     x = _input(1000, 4096, torch.bfloat16)

@@ -47,14 +47,17 @@ def _grads(op, y, ss, w_gu, w_down, dy2, **kw):
 def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
     y, ss, w_gu, w_down, _ = _inputs(m, d, f, 1)
     with coda_cute.reference_on_cpu():
-        y2, ss2, z, gu_q, gu_s, down_q, down_s = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+        y2, ss2, z, gu_qt, gu_s, down_qt, down_s = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
     want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f), w_down))
     for got, ref in zip((y2, ss2, z), want):
         assert got.shape == ref.shape and got.dtype == ref.dtype
         torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    # kept for the backward: each weight's FP8 transpose, with the 128 x 128 scales of W itself
     q, s = R.quantize_blocks_ref(w_gu.float(), (128, 128))
-    assert torch.equal(gu_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gu_s, s)
-    assert down_q.dtype == torch.float8_e4m3fn and down_s.shape == (-(-d // 128), -(-f // 128))
+    assert gu_qt.shape == (d, 2 * f) and gu_qt.is_contiguous()
+    assert torch.equal(gu_qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)) and torch.equal(gu_s, s)
+    qd, sd = R.quantize_blocks_ref(w_down.float(), (128, 128))
+    assert torch.equal(down_qt.view(torch.uint8), qd.t().contiguous().view(torch.uint8)) and torch.equal(down_s, sd)
 
 
 @pytest.mark.parametrize("e5m2_grads", [False, True])

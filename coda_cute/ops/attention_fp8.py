@@ -17,7 +17,8 @@ Backward, from dy:
     dx          = norm_backward tree on  Q1(g) @ QW(W_qkv) + dy      dW_qkv = Q1(g^T) @ Q1(x^T)^T
 
 dy and g are quantized once for their dgrad and wgrad (``coda.quantize_fp8_dual``). Saved as the
-bf16 op's, plus the quantized weights.
+bf16 op's, plus the weights' FP8 transposes and scales (quantized with the forward's copies in
+one pass).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_hea
                               head_dim, q_norm_w, k_norm_w, qk_eps):
     b, s, d = check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                     head_dim, q_norm_w, k_norm_w, qk_eps, op=OP)
-    # with head_dim a multiple of 8, the QKV width then is one of 16 too
     check_fp8_widths(OP, **{"the model width d (columns of x)": d,
-                            "n_heads * head_dim (columns of w_o)": n_heads * head_dim})
+                            "n_heads * head_dim (columns of w_o)": n_heads * head_dim,
+                            "the QKV width (n_heads + 2 n_kv_heads) * head_dim (rows of w_qkv)":
+                                (n_heads + 2 * n_kv_heads) * head_dim})
     return b, s, d
 
 
@@ -71,14 +73,15 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
     and ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3. d, n_heads * head_dim
     (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the quantized
-    weights kept for the backward (W_qkv's values and scales, W_o's); only y carries a gradient."""
+    weights kept for the backward (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's); only y
+    carries a gradient."""
     if x.device.type == "cpu":
         dispatch.require_reference(OP)
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     x2 = x.view(b * s, d)
-    qkv_q, qkv_s = weight(w_qkv)
-    o_q, o_s = weight(w_o)
+    qkv_q, qkv_s, qkv_qt = weight(w_qkv)
+    o_q, o_s, o_qt = weight(w_o)
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
     inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
@@ -89,7 +92,7 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     o, lse, rng_a, rng_b = attention_forward(q, k, v)
     res = project(OP, residual_norm_stats_tree(), *quantize_fp8(heads_to_rows(o)), o_q, o_s, {"residual": x2})
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
-    return res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, qkv_q, qkv_s, o_q, o_s
+    return res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s
 
 
 @attention_block_fp8.register_fake
@@ -110,9 +113,9 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
 
 def _setup(ctx, inputs, output):
     x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads = inputs
-    _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_q, qkv_s, o_q, o_s = output
+    _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s = output
     ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
-                          qkv_q, qkv_s, o_q, o_s)
+                          qkv_qt, qkv_s, o_qt, o_s)
     ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads))
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
@@ -120,7 +123,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, *_):
     (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
-     qkv_q, qkv_s, o_q, o_s) = ctx.saved_tensors
+     qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
         return (None,) * 14
     eps, h, hkv, hd, qk_eps, grad_dtype = ctx.args
@@ -129,7 +132,7 @@ def _backward(ctx, dy, *_):
     x2 = x.view(b * s, d)
     dy2 = dy.reshape(b * s, d).contiguous()
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
-    do = project(OP, _plain_tree(), dy_q, dy_s, o_q, o_s, {}, transposed=True)["out"]
+    do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True)["out"]
     dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o)) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
     dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
@@ -140,7 +143,7 @@ def _backward(ctx, dy, *_):
     dx = None
     if n[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
-        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_q, qkv_s, inputs, transposed=True)["dy"]
+        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True)["dy"]
         dx = dx.view(b, s, d)
     dw_qkv = wgrad(g, gt_q, gt_s, x2) if n[2] else None
     if qn is None:

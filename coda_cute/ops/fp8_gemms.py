@@ -1,8 +1,9 @@
 """The FP8 sublayers' GEMMs (``coda.mlp_block_fp8``, ``coda.attention_block_fp8``), block-scaled as in
 ``coda_cute.precision.Fp8Recipe``:
 
-* a weight W (N, K) in 128 x 128 blocks, quantized once per forward and kept for the backward; its
-  dgrad reads the FP8 transpose with the same scales (QW(W)^T = QW(W^T) exactly: square blocks);
+* a weight W (N, K) in 128 x 128 blocks, quantized once per forward together with its FP8
+  transpose (one pass, ``quantize_weight(transposed=True)``), which the backward keeps: the
+  dgrad's K-major operand, with the same scales (QW(W)^T = QW(W^T) exactly: square blocks);
 * an activation or gradient in 1 x 128 blocks along K, for the forward and dgrad GEMMs, which run
   the ops' epilogue trees on the block-scaled kernel (:func:`project`);
 * a gradient dY and the activation X of a weight gradient dW = dY^T X in 1 x 128 blocks along the
@@ -18,6 +19,8 @@ import torch
 from .. import epilogue as E
 from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
+from .. import dispatch
+from ..elementwise import quantize_weight
 from .quantize import quantize_dual_fp8, quantize_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -38,23 +41,27 @@ def check_fp8_widths(op: str, **widths) -> None:
 
 
 def weight(w: torch.Tensor):
-    """W (N, K) in FP8 128 x 128 blocks: (q, scales)."""
-    return quantize_fp8(w, "128x128")
+    """W (N, K) in FP8 128 x 128 blocks: (q, scales, qt = q^T (K, N)); N a multiple of 16
+    (:func:`check_fp8_widths`). The kernel on CUDA, the reference inside ``reference_on_cpu``."""
+    if w.device.type == "cuda":
+        return quantize_weight(w, None, FP8, transposed=True)
+    dispatch.require_reference("coda.quantize_fp8")
+    q, s = quantize_fp8(w, "128x128")
+    return q, s, q.t().contiguous()
 
 
 def weight_fake(w: torch.Tensor):
-    """:func:`weight`'s outputs for the fake implementations: q (N, K) e4m3, scales fp32 blocks."""
+    """What the FP8 sublayers keep of a weight for the backward, for their fake implementations:
+    qt (K, N) e4m3 and the scales (ceil(N / 128), ceil(K / 128)) fp32."""
     n, k = w.shape
-    return w.new_empty(w.shape, dtype=FP8), w.new_empty((-(-n // 128), -(-k // 128)), dtype=torch.float32)
+    return w.new_empty((k, n), dtype=FP8), w.new_empty((-(-n // 128), -(-k // 128)), dtype=torch.float32)
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False) -> dict:
-    """``tree`` on the quantized a (1 x 128) @ B, B the quantized weight W as the GEMM's K-major
-    (K, N) operand (x @ W.T), or ``transposed`` its FP8 transpose (dY @ W), with the scales."""
-    if transposed:
-        b, b_s = w_q.t().contiguous().t(), w_s.t()
-    else:
-        b, b_s = w_q.t(), w_s
+    """``tree`` on the quantized a (1 x 128) @ B with the scales: B the quantized weight W (N, K)
+    given as ``w_q`` (x @ W.T), or with ``transposed`` dY @ W, ``w_q`` then W's FP8 transpose qt
+    (K, N); either way the GEMM's K-major operand is a view."""
+    b, b_s = (w_q.t(), w_s.t()) if transposed else (w_q.t(), w_s)
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s))
 
 

@@ -61,15 +61,16 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     Arguments as ``coda.mlp_block``'s (y (M, d) bf16, ss its norm statistics, w_gu (2f, d) bf16
     interleaved with gamma folded in, w_down (d, f) bf16), and ``e5m2_grads``: the backward's
     gradients in E5M2 rather than E4M3. Returns (y2, ss2, z, then the quantized weights kept for the
-    backward: W_gu's values and scales, W_down's); only y2 carries a gradient."""
+    backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's); only y2 carries a
+    gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
-    gu_q, gu_s = weight(w_gu)
-    down_q, down_s = weight(w_down)
+    gu_q, gu_s, gu_qt = weight(w_gu)
+    down_q, down_s, down_qt = weight(w_down)
     out = project(OP, norm_swiglu_tree(), *quantize_fp8(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
     res = project(OP, residual_norm_stats_tree(), *quantize_fp8(out["h"]), down_q, down_s, {"residual": y})
-    return res["y"], res["ss"], out["z"], gu_q, gu_s, down_q, down_s
+    return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s
 
 
 @mlp_block_fp8.register_fake
@@ -82,12 +83,13 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
             *weight_fake(w_gu), *weight_fake(w_down))
 
 
-def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, grad_dtype,
+def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
                      needs=(True, True, True)):
-    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed)."""
+    """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
+    the weights' FP8 transposes and scales."""
     d = y.shape[1]
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
-    bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_q, w_down_s,
+    bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s,
                   dict(norm_inputs(d, ss, eps), z=z), transposed=True)
     dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
     dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype)
@@ -96,25 +98,25 @@ def mlp_fp8_backward(y, ss, w_gu_q, w_gu_s, w_down_q, w_down_s, eps, z, dy2, gra
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
-        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_q, w_gu_s, inputs, transposed=True)["dy"]
+        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True)["dy"]
     return dy, dw_gu, dw_down
 
 
 def _setup(ctx, inputs, output):
     y, ss, _w_gu, _w_down, eps, e5m2_grads = inputs
-    _y2, ss2, z, gu_q, gu_s, down_q, down_s = output
-    ctx.save_for_backward(y, ss, z, gu_q, gu_s, down_q, down_s)
+    _y2, ss2, z, gu_qt, gu_s, down_qt, down_s = output
+    ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s)
     ctx.eps, ctx.grad_dtype = eps, grad_format(e5m2_grads)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy2, *_):
-    y, ss, z, gu_q, gu_s, down_q, down_s = ctx.saved_tensors
+    y, ss, z, gu_qt, gu_s, down_qt, down_s = ctx.saved_tensors
     if dy2 is None:
         return (None,) * 6
     n = ctx.needs_input_grad
-    dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_q, gu_s, down_q, down_s, ctx.eps, z, dy2.contiguous(),
+    dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
                                           ctx.grad_dtype, (n[0], n[2], n[3]))
     return dy, None, dw_gu, dw_down, None, None
 
