@@ -45,9 +45,13 @@ from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
 from .block_scales import BLOCK, BlockScales
+
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
+#: block-scaled FP8 (not the weight-gradient form): each promotion group loads the next group's
+#: factors (``Sm90Mainloop.run``'s ``scale_ahead``); a switch for ``scripts/exp_block_scaled.py``
+SCALE_AHEAD = True
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
 
 # Named barrier ids (0 is __syncthreads).
@@ -312,7 +316,8 @@ class Sm90Gemm:
             scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
-                self.overlap, None if const_expr(scales is None) else scales.factors, not self.b_rows)
+                self.overlap, None if const_expr(scales is None) else scales.factors,
+                SCALE_AHEAD and not self.b_rows)
             next_factor = None
             if const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)
