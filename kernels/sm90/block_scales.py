@@ -45,20 +45,27 @@ class OuterFactor:
 
 
 class RowFactor:
-    """A promotion factor of one value per accumulator row: ``rows`` laid out like the
-    accumulator with zero strides on the column modes."""
+    """A promotion factor of one value per accumulator row, kept as its two loaded parts: ``rows``
+    (sa of the thread's rows, laid out like the accumulator with zero strides on the column
+    modes) and ``b`` (one-element tensor: the weight block's scale). :meth:`load` multiplies them,
+    at the promotion: a product formed right after the loads would make the warp wait for their
+    L2 round trip before it can issue the next k-tile (ptxas keeps it in the issuing block)."""
 
-    def __init__(self, rows):
-        self.rows = rows
+    def __init__(self, rows, b):
+        self.rows, self.b = rows, b
+
+    def _flat(self, t):
+        return cute.make_tensor(t.iterator, cute.make_layout(cute.cosize(self.rows.layout)))
 
     def load(self):
-        return self.rows.load()
+        out = cute.make_rmem_tensor(self.rows.layout, Float32)
+        self._flat(out).store(self._flat(self.rows).load() * self.b[0])  # the distinct values only
+        return out.load()
 
     def assign(self, other: "RowFactor"):
         """Take ``other``'s values (copying the distinct registers only)."""
-        n = cute.cosize(self.rows.layout)
-        dst = cute.make_tensor(self.rows.iterator, cute.make_layout(n))
-        dst.store(cute.make_tensor(other.rows.iterator, cute.make_layout(n)).load())
+        self._flat(self.rows).store(self._flat(other.rows).load())
+        self.b[0] = other.b[0]
 
 
 class BlockScales:
@@ -79,22 +86,29 @@ class BlockScales:
         self.nb = cutlass.min(n0 // BLOCK, sb.shape[0] - 1)
         self.tl = cutlass.min(tl, problem_mnl[2] - 1)
         (self.pairs, _, self.groups), self.mma_m, self.mma_n = acc_coords.shape
+        # the thread's rows of sa and the tile's row of sb as tensors along k, sliced once per
+        # tile: a k-tile's load is then one offset from its row's start, not a 3-D index
+        self.sa_rows = []
+        for mm in range(self.mma_m):
+            for half in range(2):
+                m = cutlass.min(acc_coords[((0, half, 0), mm, 0)][0], problem_mnl[0] - 1)
+                self.sa_rows.append(sa[(m, None, self.tl)])
+        self.sb_row = None if b_rows else sb[(self.nb, None, self.tl)]
 
     @cute.jit
     def factors(self, k):
         """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register, a :class:`RowFactor`
-        (only the thread's rows occupy registers); ``b_rows``: the
+        (only the thread's rows and one value occupy registers); ``b_rows``: the
         :class:`OuterFactor` of sa[m, k] and sb[n, k]."""
         k = cutlass.min(k, self.sa.shape[1] - 1)  # a prefetch past the last k-block
         rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
-        b = Float32(1.0) if const_expr(self.b_rows) else self.sb[(self.nb, k, self.tl)]
         for mm in cutlass.range_constexpr(self.mma_m):
             for half in cutlass.range_constexpr(2):
-                crd = ((0, half, 0), mm, 0)
-                m = cutlass.min(self.coords[crd][0], self.problem[0] - 1)
-                rows[crd] = self.sa[(m, k, self.tl)] * b
+                rows[((0, half, 0), mm, 0)] = self.sa_rows[2 * mm + half][k]
         if const_expr(not self.b_rows):
-            return RowFactor(rows)
+            b = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+            b[0] = self.sb_row[k]
+            return RowFactor(rows, b)
         # the thread's columns: (pairs, groups, MMA_N) values, zero strides on the row modes
         p, g = self.pairs, self.groups
         cols = cute.make_rmem_tensor(
