@@ -45,7 +45,6 @@ from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
 from .block_scales import BLOCK, BlockScales
-
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
