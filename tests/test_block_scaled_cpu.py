@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import coda_cute
 from coda_cute import reference as R
+from coda_cute.artifacts import disassemble, find_nvdisasm
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
@@ -152,3 +153,45 @@ def test_wgrad_form_rules(path):
         torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "1x128")
     with pytest.raises(ValueError, match="b_block must be one of"), on_path(path):
         torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "128x1")
+
+
+def _scale_loads_read_before_a_wait(sass: str) -> list:
+    """The instructions that read an ``LDG.E`` result (the scales are the kernel's only 32-bit
+    global loads) before the warp next waits on a stage's mbarrier or its WGMMAs, or branches:
+    a read there holds the warp for the load's L2 round trip in the middle of issuing."""
+    lines = [re.sub(r"/\*[0-9a-f]*\*/", "", line).strip() for line in sass.splitlines()]
+    lines = [line for line in lines if line]
+    early = []
+    for i, line in enumerate(lines):
+        load = re.match(r"(@!?P\d+ )?LDG\.E R(\d+), ", line)
+        if not load:
+            continue
+        reg = re.compile(rf"\bR{load.group(2)}\b")
+        for later in lines[i + 1:]:
+            if later.startswith(".") or "BRA" in later or "SYNCS.PHASECHK" in later or "WARPGROUP.DEPBAR" in later:
+                break
+            body = re.sub(r"^@!?P\d+ ", "", later)
+            if reg.search(body.split(",", 1)[1] if "," in body else ""):
+                early.append(later)
+                break
+    return early
+
+
+@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize("cfg", [GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
+                                 GemmConfig(tile_m=128, tile_n=128, tile_k=128),
+                                 GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong")],
+                         ids=["coop-128x128-c2x1", "coop-128x128", "pingpong-64x128"])
+def test_scale_loads_are_not_waited_for_while_issuing(cfg):
+    """The mainloop's scale loads are read only after the warp's next wait (SASS): each
+    promotion group loads the next group's factors, and a factor multiplies its two loaded parts
+    at the promotion. A product formed right after the loads (as the kernel once did) sits in
+    the block that issues the k-tile's WGMMAs, and every k-tile the warp waited for the loads'
+    L2 round trip before it could wait for the next stage. Only the kernel's first tile, whose
+    first k-tile is promoted before the mainloop, reads its factor's loads early (3 loads: the
+    thread's two rows and the weight block; ping-pong has no such tile). The weight block's scale
+    is loaded from an address ptxas cannot prove uniform: a uniform load's value goes into a
+    uniform register right after it, which waits there too."""
+    k = compile_gemm(spec(cfg), keep_artifacts=True)
+    early = _scale_loads_read_before_a_wait(disassemble(k.cubin))
+    assert len(early) <= (3 if cfg.schedule == "cooperative" else 0), early

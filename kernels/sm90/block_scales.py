@@ -72,18 +72,16 @@ class BlockScales:
     """Promotion factors of one output tile. ``sa``: (M, ceil(K / 128), L) fp32, ``sb``:
     (ceil(N / 128), ceil(K / 128), L) fp32 (``b_rows``: (N, ceil(K / 128), L)), any strides.
     ``acc_coords``: the global (m, n) of every accumulator register of this thread
-    (``thr_mma.partition_C`` of the tile's identity tensor); ``n0``: the tile's first column;
-    ``tl``: its batch. Rows past M read row M - 1 and columns past N column N - 1, and a tile past
+    (``thr_mma.partition_C`` of the tile's identity tensor); ``tl``: its batch. Rows past M read row M - 1 and columns past N column N - 1, and a tile past
     the problem (the producer's extra stage after the last tile) its last block: their products
     are never stored."""
 
-    def __init__(self, sa: cute.Tensor, sb: cute.Tensor, acc_coords: cute.Tensor, problem_mnl, n0, tl,
+    def __init__(self, sa: cute.Tensor, sb: cute.Tensor, acc_coords: cute.Tensor, problem_mnl, tl,
                  b_rows: bool = False):
         self.sa, self.sb = sa, sb
         self.coords = acc_coords
         self.problem = problem_mnl
         self.b_rows = b_rows
-        self.nb = cutlass.min(n0 // BLOCK, sb.shape[0] - 1)
         self.tl = cutlass.min(tl, problem_mnl[2] - 1)
         (self.pairs, _, self.groups), self.mma_m, self.mma_n = acc_coords.shape
         # the thread's rows of sa and the tile's row of sb as tensors along k, sliced once per
@@ -93,7 +91,14 @@ class BlockScales:
             for half in range(2):
                 m = cutlass.min(acc_coords[((0, half, 0), mm, 0)][0], problem_mnl[0] - 1)
                 self.sa_rows.append(sa[(m, None, self.tl)])
-        self.sb_row = None if b_rows else sb[(self.nb, None, self.tl)]
+        self.sb_row = None
+        if not b_rows:
+            # The tile's weight block, found from this thread's first column rather than the tile's:
+            # the same block for every thread (a tile of at most 128 columns lies in one), but
+            # ptxas cannot prove the load uniform, so it keeps the value in a vector register
+            # instead of moving it into a uniform one right after the load (which waits for it).
+            n = cutlass.min(acc_coords[((0, 0, 0), 0, 0)][1], problem_mnl[1] - 1)
+            self.sb_row = sb[(cutlass.min(n // BLOCK, sb.shape[0] - 1), None, self.tl)]
 
     @cute.jit
     def factors(self, k):

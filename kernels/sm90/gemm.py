@@ -362,7 +362,7 @@ class Sm90Gemm:
             return None
         wm, wn, wl = sched.coord(work)
         return BlockScales(block_scales[0], block_scales[1], thr_mma.partition_C(cD[(None, None, wm, wn)]),
-                           problem_mnl, wn * self.tile_mnk[1], wl, self.b_rows)
+                           problem_mnl, wl, self.b_rows)
 
     def _first_factor(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
         scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
