@@ -152,13 +152,15 @@ def test_recipe_defaults_blocks_and_validation():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, out_dtype):
     """The 1 x 128 quantize kernel for sm_90a: 16-byte loads, 8-byte FP8 stores, the saturating
-    paired FP8 conversion, IEEE divisions for the scale and its reciprocal (the reference's
-    rounding), NaN-keeping min/max, half-warp shuffles; no spills."""
+    paired FP8 conversion (the clamp to +-FP8_MAX: no min / max of the values of their own),
+    IEEE divisions for the scale and its reciprocal (the reference's rounding), a NaN-keeping max
+    for the amax, half-warp shuffles; no spills."""
     k = compile_elementwise(QuantizeRowsSpec(dtype, out_dtype), keep_artifacts=True)
     fmt = "e4m3" if out_dtype == "float8_e4m3fn" else "e5m2"
     for op in (".target sm_90a", f"cvt.rn.satfinite.{fmt}x2.f32", "ld.global.v4.b32", "st.global.v2.b32",
-               "div.rn.f32", "max.NaN.f32", "min.NaN.f32", "shfl.sync.bfly.b32"):
+               "div.rn.f32", "max.NaN.f32", "shfl.sync.bfly.b32"):
         assert op in k.ptx, op
+    assert "min.NaN.f32" not in k.ptx and "min.f32" not in k.ptx
     assert "div.approx" not in k.ptx and "div.full" not in k.ptx
     assert spill_bytes(k) == 0
 
@@ -176,7 +178,7 @@ def test_weight_quantize_kernel_builds_with_wide_accesses_and_no_spills(dtype, g
                "shfl.sync.bfly.b32", "bar.sync"):
         assert op in k.ptx, op
     assert "ld.global.b32" not in k.ptx and "ld.global.u16" not in k.ptx  # no scalar weight loads
-    assert k.ptx.count("st.global.v2.b32") == 8
+    assert k.ptx.count("st.global.v2.b32") == 8 and "min.NaN.f32" not in k.ptx  # the cast clamps
     assert k.ptx.count("st.global.v4.b32") == (4 if transposed else 0)
     assert (k.ptx.count("ld.shared.u8") + k.ptx.count("ld.shared.b8")) == (64 if transposed else 0)
     assert spill_bytes(k) == 0
@@ -238,6 +240,7 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
 
     k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows), keep_artifacts=True)
     ptx = k.ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "min.NaN.f32" not in ptx  # the cast clamps
     assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("st.global.v4.b32") == 4
     assert ptx.count("st.global.v2.b32") == (8 if rows else 0)
     assert "div.rn.f32" in ptx and "div.approx" not in ptx and "bar.sync" in ptx

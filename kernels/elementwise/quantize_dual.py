@@ -98,7 +98,7 @@ class QuantizeDual:
                     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
                 scale, inv = block_scale(amax, fmax)
                 if row < m and col < groups:
-                    gq[(None, (row, col))].store(quantize(v, inv, fmax, VEC).to(self.out_dtype))
+                    gq[(None, (row, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
                     if j == 0:
                         s[(row, bx)] = scale
         cute.arch.sync_threads()
@@ -115,7 +115,7 @@ class QuantizeDual:
         kk = bx * BLOCK + c
         if kk < k:
             out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), self.out_dtype)
-            out.store(quantize(vals.load(), inv, fmax, HALF).to(self.out_dtype))
+            out.store(quantize(vals.load(), inv, HALF).to(self.out_dtype))
             for u in cutlass.range_constexpr(HALF // OUT_VEC):
                 m0 = by * BLOCK + half * HALF + u * OUT_VEC
                 if m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out

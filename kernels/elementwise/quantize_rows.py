@@ -79,6 +79,6 @@ class QuantizeRows:
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
             scale, inv = block_scale(amax, fmax)
             if row0 + r < rows and col < groups:
-                gq[(None, (row0 + r, col))].store(quantize(v, inv, fmax, VEC).to(self.out_dtype))
+                gq[(None, (row0 + r, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
                 if lane == 0:
                     scales[(row0 + r, block)] = scale

@@ -119,7 +119,7 @@ class QuantizeWeight:
         scale, inv = block_scale(red[WARPS], fmax)
         tile_v = None if cutlass.const_expr(tile is None) else cute.zipped_divide(tile, (1, VEC))
         for r in cutlass.range_constexpr(ROWS):
-            qv = quantize(vals[(None, r)].load(), inv, fmax, VEC).to(self.out_dtype)
+            qv = quantize(vals[(None, r)].load(), inv, VEC).to(self.out_dtype)
             # the shared copy first: its unconditional store must come before the guarded one
             # (the guard's region would otherwise own the conversion both stores use)
             if cutlass.const_expr(tile_v is not None):  # past the matrix: zeros, never stored
