@@ -466,6 +466,48 @@ def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int):
     return y2, norm_stats_partials_ref(y2, tile_n), z.to(y.dtype)
 
 
+def lm_head_ce_fp8_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean",
+                       gamma=None, grad_dtype=torch.float8_e4m3fn, chunk_rows: int | None = None):
+    """``coda.lm_head_ce_train_fp8``: the LM head + cross-entropy with its three GEMMs in
+    block-scaled FP8 (Q1: 1 x 128 blocks along K, QW: 128 x 128, Q1t: 1 x 128 along the tokens),
+    the rest as :func:`lm_head_ce_grad_ref` (fp32, ss standing for y's statistic):
+
+        u = y * gamma;  logits = r * (Q1(u) @ QW(W)^T);  loss, LSE as :func:`lm_head_ce_ref`
+        dl = softmax c - onehot c,  dl' = r dl,  s_m = sum_v dl_mv logits_mv / d
+        G = Q1(dl') @ QW(W),  dy = G [* gamma] - r^2 s y,  dgamma = sum_m G * y
+        dW = Q1t(dl')^T @ Q1t(u)  per chunk of ``chunk_rows`` tokens (all: one chunk), in bf16
+             (dl'^T @ u) for a chunk whose token count is no multiple of 16
+
+    dl' in ``grad_dtype``. Returns (loss, LSE, dy in y's dtype, dgamma fp32 or None, dW fp32)."""
+    d = y.shape[1]
+    u = scale_columns_ref(y, gamma)
+    r = rms_rstd_ref(ss, d, eps).unsqueeze(1)
+    wq = fp8_roundtrip_ref(w_lm, (128, 128))
+    logits = r * (fp8_roundtrip_ref(u, (1, 128)) @ wq.t())
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = targets != ignore_index
+    tgt = logits.gather(1, targets.long().clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    loss = reduce_loss(torch.where(valid, lse - tgt, 0.0), valid, reduction)
+    c = ce_coef(targets, ignore_index, reduction).unsqueeze(1)
+    dl = torch.softmax(logits, dim=-1) * c
+    rows = torch.arange(y.shape[0], device=y.device)
+    dl[rows[valid], targets[valid].long()] -= c[valid, 0]
+    s = (dl * logits).sum(1, keepdim=True) / d
+    dlp = r * dl
+    g = fp8_roundtrip_ref(dlp, (1, 128), grad_dtype) @ wq
+    dy = (g * _wide(gamma) if gamma is not None else g) - r * r * s * _wide(y)
+    step = y.shape[0] if chunk_rows is None else chunk_rows
+    dw = torch.zeros(w_lm.shape, dtype=torch.float32, device=y.device)
+    for i in range(0, y.shape[0], step):
+        a, b = dlp[i:i + step], _wide(u[i:i + step])
+        if a.shape[0] % 16 == 0:
+            a, b = (fp8_roundtrip_ref(t.t().contiguous(), (1, 128), dt).t()
+                    for t, dt in ((a, grad_dtype), (b, torch.float8_e4m3fn)))
+        dw += a.t() @ b
+    dgamma = (g * _wide(y)).sum(0) if gamma is not None else None
+    return loss, lse, dy.to(y.dtype), dgamma, dw
+
+
 def dequantize_blocks_ref(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """q * s_b in fp32: the inverse of :func:`quantize_blocks_ref` up to FP8 rounding."""
     (r, c), (br, bc) = q.shape, block

@@ -11,8 +11,9 @@ Kernel families compiled (no GPU needed):
   * ``coda``     - the fused CODA block ops (``torch.ops.coda.*``): each op's epilogue tree on the
     config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T);
   * ``coda_fp8`` - the FP8 sublayers' block-scaled kernels (``coda.attention_block_fp8``,
-    ``coda.mlp_block_fp8``): forward, dgrad (W's FP8 transpose) and the wgrad form, E4M3, each on
-    the block-scaled config its heuristic picks at that Llama-3-8B layer.
+    ``coda.mlp_block_fp8``) and the FP8 LM head's (``coda.lm_head_ce_train_fp8``): forward, dgrad
+    (W's FP8 transpose) and the wgrad form, E4M3, each on the block-scaled config its heuristic
+    picks at that Llama-3-8B layer.
 ``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
 square problem on a 132-SM Hopper part.
 
@@ -125,11 +126,12 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
 
 
 def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
-    """One kernel per block-scaled GEMM of the FP8 sublayers, labelled with its role: the forward
+    """One kernel per block-scaled GEMM of the FP8 sublayers and the FP8 LM head, labelled with its role: the forward
     trees, the dgrads (dY @ W through W's FP8 transpose: K-major like every FP8 operand) and the
     weight-gradient form (dY^T X over the tokens, B scaled per row), on the config each one's
     heuristic picks (``choose_config`` with block scales) at the ``model`` layer."""
     from .kernels.epilogue.plain import gemm_tree
+    from .ops import lm_head_ce as lm
     from .ops import qkv, residual, rmsnorm, swiglu
     from .sol.shapes import LLAMA3, llama_block
 
@@ -145,7 +147,11 @@ def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]
            ("fp8.swiglu_backward", swiglu.swiglu_backward_tree(), (m, c.ffn, c.d), False),
            ("fp8.norm_backward.gate_up", rmsnorm.norm_backward_tree(True), (m, c.d, 2 * c.ffn), False),
            ("fp8.dgrad.o", plain, (m, fwd["o"][2], c.d), False),
-           ("fp8.wgrad.gate_up", plain, (2 * c.ffn, c.d, m), True))
+           ("fp8.wgrad.gate_up", plain, (2 * c.ffn, c.d, m), True),
+           # the LM head's (the recipe's lm_head_fp8): logits, dgrad, the fp32 weight-gradient sum
+           ("fp8.lm_head.logits", lm.logits_tree(), fwd["lm_head"], False),
+           ("fp8.norm_backward.lm_head", rmsnorm.norm_backward_tree(False, True), (m, c.d, c.vocab), False),
+           ("fp8.lm_head.dw", lm.accumulate_tree("float32"), (c.vocab, c.d, m), True))
     return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
                           choose_config(tree, *mnk, 1, True, False, sms, True, b_rows), tree, ARCH, sms,
                           label=op, block_scaled=True, b_rows=b_rows)

@@ -62,7 +62,7 @@ def test_spec_list_covers_the_config_spaces():
     fp8 = {s.label: s for f, s in SPECS if f == "coda_fp8"}
     assert all(s.block_scaled and s.a_major + s.b_major == "kk" and s.a_dtype == "float8_e4m3fn"
                for s in fp8.values())
-    assert [label for label, s in fp8.items() if s.b_rows] == ["fp8.wgrad.gate_up"]
+    assert [label for label, s in fp8.items() if s.b_rows] == ["fp8.wgrad.gate_up", "fp8.lm_head.dw"]
 
 
 def stores(spec) -> bool:

@@ -227,7 +227,7 @@ def test_fp8_precision_runs_the_mlp_in_fp8_with_bounded_error():
     ("fp8", {"intermediate_size": 136}, r"ffn_dim = 136: must be a multiple of 16 with FP8"),
     # recipes the kernels do not run are refused, not run as the default one
     (Fp8Recipe(pow2_scales=True), {}, r"pow2_scales=False"),
-    (Fp8Recipe(lm_head_fp8=True), {}, r"lm_head_fp8=False"),
+    (Fp8Recipe(lm_head_fp8=True), {"vocab_size": 100}, r"vocab_size = 100: must be a multiple of 16 with the LM head in FP8"),
     (Fp8Recipe(scaling="row"), {}, r"scaling='block'"),
 ])
 def test_bad_precision_is_refused_before_any_change(precision, over, match):

@@ -41,11 +41,10 @@ import torch
 
 from ..ops.checks import PendingCheck
 from ..ops.fold import fold_gamma
-from ..ops.lm_head_ce import cross_entropy
 from ..ops.proj import norm_proj
 from .convert import fuse_qkv, head_norm_weight, interleave_gate_up
 from .fsdp import check_layer_inputs
-from .llama import LlamaConfig, block_forward, embedding_norm_stats
+from .llama import LlamaConfig, block_forward, embedding_norm_stats, head_loss
 
 BF16 = torch.bfloat16
 IGNORE_INDEX = -100
@@ -241,8 +240,8 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
         targets = (shift_labels if shift_labels is not None else _shifted(labels)).reshape(-1)
         # HF Trainer's gradient accumulation divides the sum by the tokens of the whole batch
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = cross_entropy(y, _bf16(self.lm_head.weight), ss, c.norm_eps, targets, IGNORE_INDEX,
-                             reduction, gamma=_bf16(m.norm.weight))
+        loss = head_loss(c, y, _bf16(self.lm_head.weight), ss, targets, IGNORE_INDEX, reduction,
+                         _bf16(m.norm.weight))
         if num_items_in_batch is not None:
             loss = loss / num_items_in_batch
     else:

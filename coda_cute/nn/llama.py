@@ -37,6 +37,7 @@ from torch import nn
 from ..ops.attention import attention_block
 from ..ops.attention_fp8 import attention_block_fp8
 from ..ops.lm_head_ce import cross_entropy
+from ..ops.lm_head_ce_fp8 import cross_entropy_fp8
 from ..ops.mlp import mlp_block
 from ..ops.mlp_fp8 import mlp_block_fp8
 from ..ops.proj import norm_proj
@@ -101,16 +102,28 @@ class LlamaConfig:
         except ValueError as e:
             bad("precision", str(e))
         if recipe is not None:
-            if recipe.scaling != "block" or recipe.lm_head_fp8 or recipe.pow2_scales:
-                bad("precision", "the FP8 model runs the block-scaling recipe with fp32 scales and the LM "
-                    "head in bf16 (Fp8Recipe(scaling='block', pow2_scales=False, lm_head_fp8=False)); "
-                    f"got {recipe}")
+            if recipe.scaling != "block" or recipe.pow2_scales:
+                bad("precision", "the FP8 model runs the block-scaling recipe with fp32 scales "
+                    f"(Fp8Recipe(scaling='block', pow2_scales=False)); got {recipe}")
+            if recipe.lm_head_fp8 and self.vocab_size % 16:
+                bad("vocab_size", "must be a multiple of 16 with the LM head in FP8 (lm_head_fp8)")
             for field in ("dim", "ffn_dim"):
                 if getattr(self, field) % 16:
                     bad(field, "must be a multiple of 16 with FP8 (rows of FP8 values start on 16-byte boundaries)")
             if self.n_heads * self.head_dim % 16:
                 bad("head_dim", "times n_heads must be a multiple of 16 with FP8")
             object.__setattr__(self, "precision", recipe)
+
+
+def head_loss(cfg: LlamaConfig, y, w_lm, ss, targets, ignore_index: int, reduction: str, gamma):
+    """The cross-entropy of the final norm + LM head: ``coda.lm_head_ce_train`` /
+    ``coda.lm_head_ce``, or with the recipe's ``lm_head_fp8`` the FP8 training op
+    (``ops.lm_head_ce_fp8``, evaluation still bf16)."""
+    recipe = cfg.precision
+    if recipe != "bf16" and recipe.lm_head_fp8:
+        return cross_entropy_fp8(y, w_lm, ss, cfg.norm_eps, targets, ignore_index, reduction, gamma,
+                                 recipe.grad_format == "e5m2")
+    return cross_entropy(y, w_lm, ss, cfg.norm_eps, targets, ignore_index, reduction, gamma=gamma)
 
 
 def embedding_norm_stats(x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +230,8 @@ class CodaLlamaHead(nn.Module):
 
     def forward(self, y, ss, targets, ignore_index: int = -100, reduction: str = "mean"):
         """y: (..., d) bf16, ss: its (M, T) partials, targets: (...) int. Returns the loss."""
-        return cross_entropy(y.reshape(-1, self.cfg.dim), self.weight, ss, self.cfg.norm_eps,
-                             targets.reshape(-1), ignore_index, reduction, gamma=self.norm)
+        return head_loss(self.cfg, y.reshape(-1, self.cfg.dim), self.weight, ss, targets.reshape(-1),
+                         ignore_index, reduction, self.norm)
 
     def logits(self, y, ss):
         out = norm_proj(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss, self.cfg.norm_eps)

@@ -7,10 +7,11 @@
   and its backward), ``proj`` (a norm-scaled projection), ``lm_head_ce`` (final norm + LM head +
   cross-entropy), ``rmsnorm`` (the norm's backward in the consumers' dgrad).
 * The sublayers as single autograd ops: ``attention`` and ``mlp``; ``attention_fp8`` and
-  ``mlp_fp8``: the same with their GEMMs in block-scaled FP8 (``fp8_gemms``).
+  ``mlp_fp8``: the same with their GEMMs in block-scaled FP8 (``fp8_gemms``), and
+  ``lm_head_ce_fp8`` the LM head's training op in FP8 (the recipe's ``lm_head_fp8``).
 * ``checks``: the argument rules they share.
 """
 
 from . import gemm, gemm_blockwise, quantize  # noqa: F401
 from . import fold, rmsnorm, residual, swiglu, qkv, proj, lm_head_ce, mlp, attention  # noqa: F401
-from . import mlp_fp8, attention_fp8  # noqa: F401
+from . import mlp_fp8, attention_fp8, lm_head_ce_fp8  # noqa: F401

@@ -57,12 +57,13 @@ def weight_fake(w: torch.Tensor):
     return w.new_empty((k, n), dtype=FP8), w.new_empty((-(-n // 128), -(-k // 128)), dtype=torch.float32)
 
 
-def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False) -> dict:
+def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,
+            outputs: dict | None = None) -> dict:
     """``tree`` on the quantized a (1 x 128) @ B with the scales: B the quantized weight W (N, K)
     given as ``w_q`` (x @ W.T), or with ``transposed`` dY @ W, ``w_q`` then W's FP8 transpose qt
-    (K, N); either way the GEMM's K-major operand is a view."""
+    (K, N); either way the GEMM's K-major operand is a view. ``outputs``: preallocated, by name."""
     b, b_s = (w_q.t(), w_s.t()) if transposed else (w_q.t(), w_s)
-    return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s))
+    return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
 def grad_operands(g: torch.Tensor, grad_dtype):
