@@ -11,12 +11,13 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
 * ``scaling="row"``: one scale per row instead (the GEMM's row-wise FP8), the second recipe;
 * ``pow2_scales``: scales rounded up to powers of two (TE's default; DeepGEMM's users report it
   costs accuracy, so off here);
-* the LM head and the attention core stay bf16; ``lm_head_fp8`` would put the LM head in FP8.
+* the LM head and the attention core stay bf16; ``lm_head_fp8`` puts the LM head in FP8.
 
-The models (``LlamaConfig``, ``apply_coda``) run the default block recipe, with E4M3 or E5M2
-gradients; they refuse ``scaling="row"``, ``pow2_scales`` and ``lm_head_fp8`` (the reference
-quantizer implements power-of-two scales, the kernels and the sublayer ops do not yet) rather
-than run another recipe than the one asked for.
+The models (``LlamaConfig``, ``apply_coda``) run the block recipe, with E4M3 or E5M2 gradients
+and the LM head in bf16 or, with ``lm_head_fp8``, in FP8 (``coda.lm_head_ce_train_fp8``); they
+refuse ``scaling="row"`` and ``pow2_scales`` (the reference quantizer implements power-of-two
+scales, the kernels and the sublayer ops do not yet) rather than run another recipe than the one
+asked for.
 
 ``coda_cute.reference.quantize_blocks_ref`` defines the quantization exactly (zeros, inf, NaN).
 """
