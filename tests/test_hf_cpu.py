@@ -198,22 +198,27 @@ def test_fp32_master_weights_get_fp32_gradients():
     assert max(rel_err(got[n], want[n]) for n in want) < 2e-2
 
 
+def two_patches(first, second, vocab: int = 99, seq: int = 24, **over):
+    """The fp32 Llama's loss and gradients, and those of two bf16 copies patched with the
+    ``first`` and ``second`` precisions: (want_loss, want, (loss, grads, model) of each patch)."""
+    ref, _, one = models("llama", vocab_size=vocab, **over)
+    two = copy.deepcopy(one)
+    apply_coda(one, precision=first)
+    apply_coda(two, precision=second)
+    ids, labels = batch(vocab, s=seq)
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    with coda_cute.reference_on_cpu():
+        return want_loss, want, (*loss_and_grads(one, ids, labels), one), (*loss_and_grads(two, ids, labels), two)
+
+
 def test_fp8_precision_runs_the_mlp_in_fp8_with_bounded_error():
     """``apply_coda(model, precision="fp8")``: the MLP sublayers through ``coda.mlp_block_fp8``;
     loss and gradients against the fp32 model, error above the bf16 patch's (it quantized) and
     bounded (FP8 rounds each GEMM operand at 2^-4)."""
     from coda_cute.precision import Fp8Recipe
 
-    ref, _, coda = models("llama")
-    fp8 = copy.deepcopy(coda)
-    apply_coda(coda)
-    apply_coda(fp8, precision="fp8")
+    want_loss, want, (loss16, got16, coda), (loss8, got8, fp8) = two_patches("bf16", "fp8")
     assert fp8._coda.cfg.precision == Fp8Recipe() and coda._coda.cfg.precision == "bf16"
-    ids, labels = batch()
-    want_loss, want = loss_and_grads(ref, ids, labels)
-    with coda_cute.reference_on_cpu():
-        loss16, got16 = loss_and_grads(coda, ids, labels)
-        loss8, got8 = loss_and_grads(fp8, ids, labels)
     assert abs(loss8 - want_loss) < 2e-2 * abs(want_loss)
     e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
     e16 = rel_err(flat_grads(got16, want), flat_grads(want, want))

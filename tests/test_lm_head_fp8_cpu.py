@@ -4,8 +4,6 @@ gradients against float64 math next to the bf16 op's, the FP8 weight gradient on
 chunks and the bf16 one on a ragged chunk, its fake implementation, bad input on every path, the
 models' switch (``Fp8Recipe(lm_head_fp8=True)``) and evaluation staying bf16."""
 
-import copy
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -15,7 +13,7 @@ from coda_cute import reference as R
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.ops import lm_head_ce as L
 from coda_cute.ops.lm_head_ce_fp8 import cross_entropy_fp8
-from helpers import flat_grads, loss_and_grads, on_path, rel_err
+from helpers import flat_grads, on_path, rel_err
 
 EPS = 1e-5
 
@@ -122,18 +120,12 @@ def test_models_put_the_lm_head_in_fp8_with_the_switch():
     the same decoder, so where the two differ the head's own quantization shows: the LM head's
     gradient moves by several percent."""
     import test_hf_cpu as H
-    from coda_cute.nn import apply_coda
     from coda_cute.precision import Fp8Recipe
 
-    ref, _, coda = H.models("llama", vocab_size=112)
-    head8 = copy.deepcopy(coda)
-    apply_coda(coda, precision="fp8")
-    apply_coda(head8, precision=Fp8Recipe(lm_head_fp8=True))
-    ids, labels = H.batch(112, s=32)  # 64 tokens: whole 16-token blocks, the FP8 weight gradient
-    want_loss, want = loss_and_grads(ref, ids, labels)
-    with coda_cute.reference_on_cpu():
-        loss8, got8 = loss_and_grads(coda, ids, labels)
-        loss88, got88 = loss_and_grads(head8, ids, labels)
+    # 64 tokens: whole 16-token blocks, the FP8 weight gradient
+    want_loss, want, (loss8, got8, _), (loss88, got88, head8) = H.two_patches(
+        "fp8", Fp8Recipe(lm_head_fp8=True), vocab=112, seq=32)
+    assert head8._coda.cfg.precision.lm_head_fp8
     assert abs(loss88 - want_loss) < 2e-2 * abs(want_loss)
     e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
     e88 = rel_err(flat_grads(got88, want), flat_grads(want, want))
