@@ -190,9 +190,10 @@ def _fake_signature(spec: KernelSpec):
         workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
     block_scales = None
     if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128 or N, K/128, L) fp32 scales, any strides
-        kb = cute.sym_int()
-        block_scales = tuple(fake("float32", (rows, kb, l), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
-                             for rows in (m, cute.sym_int()))
+        kb = cute.sym_int()  # but the wgrad form's B scales N-major (kernels.sm90.block_scales)
+        block_scales = tuple(fake("float32", (rows, kb, l), (1 if b_major else cute.sym_int64(), cute.sym_int64(),
+                                                             cute.sym_int64()), 4)
+                             for rows, b_major in ((m, False), (cute.sym_int(), spec.b_rows)))
     # Empty tuples are no valid kernel arguments: an absent group is passed as None.
     return a, b, tuple(ins) or None, tuple(outs), scalars or None, workspace, block_scales
 

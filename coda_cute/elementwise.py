@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
+from .precision import block_scales_m_major
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
            "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "compile_elementwise", "fold_backward",
@@ -179,15 +180,16 @@ class QuantizeDualSpec:
 def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True):
     """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 and M of 16: q, s its 1 x 128
     quantization (``reference.quantize_blocks_ref``), qt, st that of ``x.t()`` (K, M); ``rows``
-    False: (None, None, qt, st). Scales fp32 (rows, ceil(cols / 128)), contiguous."""
+    False: (None, None, qt, st). Scales fp32 (rows, ceil(cols / 128)), M-major
+    (``precision.block_scales_m_major``)."""
     from . import dispatch
 
     m, k = x.shape
     qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
-    st = torch.empty((k, -(-m // 128)), dtype=torch.float32, device=x.device)
+    st = block_scales_m_major(k, m, x.device)
     if rows:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-        s = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=x.device)
+        s = block_scales_m_major(m, k, x.device)
     else:  # placeholders: the kernel writes neither
         q, s = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1]
     spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,

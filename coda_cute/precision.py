@@ -34,6 +34,17 @@ SCALINGS = ("block", "row")
 BLOCK = 128
 
 
+def block_scales_m_major(rows: int, cols: int, device) -> torch.Tensor:
+    """An empty fp32 (rows, ceil(cols / 128)) tensor of 1 x 128 block scales, M-major (strides (1,
+    R), R = rows rounded up to 128): the block-scaled GEMM loads one k-block's scales of a tile's
+    consecutive rows or columns together, one sector per warp and load, where a row-major layout
+    puts each in a sector of its own; and the weight-gradient form reads a whole tile's column of
+    scales without clamping each column to the last (the padding past ``rows``, never used)."""
+    pad = -(-rows // BLOCK) * BLOCK
+    kb = -(-cols // BLOCK)
+    return torch.empty((kb, pad), dtype=torch.float32, device=device).as_strided((rows, kb), (1, pad))
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     scaling: str = "block"

@@ -3,8 +3,10 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_gemm.py
 
 Covers both schedules, a 2-CTA cluster, FP8 two-level and fast accumulation, a batched call, a
-split-K call, a split tail (on 132 SMs: 2 tail tiles in 2 K slices and their fixup) and ragged edges (M, N, K not tile multiples), each checked against the fp32
-reference so a sanitizer-clean run is also a correct one.
+split-K call, a split tail (on 132 SMs: 2 tail tiles in 2 K slices and their fixup), ragged edges (M, N, K not
+tile multiples) and both block-scaled forms (``coda.gemm_blockwise``; the weight-gradient form's
+column scales read in place from their padded layout and from a copy), each checked against the
+fp32 reference so a sanitizer-clean run is also a correct one.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import sys
 
 import torch
 
+from coda_cute import reference as R
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.ops.gemm import gemm_impl
+from coda_cute.precision import block_scales_m_major
 from coda_cute.reference import gemm_ref
 
 CASES16 = [
@@ -32,6 +36,20 @@ CASES8 = [
 
 def rel(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def block_scaled() -> float:
+    """The block-scaled forms on ragged shapes: (1000 x 776) @ 1040, a weight block and k-block cut
+    short; the wgrad form at N = 200 (its last tile's columns past N read the padding)."""
+    a_q, sa = R.quantize_blocks_ref(torch.randn(1000, 1040, device="cuda"), (1, 128))
+    w_q, sw = R.quantize_blocks_ref(torch.randn(776, 1040, device="cuda"), (128, 128))
+    out = torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), w_q, sw)
+    worst = rel(out, R.block_scaled_gemm_ref(a_q, sa, (1, 128), w_q, sw, (128, 128), torch.float64))
+    b_q, sb = R.quantize_blocks_ref(torch.randn(200, 1040, device="cuda"), (1, 128))
+    for cols in (sb, block_scales_m_major(200, 1040, "cuda").copy_(sb)):  # copied / in place
+        out = torch.ops.coda.gemm_blockwise(a_q, sa, b_q, cols, torch.float32, "1x128")
+        worst = max(worst, rel(out, R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), torch.float64)))
+    return worst
 
 
 def main() -> int:
@@ -61,8 +79,9 @@ def main() -> int:
     a = torch.randn(72, 384, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16).t()
     worst = max(worst, rel(gemm_impl(a, b, split_k=3), gemm_ref(a, b, round_output=False)))
+    worst = max(worst, block_scaled())
     torch.cuda.synchronize()
-    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 2} launches, worst relative error {worst:.2e}")
+    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 5} launches, worst relative error {worst:.2e}")
     return 0 if worst < 2e-2 else 1
 
 

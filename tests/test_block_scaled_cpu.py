@@ -178,11 +178,12 @@ def _scale_loads_read_before_a_wait(sass: str) -> list:
 
 
 @pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
+@pytest.mark.parametrize("b_rows", [False, True], ids=["block", "wgrad"])
 @pytest.mark.parametrize("cfg", [GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
                                  GemmConfig(tile_m=128, tile_n=128, tile_k=128),
                                  GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong")],
                          ids=["coop-128x128-c2x1", "coop-128x128", "pingpong-64x128"])
-def test_scale_loads_are_not_waited_for_while_issuing(cfg):
+def test_scale_loads_are_not_waited_for_while_issuing(cfg, b_rows):
     """The mainloop's scale loads are read only after the warp's next wait (SASS): each
     promotion group loads the next group's factors, and a factor multiplies its two loaded parts
     at the promotion. A product formed right after the loads (as the kernel once did) sits in
@@ -191,7 +192,30 @@ def test_scale_loads_are_not_waited_for_while_issuing(cfg):
     first k-tile is promoted before the mainloop, reads its factor's loads early (3 loads: the
     thread's two rows and the weight block; ping-pong has no such tile). The weight block's scale
     is loaded from an address ptxas cannot prove uniform: a uniform load's value goes into a
-    uniform register right after it, which waits there too."""
-    k = compile_gemm(spec(cfg), keep_artifacts=True)
+    uniform register right after it, which waits there too. The weight-gradient form multiplies
+    the partial by its row and then its column scales: their product, which needs the loads only,
+    was hoisted by ptxas to right after them (35 reads early per build)."""
+    k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "float32"),
+                                   block_scaled=True, b_rows=True) if b_rows else spec(cfg), keep_artifacts=True)
     early = _scale_loads_read_before_a_wait(disassemble(k.cubin))
     assert len(early) <= (3 if cfg.schedule == "cooperative" else 0), early
+
+
+def test_wgrad_column_scales_are_read_in_place_only_when_padded():
+    """The weight-gradient form's B scales: our quantizers' layout (N-major, rows padded to 128)
+    passes as is; row-major, unpadded or too short a storage is copied into that layout, values
+    kept."""
+    from coda_cute.epilogue.runner import wgrad_column_scales
+    from coda_cute.precision import block_scales_m_major
+
+    sb = torch.randn(200, 3)
+    padded = block_scales_m_major(200, 300, "cpu").copy_(sb)
+    assert padded.stride() == (1, 256) and wgrad_column_scales(padded, 200) is padded
+    tight = sb.t().contiguous().t()  # N-major, but the last k-block ends at row 200
+    short = torch.empty_strided((200, 3), (1, 256)).copy_(sb)  # its storage ends at row 200
+    assert wgrad_column_scales(padded[:, 1:], 200).data_ptr() == padded[:, 1:].data_ptr()  # a slice
+    for t in (sb, tight, short):
+        got = wgrad_column_scales(t, 200)
+        assert got is not t and got.stride() == (1, 256) and torch.equal(got, t)
+    one = block_scales_m_major(200, 100, "cpu")  # one k-block
+    assert one.stride() == (1, 256) and wgrad_column_scales(one, 200) is one

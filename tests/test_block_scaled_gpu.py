@@ -8,8 +8,10 @@ import torch
 
 from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, get_gemm
+from coda_cute.epilogue.runner import wgrad_column_scales
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
+from coda_cute.precision import block_scales_m_major
 from helpers import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -84,3 +86,19 @@ def test_wgrad_form_is_the_dequantized_product(m, n, k, out_dtype, a_dtype):
     rounding = want.abs() * (2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23)
     assert bool((err <= 2.0 ** -11 * mag + rounding).all()), float((err - rounding).div(mag).max())
     assert rel_err(out.double(), want) < (4e-3 if out_dtype == torch.bfloat16 else 5e-4)
+
+
+@pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (136, 200, 4112)])
+def test_wgrad_form_reads_padded_column_scales_in_place(m, n, k):
+    """Column scales as our quantizers allocate them (``precision.block_scales_m_major``: N-major,
+    padded to 128) are read in place, the padding past N included (never stored: poisoned here
+    with NaN, which would show in every column of a row that took it); row-major A scales."""
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128))
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (1, 128))
+    cols = block_scales_m_major(n, k, "cuda")
+    cols.as_strided((cols.stride(1) * cols.shape[1],), (1,)).fill_(float("nan"))
+    cols.copy_(sb)
+    assert wgrad_column_scales(cols, n) is cols
+    out = torch.ops.coda.gemm_blockwise(a_q, sa, b_q, cols, torch.float32, "1x128")
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), out_dtype=torch.float64)
+    assert bool(out.isfinite().all()) and rel_err(out.double(), want) < 5e-4

@@ -94,11 +94,12 @@ def test_weight_quantize_kernel_writes_the_transpose_with_the_same_scales(n, k):
 
 
 def test_quantize_op_is_the_reference():
-    """``coda.quantize_fp8`` on the GPU: both blocks, the M-major activation scales."""
+    """``coda.quantize_fp8`` on the GPU: both blocks, the M-major activation scales (rows padded to
+    128, ``precision.block_scales_m_major``)."""
     x = _input(1000, 4096, torch.bfloat16)
     q, s = torch.ops.coda.quantize_fp8(x)
     want_q, want_s = R.quantize_blocks_ref(x, (1, 128))
-    assert s.stride() == (1, 1000) and torch.equal(s, want_s)
+    assert s.stride() == (1, 1024) and torch.equal(s, want_s)  # M-major, rows padded to 128
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     w, g = _input(4096, 1000, torch.float32), 1 + 0.1 * torch.randn(1000, device="cuda")
     qw, sw = torch.ops.coda.quantize_fp8(w, "128x128", g)

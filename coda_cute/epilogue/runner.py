@@ -18,7 +18,7 @@ from ..compiler import KernelSpec, get_gemm, spill_bytes
 from ..kernels.common.config import GemmConfig, pipeline_stages
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, check_pointer_aligned, dtype_name, mn_view, operand_view, tma_view
-from ..precision import BLOCK
+from ..precision import BLOCK, block_scales_m_major
 from ..reference import dequantize_blocks_ref
 from .reference import evaluate, torch_dtype
 
@@ -122,7 +122,7 @@ def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: 
 class Plan:
     """One call signature's validated launch recipe."""
 
-    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views", "block_views",
+    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views", "block_views", "b_rows_n",
                  "scalar_names", "out_views", "kernel", "empty", "config", "workspace", "tail_sizes")
 
     def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None, block_scales=None) -> dict:
@@ -153,6 +153,9 @@ class Plan:
         scales = None
         if self.block_views is not None:
             scales = tuple(t.as_strided(*v) for t, v in zip(block_scales, self.block_views))
+            if self.b_rows_n is not None:  # strides that depend on the copy, if one was needed
+                cols = wgrad_column_scales(block_scales[1], self.b_rows_n)
+                scales = (scales[0], cols.as_strided(*_scale_view(cols)))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
                     workspace, scales)
         return _group(result, self.tree)
@@ -312,10 +315,9 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
                       n_tiles if i.kind == "col_vec" and n_tiles != n else None, i.wide)
                      for i in tree.inputs if i.kind != "scalar"]
     plan.scalar_names = _check_scalars(tree, inputs, op)
-    plan.block_views = None
+    plan.block_views, plan.b_rows_n = None, n if blocked and b_rows else None
     if blocked:  # (rows, k-blocks, L = 1), the kernel's any-stride fp32 scales
-        plan.block_views = [((t.shape[0], t.shape[1], 1), (*t.stride(), t.shape[0] * t.shape[1]))
-                            for t in block_scales]
+        plan.block_views = [_scale_view(t) for t in block_scales]
     spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
                          arch, sms, block_scaled=blocked, b_rows=b_rows)
     plan.kernel = get_gemm(spec).fn
@@ -354,6 +356,23 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
                              f"got {t.dtype} {tuple(t.shape)}")
         out[name] = t.copy_(want)
     return out
+
+
+def _scale_view(t: torch.Tensor):
+    """(size, stride) of a 2-D scale tensor as the kernel's (rows, k-blocks, L = 1)."""
+    return (t.shape[0], t.shape[1], 1), (*t.stride(), t.shape[0] * t.shape[1])
+
+
+def wgrad_column_scales(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight-gradient form's B scales (N, k-blocks) as its kernel reads them
+    (``kernels.sm90.block_scales``): N-major, each k-block's column readable up to N rounded up to
+    128, as ``precision.block_scales_m_major`` allocates them (our quantizers do); other layouts
+    are copied into one (N x k-blocks fp32: a few hundred KB at most)."""
+    kb, pad = t.shape[1], -(-n // BLOCK) * BLOCK
+    room = t.untyped_storage().nbytes() // 4 - t.storage_offset()
+    if t.stride(0) == 1 and (kb == 1 or t.stride(1) >= pad) and room >= (kb - 1) * t.stride(1) + pad:
+        return t
+    return block_scales_m_major(n, kb * BLOCK, t.device).copy_(t)
 
 
 def check_block_scales(a, b, scales, op, b_rows: bool = False):

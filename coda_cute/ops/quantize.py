@@ -26,6 +26,7 @@ import torch
 
 from .. import dispatch
 from ..elementwise import quantize_dual, quantize_rows, quantize_weight
+from ..precision import block_scales_m_major
 from ..reference import quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
 
@@ -66,7 +67,7 @@ def _outputs(x, block, grid, dtype):
     """q (rows, cols) and the scales in the op's layout: M-major for 1x128, row-major for 128x128."""
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
     if block == "1x128":
-        return q, torch.empty(grid[::-1], dtype=F32, device=x.device).t()
+        return q, block_scales_m_major(*x.shape, x.device)
     return q, torch.empty(grid, dtype=F32, device=x.device)
 
 
@@ -113,17 +114,18 @@ def check_dual(x, dtype):
 
 def quantize_dual_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True):
     """(q, s, qt, st): x's 1 x 128 quantization and that of x^T (K, M), scales (rows,
-    ceil(cols / 128)) contiguous; ``rows`` False: (None, None, qt, st). The kernel on CUDA
+    ceil(cols / 128)) M-major (``precision.block_scales_m_major``), as ``coda.quantize_fp8``'s; ``rows`` False: (None, None, qt, st). The kernel on CUDA
     (``kernels.elementwise.quantize_dual``), the reference inside ``reference_on_cpu``."""
     check_dual(x, dtype)
     if x.device.type == "cuda":
         return quantize_dual(x, dtype, rows)
     dispatch.require_reference(OP_DUAL)
     qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, 128), dtype)
+    st = block_scales_m_major(*qt.shape, x.device).copy_(st)
     if not rows:
         return None, None, qt, st
     q, s = quantize_blocks_ref(x.float(), (1, 128), dtype)
-    return q, s, qt, st
+    return q, block_scales_m_major(*q.shape, x.device).copy_(s), qt, st
 
 
 @torch.library.custom_op("coda::quantize_fp8_dual", mutates_args=())
@@ -131,7 +133,7 @@ def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, s, qt, st) of 16-bit ``x`` (M, K) in one pass: q, s = its 1 x 128 quantization along K,
     qt, st = that of ``x.t()`` (K, M) along M, each ``reference.quantize_blocks_ref``'s (bit for
-    bit on the GPU); scales (rows, ceil(cols / 128)) fp32. The weight gradient's operands are
+    bit on the GPU); scales (rows, ceil(cols / 128)) fp32, M-major. The weight gradient's operands are
     quantized along the tokens, which a 1 x 128 tensor cannot be transposed into."""
     return quantize_dual_fp8(x, dtype)
 
@@ -139,5 +141,5 @@ def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
 @quantize_fp8_dual.register_fake
 def _dual_fake(x, dtype=torch.float8_e4m3fn):
     m, k = check_dual(x, dtype)
-    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, -(-k // 128)), dtype=F32),
-            x.new_empty((k, m), dtype=dtype), x.new_empty((k, -(-m // 128)), dtype=F32))
+    return (x.new_empty((m, k), dtype=dtype), block_scales_m_major(m, k, x.device),
+            x.new_empty((k, m), dtype=dtype), block_scales_m_major(k, m, x.device))

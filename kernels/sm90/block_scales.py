@@ -13,9 +13,12 @@ are quantized in 1 x 128 blocks along them, so B too has one scale per row and k
 
     D[m, n] = sum_kb  sa[m, kb] * sb[n, kb] * sum_{k in kb} A[m, k] B[n, k]
 
-Its factor is an outer product per k-tile: the thread's row scales times its column scales,
-multiplied at the promotion (:class:`OuterFactor`), so only 2 x MMA_M + its columns' values are
-live rather than a factor per accumulator register.
+Its factor is an outer product per k-tile: the thread's row scales times its column scales
+(:class:`OuterFactor`), so only 2 x MMA_M + its columns' values are live rather than a factor
+per accumulator register. The partial is multiplied by the two parts in turn, never by their
+product: the product depends on the loads alone, and ptxas hoisted it to right after them, into
+the block that issues the k-tile's WGMMAs, where the warp then waited for the loads' L2 round trip
+every k-tile (SASS). ``partial * row`` depends on the WGMMAs' result and stays after their wait.
 
 Roles: the consumer warpgroups call :meth:`BlockScales.factors` right after issuing a k-tile's
 WGMMAs, so its loads (the thread's 2 x MMA_M row scales and the tile's one weight scale, or its
@@ -31,17 +34,22 @@ from cutlass import Float32, const_expr
 
 #: the scale block along K and along N of B (the recipe's 128)
 BLOCK = 128
+#: the weight-gradient form's B scales (N, ceil(K / 128)) are N-major with each k-block's column
+#: readable up to N rounded up to this (``coda_cute.epilogue.runner`` pads them where needed)
+COLUMN_PAD = 128
 
 
 class OuterFactor:
     """A promotion factor laid out like the accumulator, as the product of a row part and a
-    column part (each with zero strides on the other's modes): ``load()`` multiplies them."""
+    column part (each with zero strides on the other's modes)."""
 
     def __init__(self, rows, cols):
         self.rows, self.cols = rows, cols
 
-    def load(self):
-        return self.rows.load() * self.cols.load()
+    def scaled(self, t):
+        """``t * rows * cols`` (one FMUL and, in ``acc + scaled``, one FFMA per register), in
+        that order: see the module docstring."""
+        return t.load() * self.rows.load() * self.cols.load()
 
 
 class RowFactor:
@@ -62,6 +70,10 @@ class RowFactor:
         self._flat(out).store(self._flat(self.rows).load() * self.b[0])  # the distinct values only
         return out.load()
 
+    def scaled(self, t):
+        """``t * factor``."""
+        return t.load() * self.load()
+
     def assign(self, other: "RowFactor"):
         """Take ``other``'s values (copying the distinct registers only)."""
         self._flat(self.rows).store(self._flat(other.rows).load())
@@ -69,15 +81,17 @@ class RowFactor:
 
 
 class BlockScales:
-    """Promotion factors of one output tile. ``sa``: (M, ceil(K / 128), L) fp32, ``sb``:
-    (ceil(N / 128), ceil(K / 128), L) fp32 (``b_rows``: (N, ceil(K / 128), L)), any strides.
-    ``acc_coords``: the global (m, n) of every accumulator register of this thread
-    (``thr_mma.partition_C`` of the tile's identity tensor); ``tl``: its batch. Rows past M read row M - 1 and columns past N column N - 1, and a tile past
-    the problem (the producer's extra stage after the last tile) its last block: their products
-    are never stored."""
+    """Promotion factors of one output tile. ``sa``: (M, ceil(K / 128), L) fp32, any strides;
+    ``sb``: (ceil(N / 128), ceil(K / 128), L) fp32, any strides (``b_rows``: (N, ceil(K / 128), L),
+    N-major and padded: stride 1 along N, and each k-block's column of scales readable up to N
+    rounded up to 128, see :data:`COLUMN_PAD`). ``acc_coords``: the global (m, n) of every
+    accumulator register of this thread (``thr_mma.partition_C`` of the tile's identity tensor);
+    ``tl``: its batch; ``tile_n``: the tile's width. Rows past M read row M - 1, columns past N
+    (``b_rows``) the padding, and a tile past the problem (the producer's extra stage after the
+    last tile) its last block: their products are never stored."""
 
     def __init__(self, sa: cute.Tensor, sb: cute.Tensor, acc_coords: cute.Tensor, problem_mnl, tl,
-                 b_rows: bool = False):
+                 tile_n: int, b_rows: bool = False):
         self.sa, self.sb = sa, sb
         self.coords = acc_coords
         self.problem = problem_mnl
@@ -92,7 +106,14 @@ class BlockScales:
                 m = cutlass.min(acc_coords[((0, half, 0), mm, 0)][0], problem_mnl[0] - 1)
                 self.sa_rows.append(sa[(m, None, self.tl)])
         self.sb_row = None
-        if not b_rows:
+        if const_expr(b_rows):
+            # The thread's columns as one base plus offsets known at compile time (no clamp to
+            # N - 1, whose per-column address arithmetic ptxas spread between a k-tile's WGMMAs:
+            # SASS), into the padding past N; a tile past the problem reads the last tile's.
+            self.col0 = acc_coords[((0, 0, 0), 0, 0)][1]
+            last = cute.ceil_div(problem_mnl[1], COLUMN_PAD) * COLUMN_PAD - tile_n
+            self.col_base = cutlass.min(self.col0, last + self.col0 % tile_n)
+        else:
             # The tile's weight block, found from this thread's first column rather than the tile's:
             # the same block for every thread (a tile of at most 128 columns lies in one), but
             # ptxas cannot prove the load uniform, so it keeps the value in a vector register
@@ -122,6 +143,5 @@ class BlockScales:
             for v in cutlass.range_constexpr(g):
                 for c in cutlass.range_constexpr(p):
                     crd = ((c, 0, v), 0, nn)
-                    n = cutlass.min(self.coords[crd][1], self.problem[1] - 1)
-                    cols[crd] = self.sb[(n, k, self.tl)]
+                    cols[crd] = self.sb[(self.col_base + (self.coords[crd][1] - self.col0), k, self.tl)]
         return OuterFactor(rows, cols)

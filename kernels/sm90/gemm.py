@@ -118,8 +118,8 @@ class Sm90Gemm:
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
-            # the wgrad form's column scales need the registers a second temporary would take
-            paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not b_rows,
+            # ping-pong's wgrad form spills with a second temporary next to its column scales
+            paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not (b_rows and self.pingpong),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class Sm90Gemm:
             return None
         wm, wn, wl = sched.coord(work)
         return BlockScales(block_scales[0], block_scales[1], thr_mma.partition_C(cD[(None, None, wm, wn)]),
-                           problem_mnl, wl, self.b_rows)
+                           problem_mnl, wl, self.tile_mnk[1], self.b_rows)
 
     def _first_factor(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
         scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)

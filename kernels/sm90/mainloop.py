@@ -233,7 +233,7 @@ class Sm90Mainloop:
         if const_expr(factor is None):
             acc.store(first.load())
         else:
-            acc.store(first.load() * factor.load())
+            acc.store(factor.scaled(first))
         ab_pipe.consumer_release(stage)
 
     @cute.jit
@@ -283,7 +283,7 @@ def _promote(acc, tmp, factor):
     if const_expr(factor is None):
         acc.store(acc.load() + tmp.load())
     else:
-        acc.store(acc.load() + tmp.load() * factor.load())
+        acc.store(acc.load() + factor.scaled(tmp))
 
 
 class Stagger:
