@@ -13,7 +13,12 @@ and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the 
 * ``paired_ahead`` / ``single_ahead``: where the kernel has ``SCALE_AHEAD`` (each promotion
   group loads the next group's factors), the same with it on; the plain names then have it off.
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20]
+The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
+shapes, fp32 out): promotion in pairs or one k-tile at a time, each with the scales M-major
+(strides (1, rows): a warp's loads of one k-block share a sector) or row-major (a sector per
+row and column), against cuBLAS bf16 on the same product and our row-wise FP8 GEMM.
+
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad]
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
+#: (N_out, N_in, tokens) of the weight gradients: QKV, gate/up, down
+WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384)]
 
 
 def variants():
@@ -45,11 +52,58 @@ def variants():
     return {"paired": (True, None), "single": (False, None)}
 
 
+def _fresh_plan(tree, a, b, config, scales, b_rows=False):
+    """A launch plan compiled afresh (the module switches just changed)."""
+    compiler._cache.clear()
+    runner._plans.clear()
+    return runner._make_plan(tree, a, b, {}, config, False, "exp", scales, b_rows)
+
+
+def wgrad(console, rounds):
+    """The weight-gradient form's variants (module docstring), TFLOP/s."""
+    tree = gemm_tree("none", "none", "float32")
+    sms = dispatch.num_sms(torch.device("cuda"))
+    max_acc = G.MAX_ACC_REGISTERS
+    names = ["paired m-major", "single m-major", "paired row-major", "single row-major"]
+    table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
+    for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", *names, "best / bf16"]:
+        table.add_column(col, justify="right")
+    for m, n, k in WGRAD_SHAPES:
+        dy, x = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+        a_q, sa = R.quantize_blocks_ref(dy, (1, 128))
+        b_q, sb = R.quantize_blocks_ref(x, (1, 128))
+        layouts = {"m-major": (sa.t().contiguous().t(), sb.t().contiguous().t()), "row-major": (sa, sb)}
+        a16, b16 = dy.bfloat16(), x.bfloat16().t()
+        ra = a_q.float().abs().amax(-1, keepdim=True) / 448.0
+        rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
+        fns = {"cuBLAS bf16": lambda: torch.mm(a16, b16),  # bf16 out
+               "ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb, torch.float32)}
+        base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True, True)
+        want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (1, 128), torch.float64)
+        for name in names:
+            paired, layout = name.split()
+            G.MAX_ACC_REGISTERS = max_acc if paired == "paired" else 0
+            plan = _fresh_plan(tree, a_q, b_q.t(), base, layouts[layout], True)
+            fns[name] = lambda p=plan, sc=layouts[layout]: p.launch(a_q, b_q.t(), {}, None, sc)
+            err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
+            console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
+        G.MAX_ACC_REGISTERS = max_acc
+        ms = interleaved_medians(fns, rounds=rounds, settle_ms=500)
+        tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
+        best = max(tf[name] for name in names)
+        table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['cuBLAS bf16']:.0f}", f"{tf['ours row']:.0f}",
+                      *(f"{tf[name]:.0f}" for name in names), f"{best / tf['cuBLAS bf16']:.3f}")
+    console.print(table)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--wgrad", action="store_true", help="the weight-gradient form's variants instead")
     args = ap.parse_args()
     console = Console(width=160)
+    if args.wgrad:
+        return wgrad(console, args.rounds)
     tree = gemm_tree("none", "none", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc, ahead0 = G.MAX_ACC_REGISTERS, getattr(G, "SCALE_AHEAD", None)
@@ -71,9 +125,7 @@ def main():
             G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
             if ahead is not None:
                 G.SCALE_AHEAD = ahead
-            compiler._cache.clear()
-            runner._plans.clear()
-            plan = runner._make_plan(tree, a_q, b_q.t(), {}, base, False, "exp", (sa, sb))
+            plan = _fresh_plan(tree, a_q, b_q.t(), base, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
