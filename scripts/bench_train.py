@@ -53,17 +53,14 @@ parameters, the inputs) and minus the bytes of the variant's own gradients: acti
 temporaries beyond parameters + gradients, in GiB.
 
 Profile: torch.profiler (CUDA activity) over one CODA step: kernel time grouped by kernel name,
-top 15 with their share of all GPU time and their call counts; and the step's GPU timeline: its
-span, the time some kernel ran, the idle rest and the longest gaps with the kernels either side
-(a step slower than its kernels loses that time to the host).
+top 15 with their share of all GPU time and their call counts.
 
 JSON (``--json``): a list, one record per config: config, tokens, batch, seq, layers;
 {coda,hf_eager,hf_compile,liger}_ms and _peak_gib (null when not run or failed); ratio_to_coda
 (baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_gemm_ms,
 shadow_attention_ms, shadow_chain_ms, coda_over_shadow, gemm_flops, shadow_pieces (name, layout,
 m, n, k, count, ms, tflops), attention_ms (one layer); block_ms, block_gemm_ms, block_ratio;
-profile (total_ms, kernels, rows: name, ms, share, calls; timeline: span_ms, busy_ms, idle_ms,
-gaps: ms, after, before); errors (what failed, why); env.
+profile (total_ms, kernels, rows: name, ms, share, calls); errors (what failed, why); env.
 
 Running it on the GPU machine (torch >= 2.11 with CUDA, triton, transformers, coda_cute importable):
 Liger-Kernel 0.8.x is a pure-Python wheel. Fetch it on a machine with PyPI access into .wheels/
@@ -344,13 +341,6 @@ def report(rec: dict, console: Console = out_console):
             name = r["name"] if len(r["name"]) <= 120 else r["name"][:117] + "..."
             pt.add_row(Text(name), f"{r['ms']:.3f}", f"{100 * r['share']:.1f}%", str(r["calls"]))
         console.print(pt)
-        tl = prof.get("timeline")
-        if tl:
-            console.print(f"GPU timeline of the profiled step: span {tl['span_ms']:.3f} ms, busy "
-                          f"{tl['busy_ms']:.3f}, idle {tl['idle_ms']:.3f}; longest gaps:")
-            for g in tl["gaps"]:
-                console.print(f"  {g['ms']:.3f} ms after {g['after'][:70]} before {g['before'][:70]}",
-                              markup=False)
     if rec["errors"]:
         console.print(f"[red]{rec['config']} errors:[/]")
         for k, v in rec["errors"].items():

@@ -211,33 +211,6 @@ def kernel_rows(events, device_type: str = "cuda", top: int = TOP_KERNELS) -> di
                      for name, (t, n) in rows]}
 
 
-def gpu_gaps(events, top: int = 5) -> dict:
-    """Where the GPU sat idle during a profiled step: the span from the first GPU event's start to
-    the last one's end, the time some event ran (the union of their intervals: concurrent kernels
-    count once), the rest as idle, and the ``top`` longest gaps with the events either side
-    (``after`` ended, ``before`` started). A step slower than its GPU time loses that time here:
-    to the host (launch overhead, a sync) rather than to a kernel."""
-    from torch.autograd import DeviceType
-
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type == DeviceType.CUDA)
-    if not spans:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": []}
-    busy, gaps = 0.0, []
-    start, end, last = spans[0]
-    for s, e, name in spans[1:]:
-        if s > end:
-            busy += end - start
-            gaps.append({"ms": (s - end) / 1e3, "after": last, "before": name})
-            start = s
-        if e >= end:
-            end, last = e, name
-    busy += end - start
-    span = end - spans[0][0]
-    gaps.sort(key=lambda g: -g["ms"])
-    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gaps": gaps[:top]}
-
-
 def profile_step(step: Callable, device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -251,8 +224,6 @@ def profile_step(step: Callable, device) -> dict:
             step()
             sync(device)
         out = kernel_rows(prof.events(), "cuda")
-    if cuda:
-        out["timeline"] = gpu_gaps(prof.events())
     return out
 
 

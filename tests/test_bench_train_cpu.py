@@ -130,22 +130,6 @@ def test_kernel_rows(bt):
     assert bt.kernel_rows([], "cuda") == {"total_ms": 0.0, "kernels": 0, "rows": []}
 
 
-def _span(name, start, end, device=DeviceType.CUDA):
-    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
-
-
-def test_gpu_gaps(bt):
-    """Busy time is the union of the GPU events (overlapping ones count once), idle the rest of the
-    span, and the gaps come longest first with the events either side; CPU events are ignored."""
-    events = [_span("a", 0, 100), _span("b", 50, 120), _span("c", 400, 500), _span("d", 520, 600),
-              _span("host", 120, 400, DeviceType.CPU)]
-    out = bt.gpu_gaps(events, top=1)
-    assert out["span_ms"] == pytest.approx(0.6) and out["busy_ms"] == pytest.approx(0.3)
-    assert out["idle_ms"] == pytest.approx(0.3)
-    assert out["gaps"] == [{"ms": pytest.approx(0.28), "after": "b", "before": "c"}]
-    assert bt.gpu_gaps([]) == {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": []}
-
-
 # -- Liger's global patches: undone, then re-applied around its forward only ------------------------
 def test_patch_undo_and_reapply(bt):
     mod = types.ModuleType("fake_modeling")
