@@ -2,21 +2,21 @@
 
 Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): the block-scaled
 GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
-kernel, while its weight-gradient form (both operands scaled per row and 128 tokens, promoted one
-k-tile at a time) ran the gate/up weight gradient at 1005 TFLOP/s against 830 for the forward
-form. The forward form promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``);
-its per-k-tile scale loads are L2 round trips. Variants, each compiled afresh (no disk cache)
+kernel. A reading of 1005 TFLOP/s for the weight-gradient form then did not reproduce (385 the
+next session; likely a binary of the disk cache's key collision, since fixed). The forward form
+promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``); its per-k-tile scale
+loads are L2 round trips. Variants, each compiled afresh (no disk cache)
 and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same operands:
 
 * ``paired``: today's kernel;
-* ``single``: one promotion per k-tile (the weight-gradient form's loop);
+* ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
 * ``paired_ahead`` / ``single_ahead``: where the kernel has ``SCALE_AHEAD`` (each promotion
   group loads the next group's factors), the same with it on; the plain names then have it off.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
-shapes, fp32 out): promotion in pairs or one k-tile at a time, each with the scales M-major
-(strides (1, rows): a warp's loads of one k-block share a sector) or row-major (a sector per
-row and column), against cuBLAS bf16 on the same product and our row-wise FP8 GEMM.
+shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
+them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
+bf16 on the same product and our row-wise FP8 GEMM.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad]
 """
@@ -37,6 +37,7 @@ from coda_cute import reference as R  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
+from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
@@ -64,7 +65,7 @@ def wgrad(console, rounds):
     tree = gemm_tree("none", "none", "float32")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc = G.MAX_ACC_REGISTERS
-    names = ["paired m-major", "single m-major", "paired row-major", "single row-major"]
+    names = ["paired", "single"]
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
     for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", *names, "best / bf16"]:
         table.add_column(col, justify="right")
@@ -72,7 +73,7 @@ def wgrad(console, rounds):
         dy, x = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
         a_q, sa = R.quantize_blocks_ref(dy, (1, 128))
         b_q, sb = R.quantize_blocks_ref(x, (1, 128))
-        layouts = {"m-major": (sa.t().contiguous().t(), sb.t().contiguous().t()), "row-major": (sa, sb)}
+        scales = tuple(block_scales_m_major(*q.shape, "cuda").copy_(s) for q, s in ((a_q, sa), (b_q, sb)))
         a16, b16 = dy.bfloat16(), x.bfloat16().t()
         ra = a_q.float().abs().amax(-1, keepdim=True) / 448.0
         rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
@@ -81,10 +82,9 @@ def wgrad(console, rounds):
         base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True, True)
         want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (1, 128), torch.float64)
         for name in names:
-            paired, layout = name.split()
-            G.MAX_ACC_REGISTERS = max_acc if paired == "paired" else 0
-            plan = _fresh_plan(tree, a_q, b_q.t(), base, layouts[layout], True)
-            fns[name] = lambda p=plan, sc=layouts[layout]: p.launch(a_q, b_q.t(), {}, None, sc)
+            G.MAX_ACC_REGISTERS = max_acc if name == "paired" else 0
+            plan = _fresh_plan(tree, a_q, b_q.t(), base, scales, True)
+            fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
         G.MAX_ACC_REGISTERS = max_acc

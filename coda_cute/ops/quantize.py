@@ -114,8 +114,9 @@ def check_dual(x, dtype):
 
 def quantize_dual_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True):
     """(q, s, qt, st): x's 1 x 128 quantization and that of x^T (K, M), scales (rows,
-    ceil(cols / 128)) M-major (``precision.block_scales_m_major``), as ``coda.quantize_fp8``'s; ``rows`` False: (None, None, qt, st). The kernel on CUDA
-    (``kernels.elementwise.quantize_dual``), the reference inside ``reference_on_cpu``."""
+    ceil(cols / 128)) M-major (``precision.block_scales_m_major``), as ``coda.quantize_fp8``'s;
+    ``rows`` False: (None, None, qt, st). The kernel on CUDA (``kernels.elementwise.quantize_dual``),
+    the reference inside ``reference_on_cpu``."""
     check_dual(x, dtype)
     if x.device.type == "cuda":
         return quantize_dual(x, dtype, rows)
@@ -133,8 +134,8 @@ def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, s, qt, st) of 16-bit ``x`` (M, K) in one pass: q, s = its 1 x 128 quantization along K,
     qt, st = that of ``x.t()`` (K, M) along M, each ``reference.quantize_blocks_ref``'s (bit for
-    bit on the GPU); scales (rows, ceil(cols / 128)) fp32, M-major. The weight gradient's operands are
-    quantized along the tokens, which a 1 x 128 tensor cannot be transposed into."""
+    bit on the GPU); scales (rows, ceil(cols / 128)) fp32, M-major. The weight gradient's operands
+    are quantized along the tokens, which a 1 x 128 tensor cannot be transposed into."""
     return quantize_dual_fp8(x, dtype)
 
 
