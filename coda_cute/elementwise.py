@@ -16,7 +16,8 @@ from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtyp
 from .precision import block_scales_m_major
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
-           "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "compile_elementwise", "fold_backward",
+           "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
+           "compile_elementwise", "fold_backward", "embedding_backward",
            "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual"]
 
 
@@ -93,6 +94,46 @@ def fold_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor):
     get_kernel(FoldBackwardSpec(str(w.dtype).removeprefix("torch."), dispatch.arch_of(w.device))).fn(
         dw, w, gamma, out, partial)
     return out, partial.sum(0).to(gamma.dtype)
+
+
+@dataclass(frozen=True)
+class EmbeddingBackwardSpec:
+    """The token embedding's backward in one deterministic pass over the table
+    (``kernels.elementwise.embedding_backward``), for one dtype of the gradient and table."""
+
+    dtype: str
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"embedding_backward_{self.arch}_{short_dtype(self.dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.embedding_backward import EmbeddingBackward
+
+        m, v, d = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        per16 = 16 // (torch.finfo(getattr(torch, self.dtype)).bits // 8)  # elements per 16 bytes
+
+        def rows(n):
+            return _fake(self.dtype, (n, d), (cute.sym_int64(divisibility=per16), 1), 16)
+
+        return EmbeddingBackward(cutlass_dtype(self.dtype)), (
+            rows(m), _fake("int32", (m,), (1,)), _fake("int32", (v,), (1,)), _fake("int32", (v,), (1,)),
+            rows(v))
+
+
+def embedding_backward(dx: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
+    """Writes every row of ``out`` (V, d), dx's dtype, contiguous: row v the sum of dx[order[i]]
+    over i in [starts[v], ends[v]) (fp32, in order), zeros for an empty range; dx (M, d) rows
+    16-byte aligned, d a multiple of 8, order / starts / ends int32 (the caller checks that)."""
+    from . import dispatch
+
+    spec = EmbeddingBackwardSpec(str(dx.dtype).removeprefix("torch."), dispatch.arch_of(dx.device))
+    get_kernel(spec).fn(dx, order, starts, ends, out)
+    return out
 
 
 @dataclass(frozen=True)

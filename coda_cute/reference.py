@@ -413,6 +413,18 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_SCALE = 2.0 ** -126
 
 
+def embedding_backward_ref(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int = -1):
+    """dE (num_rows, d) of ``weight[ids]``: each row the fp32 sum of the gradient rows of the tokens
+    that read it, in token order, rounded once to grad's dtype; ``padding_idx`` (>= 0) and rows
+    no token reads are zeros."""
+    d = grad.shape[-1]
+    out = torch.zeros((num_rows, d), dtype=torch.float32, device=grad.device)
+    out.index_add_(0, ids.reshape(-1).long(), grad.reshape(-1, d).float())
+    if padding_idx >= 0:
+        out[padding_idx] = 0
+    return out.to(grad.dtype)
+
+
 def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn,
                         pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): ``x`` (R, C) in FP8 with one fp32 scale per ``block`` = (rows, cols) block

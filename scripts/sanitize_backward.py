@@ -4,7 +4,8 @@
 
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
 the cross-entropy gradient and the deferred LM-head wgrad (several chunks, a vocabulary that is
-no multiple of 8), and the two sublayer ops forward and backward.
+no multiple of 8), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
+row; and the model's own, bf16), and the two sublayer ops forward and backward.
 """
 
 import torch
@@ -42,6 +43,8 @@ def main():
     t = torch.randint(0, v_, (m,), device="cuda")
     t[::7] = -100
     LH.cross_entropy(yy, w, ss, eps, t, gamma=1 + rand(d, scale=0.1)).backward()
+    torch.ops.coda.embedding_backward(rand(b * s, 40, dtype=torch.float32),
+                                      torch.randint(0, 77, (b * s,), device="cuda"), 77, 5)
     from coda_cute.nn import CodaLlama, LlamaConfig
 
     cfg = LlamaConfig(d, 1, h, hkv, f, v_, head_dim=64, qk_norm=True)

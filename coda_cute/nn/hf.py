@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from ..ops.checks import PendingCheck
+from ..ops.embedding import embedding
 from ..ops.fold import fold_gamma
 from ..ops.proj import norm_proj
 from .convert import fuse_qkv, head_norm_weight, interleave_gate_up
@@ -228,7 +229,8 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
             "apply_coda forward: attention_mask has zeros (padding); the CODA path takes only "
             "unpadded (all-ones) batches: pack sequences instead"))
     m = self.model
-    x = _bf16(m.embed_tokens(input_ids))
+    pad = m.embed_tokens.padding_idx
+    x = _bf16(embedding(m.embed_tokens.weight, input_ids, -1 if pad is None else pad))
     ss = embedding_norm_stats(x.reshape(b * s, -1))
     positions = _positions(position_ids, b, s, input_ids.device)
     inv_freq = _frequencies(state, input_ids.device)

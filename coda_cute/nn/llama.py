@@ -36,6 +36,7 @@ from torch import nn
 
 from ..ops.attention import attention_block
 from ..ops.attention_fp8 import attention_block_fp8
+from ..ops.embedding import embedding
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.lm_head_ce_fp8 import cross_entropy_fp8
 from ..ops.mlp import mlp_block
@@ -283,7 +284,7 @@ class CodaLlama(nn.Module):
         b, s = tokens.shape
         if self.cache_folds:
             self._follow_fsdp()
-        x = self.embed(tokens)
+        x = embedding(self.embed.weight, tokens)
         ss = embedding_norm_stats(x.reshape(b * s, -1))
         positions = torch.arange(s, device=tokens.device, dtype=torch.int32)
         for layer in self.layers:

@@ -1,7 +1,8 @@
 """torch.ops.coda.* custom ops, one module per op family (importing registers them).
 
 * ``gemm``: the plain GEMM; ``gemm_blockwise``: the block-scaled FP8 GEMM; ``quantize``: FP8
-  block quantization; ``fold``: the RMSNorm weight fold.
+  block quantization; ``fold``: the RMSNorm weight fold; ``embedding``: the token embedding with
+  our deterministic one-pass backward.
 * The CODA ops of a Llama block: ``residual`` (out-proj / down-proj + norm statistics),
   ``swiglu`` (gate/up + SwiGLU, and its backward in the down-proj dgrad), ``qkv`` (QKV + RoPE,
   and its backward), ``proj`` (a norm-scaled projection), ``lm_head_ce`` (final norm + LM head +
@@ -12,6 +13,6 @@
 * ``checks``: the argument rules they share.
 """
 
-from . import gemm, gemm_blockwise, quantize  # noqa: F401
+from . import gemm, gemm_blockwise, quantize, embedding  # noqa: F401
 from . import fold, rmsnorm, residual, swiglu, qkv, proj, lm_head_ce, mlp, attention  # noqa: F401
 from . import mlp_fp8, attention_fp8, lm_head_ce_fp8  # noqa: F401

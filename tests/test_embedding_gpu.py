@@ -1,0 +1,58 @@
+"""GPU tests of ``coda.embedding``'s backward kernel (``kernels.elementwise.embedding_backward``):
+every row of the table written (into a NaN-poisoned output), equal to the
+float64 sum of its tokens' gradient rows up to fp32 additions and one rounding, unused rows and
+the padding row exactly zero, two runs bit for bit the same, next to torch's embedding backward;
+ragged widths and table sizes, bf16 and fp32; bad ids raise before the gather."""
+
+import pytest
+import torch
+
+from coda_cute.ops.embedding import backward_into
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("v, d, m", [(128256, 4096, 4096), (1003, 40, 999), (77, 2048, 5000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+def test_backward_kernel_is_the_rounded_sum_and_deterministic(v, d, m, dtype, padding_idx):
+    g = torch.Generator(device="cuda").manual_seed(v + d + m)
+    ids = torch.randint(0, v, (m,), device="cuda", generator=g)
+    ids[: m // 4] = ids[: m // 4] % 7  # frequent tokens: long ranges
+    ids[5] = 3
+    grad = torch.randn(m, d, device="cuda", generator=g).to(dtype)
+    out = backward_into(torch.full((v, d), float("nan"), dtype=dtype, device="cuda"), grad, ids, padding_idx)
+    again = torch.ops.coda.embedding_backward(grad, ids, v, padding_idx)
+    assert out.dtype == dtype and out.shape == (v, d) and torch.equal(out, again)
+    exact = torch.zeros(v, d, dtype=torch.float64, device="cuda").index_add_(0, ids, grad.double())
+    mag = torch.zeros(v, d, dtype=torch.float64, device="cuda").index_add_(0, ids, grad.double().abs())
+    if padding_idx >= 0:
+        exact[padding_idx] = 0
+        mag[padding_idx] = 0
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
+    assert bool(((out.double() - exact).abs() <= unit * exact.abs() + 2.0 ** -16 * mag).all())
+    used = torch.zeros(v, dtype=torch.bool, device="cuda").index_fill_(0, ids, True)
+    if padding_idx >= 0:
+        used[padding_idx] = False
+    assert not out[~used].any()
+    ref = torch.ops.aten.embedding_dense_backward(grad, ids, v, padding_idx, False)
+    assert (out.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()
+
+
+def test_module_gradient_through_the_op():
+    w = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 1000, (4, 333), device="cuda")
+    g = torch.randn(4, 333, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.ops.coda.embedding(w, ids)
+    assert torch.equal(out, w.detach()[ids])
+    out.backward(g)
+    want = torch.zeros(1000, 256, dtype=torch.float64, device="cuda").index_add_(0, ids.reshape(-1), g.reshape(-1, 256).double())
+    assert (w.grad.double() - want).norm() <= 4e-3 * want.norm()
+
+
+def test_ids_outside_the_table_raise_before_any_device_assert():
+    w = torch.randn(100, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 100\); found 100"):
+        torch.ops.coda.embedding(w, torch.tensor([[1, 100, 2]], device="cuda"))
+    torch.cuda.synchronize()  # the context is still usable
+    assert torch.ops.coda.embedding(w, torch.tensor([[1]], device="cuda")).shape == (1, 1, 64)
