@@ -27,6 +27,11 @@ def _fake(dtype: str, shape, stride, align: int = 4):
     return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), shape, stride=stride, assumed_align=align)
 
 
+def _pow2(pow2: bool) -> str:
+    """A kernel name's mark of power-of-two scales (``Fp8Recipe.pow2_scales``)."""
+    return "_pow2" if pow2 else ""
+
+
 def _rows16(dtype: str, n, k):
     """A fake (n, k) 16-bit matrix whose rows start on 16-byte boundaries (row stride a multiple
     of 8 elements), unit column stride."""
@@ -139,15 +144,16 @@ def embedding_backward(dx: torch.Tensor, order: torch.Tensor, starts: torch.Tens
 @dataclass(frozen=True)
 class QuantizeRowsSpec:
     """1 x 128 block quantization to FP8 (``kernels.elementwise.quantize_rows``): a 16-bit input
-    dtype and an FP8 output dtype."""
+    dtype, an FP8 output dtype, and whether the scales are powers of two."""
 
     dtype: str
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
+    pow2: bool = False
 
     @property
     def name(self) -> str:
-        return f"quantize_rows_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}"
+        return f"quantize_rows_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
 
     def build(self):
         import cutlass.cute as cute
@@ -157,7 +163,7 @@ class QuantizeRowsSpec:
 
         m, k = cute.sym_int(), cute.sym_int()
         fp8_max = FP8_MAX[getattr(torch, self.out_dtype)]
-        return QuantizeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max), (
+        return QuantizeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.pow2), (
             _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
             _fake(self.out_dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
             _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
@@ -165,7 +171,7 @@ class QuantizeRowsSpec:
 
 
 def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.Tensor | None = None,
-                  q: torch.Tensor | None = None):
+                  q: torch.Tensor | None = None, pow2: bool = False):
     """(q, scales): ``x`` (M, K) 16-bit, rows 16-byte aligned, in FP8 with one fp32 scale per
     1 x 128 block (``reference.quantize_blocks_ref``); ``scales`` may be a preallocated
     (M, ceil(K / 128)) fp32 tensor of any strides (e.g. the M-major layout a GEMM reads), ``q`` a
@@ -178,7 +184,7 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
     if scales is None:
         scales = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=x.device)
     spec = QuantizeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
-                            dispatch.arch_of(x.device))
+                            dispatch.arch_of(x.device), pow2)
     get_kernel(spec).fn(x, q, scales)
     return q, scales
 
@@ -192,11 +198,12 @@ class QuantizeDualSpec:
     out_dtype: str = "float8_e4m3fn"
     rows: bool = True
     arch: str = "sm_90a"
+    pow2: bool = False
 
     @property
     def name(self) -> str:
         part = "dual" if self.rows else "cols"
-        return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}"
+        return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
 
     def build(self):
         import cutlass.cute as cute
@@ -211,14 +218,14 @@ class QuantizeDualSpec:
             return _fake("float32", (rows, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()))
         # rows=False: q, s are placeholders the kernel never touches, of any shape
         qm, qk = (m, k) if self.rows else (cute.sym_int(), cute.sym_int())
-        return QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows), (
+        return QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows, self.pow2), (
             _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
             _fake(self.out_dtype, (qm, qk), (cute.sym_int64(divisibility=8), 1), 16), scales(qm),
             _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16), scales(k),
         )
 
 
-def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True):
+def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, pow2: bool = False):
     """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 and M of 16: q, s its 1 x 128
     quantization (``reference.quantize_blocks_ref``), qt, st that of ``x.t()`` (K, M); ``rows``
     False: (None, None, qt, st). Scales fp32 (rows, ceil(cols / 128)), M-major
@@ -234,7 +241,7 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
     else:  # placeholders: the kernel writes neither
         q, s = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1]
     spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
-                            dispatch.arch_of(x.device))
+                            dispatch.arch_of(x.device), pow2)
     get_kernel(spec).fn(x, q, s, qt, st)
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
@@ -250,12 +257,13 @@ class QuantizeWeightSpec:
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
     transposed: bool = False
+    pow2: bool = False
 
     @property
     def name(self) -> str:
         g = f"_g{short_dtype(self.gamma_dtype)}" if self.gamma_dtype else ""
         t = "_t" if self.transposed else ""
-        return f"quantize_weight_{self.arch}_{short_dtype(self.dtype)}{g}_{short_dtype(self.out_dtype)}{t}"
+        return f"quantize_weight_{self.arch}_{short_dtype(self.dtype)}{g}_{short_dtype(self.out_dtype)}{t}{_pow2(self.pow2)}"
 
     def build(self):
         import cutlass.cute as cute
@@ -268,7 +276,7 @@ class QuantizeWeightSpec:
         gamma = None if self.gamma_dtype is None else _fake(self.gamma_dtype, (k,), (1,), 16)
         kernel = QuantizeWeight(cutlass_dtype(self.dtype), self.gamma_dtype and cutlass_dtype(self.gamma_dtype),
                                 cutlass_dtype(self.out_dtype), FP8_MAX[getattr(torch, self.out_dtype)],
-                                self.transposed)
+                                self.transposed, self.pow2)
         # qt's rows take 16-byte stores: N a multiple of 16
         qt = _fake(self.out_dtype, (k, n), (cute.sym_int64(divisibility=16), 1), 16) if self.transposed else None
         return kernel, (
@@ -282,7 +290,7 @@ class QuantizeWeightSpec:
 
 def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtype=torch.float8_e4m3fn,
                     scales: torch.Tensor | None = None, q: torch.Tensor | None = None,
-                    transposed: bool = False, qt: torch.Tensor | None = None):
+                    transposed: bool = False, qt: torch.Tensor | None = None, pow2: bool = False):
     """(q, scales) of ``w * gamma`` (N, K) in FP8 with one fp32 scale per 128 x 128 block
     (``reference.quantize_blocks_ref`` on ``w.float() * gamma.float()``); ``scales``, ``q`` may be
     preallocated ((ceil(N / 128), ceil(K / 128)) fp32 any strides; (N, K) contiguous).
@@ -299,7 +307,7 @@ def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtyp
         qt = torch.empty((k, n), dtype=out_dtype, device=w.device)
     name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
     spec = QuantizeWeightSpec(name(w), None if gamma is None else name(gamma),
-                              str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device), transposed)
+                              str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device), transposed, pow2)
     get_kernel(spec).fn(w, gamma, q, scales, qt)
     return (q, scales, qt) if transposed else (q, scales)
 

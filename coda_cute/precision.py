@@ -13,11 +13,11 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
   costs accuracy, so off here);
 * the LM head and the attention core stay bf16; ``lm_head_fp8`` puts the LM head in FP8.
 
-The models (``LlamaConfig``, ``apply_coda``) run the block recipe, with E4M3 or E5M2 gradients
-and the LM head in bf16 or, with ``lm_head_fp8``, in FP8 (``coda.lm_head_ce_train_fp8``); they
-refuse ``scaling="row"`` and ``pow2_scales`` (the reference quantizer implements power-of-two
-scales, the kernels and the sublayer ops do not yet) rather than run another recipe than the one
-asked for.
+The models (``LlamaConfig``, ``apply_coda``) run the block recipe, with E4M3 or E5M2 gradients,
+fp32 or power-of-two scales (every quantizer kernel and FP8 op takes ``pow2_scales``; the scale is
+rounded up on its bits, so no value overflows), and the LM head in bf16 or, with ``lm_head_fp8``,
+in FP8 (``coda.lm_head_ce_train_fp8``); they refuse ``scaling="row"`` rather than run another
+recipe than the one asked for.
 
 ``coda_cute.reference.quantize_blocks_ref`` defines the quantization exactly (zeros, inf, NaN).
 """

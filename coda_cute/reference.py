@@ -462,24 +462,30 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     return q, scale
 
 
-def fp8_roundtrip_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn) -> torch.Tensor:
+def fp8_roundtrip_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn,
+                      pow2_scales: bool = False) -> torch.Tensor:
     """x quantized in ``block`` blocks and dequantized (fp32): what an FP8 GEMM multiplies."""
-    return dequantize_blocks_ref(*quantize_blocks_ref(x.float(), block, dtype), block)
+    return dequantize_blocks_ref(*quantize_blocks_ref(x.float(), block, dtype, pow2_scales), block)
 
 
-def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int):
+def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int, pow2_scales: bool = False):
     """``coda.mlp_block_fp8``'s forward: ``coda.mlp_block``'s math on the FP8 operands (y and h
-    in 1 x 128 blocks, the weights in 128 x 128), products in fp32, h rounded to bf16 before it is
-    quantized. Returns (y2, ss2, z) in y's dtype."""
+    in 1 x 128 blocks, the weights in 128 x 128; ``pow2_scales``: scales powers of two), products
+    in fp32, h rounded to bf16 before it is quantized. Returns (y2, ss2, z) in y's dtype."""
     act, wgt = (1, 128), (128, 128)
-    z = rms_rstd_ref(ss, y.shape[-1], eps).unsqueeze(-1) * (fp8_roundtrip_ref(y, act) @ fp8_roundtrip_ref(w_gu, wgt).T)
+
+    def rt(t, block):
+        return fp8_roundtrip_ref(t, block, pow2_scales=pow2_scales)
+
+    z = rms_rstd_ref(ss, y.shape[-1], eps).unsqueeze(-1) * (rt(y, act) @ rt(w_gu, wgt).T)
     h = (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]).to(y.dtype)
-    y2 = (fp8_roundtrip_ref(h, act) @ fp8_roundtrip_ref(w_down, wgt).T + _wide(y)).to(y.dtype)
+    y2 = (rt(h, act) @ rt(w_down, wgt).T + _wide(y)).to(y.dtype)
     return y2, norm_stats_partials_ref(y2, tile_n), z.to(y.dtype)
 
 
 def lm_head_ce_fp8_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean",
-                       gamma=None, grad_dtype=torch.float8_e4m3fn, chunk_rows: int | None = None):
+                       gamma=None, grad_dtype=torch.float8_e4m3fn, chunk_rows: int | None = None,
+                       pow2_scales: bool = False):
     """``coda.lm_head_ce_train_fp8``: the LM head + cross-entropy with its three GEMMs in
     block-scaled FP8 (Q1: 1 x 128 blocks along K, QW: 128 x 128, Q1t: 1 x 128 along the tokens),
     the rest as :func:`lm_head_ce_grad_ref` (fp32, ss standing for y's statistic):
@@ -490,12 +496,13 @@ def lm_head_ce_fp8_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -10
         dW = Q1t(dl')^T @ Q1t(u)  per chunk of ``chunk_rows`` tokens (all: one chunk), in bf16
              (dl'^T @ u) for a chunk whose token count is no multiple of 16
 
-    dl' in ``grad_dtype``. Returns (loss, LSE, dy in y's dtype, dgamma fp32 or None, dW fp32)."""
+    dl' in ``grad_dtype``; ``pow2_scales``: every scale a power of two. Returns (loss, LSE, dy in
+    y's dtype, dgamma fp32 or None, dW fp32)."""
     d = y.shape[1]
     u = scale_columns_ref(y, gamma)
     r = rms_rstd_ref(ss, d, eps).unsqueeze(1)
-    wq = fp8_roundtrip_ref(w_lm, (128, 128))
-    logits = r * (fp8_roundtrip_ref(u, (1, 128)) @ wq.t())
+    wq = fp8_roundtrip_ref(w_lm, (128, 128), pow2_scales=pow2_scales)
+    logits = r * (fp8_roundtrip_ref(u, (1, 128), pow2_scales=pow2_scales) @ wq.t())
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != ignore_index
     tgt = logits.gather(1, targets.long().clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
@@ -506,14 +513,14 @@ def lm_head_ce_fp8_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -10
     dl[rows[valid], targets[valid].long()] -= c[valid, 0]
     s = (dl * logits).sum(1, keepdim=True) / d
     dlp = r * dl
-    g = fp8_roundtrip_ref(dlp, (1, 128), grad_dtype) @ wq
+    g = fp8_roundtrip_ref(dlp, (1, 128), grad_dtype, pow2_scales) @ wq
     dy = (g * _wide(gamma) if gamma is not None else g) - r * r * s * _wide(y)
     step = y.shape[0] if chunk_rows is None else chunk_rows
     dw = torch.zeros(w_lm.shape, dtype=torch.float32, device=y.device)
     for i in range(0, y.shape[0], step):
         a, b = dlp[i:i + step], _wide(u[i:i + step])
         if a.shape[0] % 16 == 0:
-            a, b = (fp8_roundtrip_ref(t.t().contiguous(), (1, 128), dt).t()
+            a, b = (fp8_roundtrip_ref(t.t().contiguous(), (1, 128), dt, pow2_scales).t()
                     for t, dt in ((a, grad_dtype), (b, torch.float8_e4m3fn)))
         dw += a.t() @ b
     dgamma = (g * _wide(y)).sum(0) if gamma is not None else None

@@ -22,7 +22,8 @@ cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
 * ``hf_seed2``: the same with the data-order seed + 1, the spread two plain runs differ by;
 * ``coda``: ``apply_coda`` on a copy of the same initial weights;
 * ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the decoder layers'
-  GEMMs in block-scaled FP8 (``--fp8-lm-head``: the LM head's too), against the bf16 ``coda``
+  GEMMs in block-scaled FP8 (``--fp8-lm-head``: the LM head's too; ``--pow2-scales``: power-of-two
+  scales), against the bf16 ``coda``
   run on the same data.
 
 Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
@@ -80,6 +81,7 @@ class TrainConfig:
     data_seed: int = 0
     precision: str = "bf16"
     fp8_lm_head: bool = False  # with precision "fp8": the coda_fp8 run's LM head in FP8 too
+    pow2_scales: bool = False  # with precision "fp8": the coda_fp8 run's scales powers of two
     world: int = 1  # ranks; micro_batch is per rank
 
     @property
@@ -351,6 +353,9 @@ def add_arguments(p) -> None:
                         "next to the bf16 one")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="with --precision fp8: the coda_fp8 run's LM head in FP8 too (Fp8Recipe(lm_head_fp8=True))")
+    p.add_argument("--pow2-scales", action="store_true",
+                   help="with --precision fp8: the coda_fp8 run's scales rounded up to powers of two "
+                        "(Fp8Recipe(pow2_scales=True))")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
@@ -375,10 +380,12 @@ def run(args) -> int:
     cfg = TINY if args.tiny else TrainConfig()
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
-    if args.fp8_lm_head and args.precision != "fp8":
-        console.print("[red]coda-cute train: --fp8-lm-head goes with --precision fp8[/]")
-        return 2
-    cfg = replace(cfg, precision=args.precision, fp8_lm_head=args.fp8_lm_head, world=ranks.world,
+    for flag in ("fp8_lm_head", "pow2_scales"):
+        if getattr(args, flag) and args.precision != "fp8":
+            console.print(f"[red]coda-cute train: --{flag.replace('_', '-')} goes with --precision fp8[/]")
+            return 2
+    cfg = replace(cfg, precision=args.precision, fp8_lm_head=args.fp8_lm_head, pow2_scales=args.pow2_scales,
+                  world=ranks.world,
                   micro_batch=args.micro_batch or cfg.micro_batch, accum=args.accum or cfg.accum)
     if args.cuda_graphs and (args.tiny or ranks.mode):
         console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU and one process; "
@@ -414,7 +421,7 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     runs = [("hf", cfg.data_seed, None)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, None)])
     runs.append(("coda", cfg.data_seed, "bf16"))
     if cfg.precision == "fp8":
-        runs.append(("coda_fp8", cfg.data_seed, Fp8Recipe(lm_head_fp8=cfg.fp8_lm_head)))
+        runs.append(("coda_fp8", cfg.data_seed, Fp8Recipe(lm_head_fp8=cfg.fp8_lm_head, pow2_scales=cfg.pow2_scales)))
     results = []
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -433,7 +440,7 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
                 torch.cuda.empty_cache()
     if not ranks.main:
         return 0
-    head = " (LM head too)" if cfg.fp8_lm_head else ""
+    head = (" (LM head too)" if cfg.fp8_lm_head else "") + (", power-of-two scales" if cfg.pow2_scales else "")
     t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}{head}{spread}")
     for col in ("run", "tokens/s", "step ms", "peak GiB", "train loss", "val loss"):
         t.add_column(col, justify="left" if col == "run" else "right")

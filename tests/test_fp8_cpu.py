@@ -199,6 +199,40 @@ def test_quantize_op_on_the_reference_path_and_its_layouts():
     assert torch.equal(sw, want_sw) and sw.shape == (2, 3) and sw.is_contiguous()
 
 
+def test_power_of_two_scales_on_the_reference_path():
+    """``pow2_scales``: both ops' scales are the fp32 scales rounded up to powers of two (exactly:
+    each is 2^e, at or above the fp32 one and below twice it), the values those scales give."""
+    x, seed = fresh(130, 264)
+    xb = x.to(torch.bfloat16)
+    with coda_cute.reference_on_cpu():
+        q, s = torch.ops.coda.quantize_fp8(xb, "1x128", None, E4M3, True)
+        qw, sw = torch.ops.coda.quantize_fp8(x, "128x128", None, E4M3, True)
+        _, sd, qt, st = torch.ops.coda.quantize_fp8_dual(xb[:128], E4M3, True)
+    _, s32 = R.quantize_blocks_ref(xb, (1, 128))
+    for got in (s, sw, sd, st):
+        mant, _ = torch.frexp(got)
+        assert bool((mant == 0.5).all()), seed
+    assert bool((s >= s32).all() and (s < 2 * s32).all()), seed
+    want_q, want_s = R.quantize_blocks_ref(xb, (1, 128), E4M3, pow2_scales=True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s), seed
+    want_qt, want_st = R.quantize_blocks_ref(xb[:128].t().contiguous(), (1, 128), E4M3, pow2_scales=True)
+    assert torch.equal(qt.view(torch.uint8), want_qt.view(torch.uint8)) and torch.equal(st, want_st)
+
+
+@pytest.mark.parametrize("spec", ["rows", "dual", "weight"])
+def test_power_of_two_kernels_round_the_scale_on_its_bits(spec):
+    """The pow2 builds add the exponent round-up (add the mantissa mask, keep sign and exponent:
+    one and.b32 with 0xFF800000 per scale) and no spills; the name tells them apart."""
+    from coda_cute.elementwise import QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec
+
+    make = {"rows": lambda p: QuantizeRowsSpec("bfloat16", pow2=p), "dual": lambda p: QuantizeDualSpec("bfloat16", pow2=p),
+            "weight": lambda p: QuantizeWeightSpec("float32", "bfloat16", transposed=True, pow2=p)}[spec]
+    plain, pow2 = (compile_elementwise(make(p), keep_artifacts=True) for p in (False, True))
+    assert pow2.spec.name == plain.spec.name + "_pow2" and spill_bytes(pow2) == 0
+    mask = lambda k: k.ptx.count("-8388608") + k.ptx.count("0xFF800000")  # noqa: E731
+    assert mask(plain) == 0 and mask(pow2) >= 1
+
+
 def test_quantize_op_passes_opcheck_and_its_fake_matches():
     x, _ = fresh(64, 256)
     with coda_cute.reference_on_cpu():

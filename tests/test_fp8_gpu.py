@@ -3,7 +3,8 @@
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
 buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
-where the reference's is not), blocks of denormals (the floor scale)."""
+where the reference's is not), blocks of denormals (the floor scale); fp32 and power-of-two
+scales."""
 
 import pytest
 import torch
@@ -19,10 +20,11 @@ def _input(m, k, dtype):
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, k", [(1, 128), (37, 200), (1000, 4096), (513, 1032)])
-def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
+def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype, pow2):
     x = _input(m, k, dtype)
     if m > 2:
         x[1, : min(k, 128)] = 0
@@ -31,11 +33,11 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
     if m > 3:  # a block of zeros and denormals: the floor scale, zeros kept zero
         x[3, : min(k, 128)] = 0
         x[3, 0] = 1e-39
-    want_q, want_s = R.quantize_blocks_ref(x, (1, 128), out_dtype)
+    want_q, want_s = R.quantize_blocks_ref(x, (1, 128), out_dtype, pow2)
     kb = -(-k // 128)
     scales = torch.full((kb, m), float("nan"), device="cuda").t()  # M-major, as a GEMM reads it
     poisoned = torch.full((m, k), 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # NaN
-    q, s = quantize_rows(x, out_dtype, scales, poisoned)
+    q, s = quantize_rows(x, out_dtype, scales, poisoned, pow2)
     assert s.data_ptr() == scales.data_ptr() and q.data_ptr() == poisoned.data_ptr()
     same_nan = torch.isnan(s) == torch.isnan(want_s)
     assert bool(same_nan.all()) and torch.equal(s[~torch.isnan(s)], want_s[~torch.isnan(want_s)])
@@ -45,9 +47,10 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype):
     assert torch.equal(got[~nan], want[~nan])
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("dtype, with_gamma", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("n, k", [(128, 128), (300, 1000), (4096, 4096), (1000, 136)])
-def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtype, with_gamma):
+def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtype, with_gamma, pow2):
     """``quantize_weight``: q, s of ``w * gamma`` in 128 x 128 blocks, bit for bit the reference
     on the fp32 product (ragged N and K, a NaN block, poisoned outputs)."""
     from coda_cute.elementwise import quantize_weight
@@ -60,10 +63,10 @@ def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtyp
         w[128:256, 128:256] = 0  # a weight block of zeros and a denormal: the floor scale
         w[200, 200] = 1e-39 if dtype == torch.float32 else 1e-38
     folded = w.float() * gamma.float() if with_gamma else w.float()
-    want_q, want_s = R.quantize_blocks_ref(folded, (128, 128))
+    want_q, want_s = R.quantize_blocks_ref(folded, (128, 128), pow2_scales=pow2)
     scales = torch.full(want_s.shape, float("nan"), device="cuda")
     poisoned = torch.full((n, k), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    q, s = quantize_weight(w, gamma, scales=scales, q=poisoned)
+    q, s = quantize_weight(w, gamma, scales=scales, q=poisoned, pow2=pow2)
     assert bool((torch.isnan(s) == torch.isnan(want_s)).all())
     assert torch.equal(s[~torch.isnan(s)], want_s[~torch.isnan(want_s)])
     nan = want_q.float().isnan()
@@ -107,10 +110,11 @@ def test_quantize_op_is_the_reference():
     assert torch.equal(sw, want_sw) and torch.equal(qw.view(torch.uint8), want_qw.view(torch.uint8))
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("rows", [True, False])
 @pytest.mark.parametrize("m, k", [(16, 8), (1008, 1000), (4096, 4096), (272, 136)])
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows):
+def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows, pow2):
     """``quantize_dual``: x's 1 x 128 quantization and x^T's, bit for bit (values and scales),
     ragged tiles both ways, zero / inf / NaN blocks in both directions, outputs NaN-poisoned."""
     from coda_cute.elementwise import QuantizeDualSpec
@@ -128,11 +132,11 @@ def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, ro
     q, qt = poison(m, k), poison(k, m)
     s = torch.full((m, -(-k // 128)), float("nan"), device="cuda")
     st = torch.full((k, -(-m // 128)), float("nan"), device="cuda")
-    spec = QuantizeDualSpec("bfloat16", str(out_dtype)[6:], rows)
+    spec = QuantizeDualSpec("bfloat16", str(out_dtype)[6:], rows, pow2=pow2)
     get_kernel(spec).fn(x, q, s, qt, st)
     checks = [(qt, st, x.float().t())] + ([(q, s, x.float())] if rows else [])
     for got_q, got_s, src in checks:
-        want_q, want_s = R.quantize_blocks_ref(src.contiguous(), (1, 128), out_dtype)
+        want_q, want_s = R.quantize_blocks_ref(src.contiguous(), (1, 128), out_dtype, pow2)
         assert bool((torch.isnan(got_s) == torch.isnan(want_s)).all())
         assert torch.equal(got_s[~torch.isnan(got_s)], want_s[~torch.isnan(want_s)])
         nan = want_q.float().isnan()

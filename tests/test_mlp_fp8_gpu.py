@@ -22,11 +22,13 @@ def _inputs(m, d, f):
     return y, embedding_norm_stats(y), w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("m, d, f", [(1000, 1024, 2816), (333, 272, 208), (4096, 4096, 1536)])
-def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
+def test_forward_is_the_reference_on_the_fp8_operands(m, d, f, pow2):
     y, ss, w_gu, w_down, _ = _inputs(m, d, f)
-    y2, ss2, z, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
-    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f, device="cuda"), w_down))
+    y2, ss2, z, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, False, pow2)
+    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f, device="cuda"), w_down),
+                               pow2)
     for name, got, ref in zip(("y2", "ss2", "z"), (y2, ss2, z), want):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         assert not got.float().isnan().any(), name

@@ -107,18 +107,20 @@ def test_repeats_train_each_run_again_and_compare_means(tmp_path, capsys):
     assert "means over the repeats" in out and "+0.00 %" in out
 
 
-@pytest.mark.parametrize("head", [False, True], ids=["bf16-lm-head", "fp8-lm-head"])
-def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, head):
+@pytest.mark.parametrize("flags", [[], ["--fp8-lm-head"], ["--pow2-scales"]], ids=["bf16-lm-head", "fp8-lm-head", "pow2"])
+def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags):
     argv = ["train", "--tiny", "--no-spread", "--steps", "3", "--precision", "fp8", "--out", str(tmp_path)]
-    assert cli_main(argv + (["--fp8-lm-head"] if head else [])) == 0
+    assert cli_main(argv + flags) == 0
     log = json.loads((tmp_path / "train_log.json").read_text())
     runs = {r["label"]: r for r in log["runs"]}
     assert list(runs) == ["hf", "coda", "coda_fp8"] and log["config"]["precision"] == "fp8"
-    assert log["config"]["fp8_lm_head"] is head
+    assert log["config"]["fp8_lm_head"] is ("--fp8-lm-head" in flags)
+    assert log["config"]["pow2_scales"] is ("--pow2-scales" in flags)
     for a, b in zip(runs["coda"]["steps"], runs["coda_fp8"]["steps"]):  # same weights and data
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
 
 
-def test_fp8_lm_head_needs_fp8(tmp_path, capsys):
-    assert cli_main(["train", "--tiny", "--fp8-lm-head", "--out", str(tmp_path)]) == 2
-    assert "--fp8-lm-head goes with --precision fp8" in capsys.readouterr().out
+@pytest.mark.parametrize("flag", ["--fp8-lm-head", "--pow2-scales"])
+def test_fp8_flags_need_fp8(tmp_path, capsys, flag):
+    assert cli_main(["train", "--tiny", flag, "--out", str(tmp_path)]) == 2
+    assert f"{flag} goes with --precision fp8" in capsys.readouterr().out

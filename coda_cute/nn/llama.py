@@ -103,9 +103,8 @@ class LlamaConfig:
         except ValueError as e:
             bad("precision", str(e))
         if recipe is not None:
-            if recipe.scaling != "block" or recipe.pow2_scales:
-                bad("precision", "the FP8 model runs the block-scaling recipe with fp32 scales "
-                    f"(Fp8Recipe(scaling='block', pow2_scales=False)); got {recipe}")
+            if recipe.scaling != "block":
+                bad("precision", f"the FP8 model runs the block-scaling recipe (Fp8Recipe(scaling='block')); got {recipe}")
             if recipe.lm_head_fp8 and self.vocab_size % 16:
                 bad("vocab_size", "must be a multiple of 16 with the LM head in FP8 (lm_head_fp8)")
             for field in ("dim", "ffn_dim"):
@@ -123,7 +122,7 @@ def head_loss(cfg: LlamaConfig, y, w_lm, ss, targets, ignore_index: int, reducti
     recipe = cfg.precision
     if recipe != "bf16" and recipe.lm_head_fp8:
         return cross_entropy_fp8(y, w_lm, ss, cfg.norm_eps, targets, ignore_index, reduction, gamma,
-                                 recipe.grad_format == "e5m2")
+                                 recipe.grad_format == "e5m2", recipe.pow2_scales)
     return cross_entropy(y, w_lm, ss, cfg.norm_eps, targets, ignore_index, reduction, gamma=gamma)
 
 
@@ -156,9 +155,9 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
         y1, ss1 = attention_block(*args)[:2]
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     else:  # the projections' GEMMs in FP8; the attention core and the LM head stay bf16
-        e5m2 = c.precision.grad_format == "e5m2"
-        y1, ss1 = attention_block_fp8(*args, e5m2)[:2]
-        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2)[:2]
+        e5m2, pow2 = c.precision.grad_format == "e5m2", c.precision.pow2_scales
+        y1, ss1 = attention_block_fp8(*args, e5m2, pow2)[:2]
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2)[:2]
     return y2.view(b, s, d), ss2
 
 

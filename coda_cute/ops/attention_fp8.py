@@ -36,7 +36,7 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
+from .fp8_gemms import FP8, check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -66,12 +66,13 @@ def _plain_tree():
 def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor,
                         positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, n_heads: int,
                         n_kv_heads: int, head_dim: int, q_norm_w: Optional[torch.Tensor] = None,
-                        k_norm_w: Optional[torch.Tensor] = None, qk_eps: float = 1e-6, e5m2_grads: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        k_norm_w: Optional[torch.Tensor] = None, qk_eps: float = 1e-6, e5m2_grads: bool = False,
+                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
     """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
-    and ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3. d, n_heads * head_dim
+    ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3, and ``pow2_scales``: every
+    scale rounded up to a power of two (``Fp8Recipe.pow2_scales``). d, n_heads * head_dim
     (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the quantized
     weights kept for the backward (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's); only y
     carries a gradient."""
@@ -80,24 +81,25 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     x2 = x.view(b * s, d)
-    qkv_q, qkv_s, qkv_qt = weight(w_qkv)
-    o_q, o_s, o_qt = weight(w_o)
+    qkv_q, qkv_s, qkv_qt = weight(w_qkv, pow2_scales)
+    o_q, o_s, o_qt = weight(w_o, pow2_scales)
+    act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
     inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
                              k_norm_w, qk_eps)
-    out = project(OP, tree, *quantize_fp8(x2), qkv_q, qkv_s, inputs)
+    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs)
     qkv = out["qkv"]
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = attention_forward(q, k, v)
-    res = project(OP, residual_norm_stats_tree(), *quantize_fp8(heads_to_rows(o)), o_q, o_s, {"residual": x2})
+    res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2})
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
     return res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s
 
 
 @attention_block_fp8.register_fake
 def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_dim,
-          q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False):
+          q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False, pow2_scales=False):
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     m, n, hh = b * s, w_qkv.shape[0], n_heads * head_dim
@@ -112,11 +114,11 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
 
 
 def _setup(ctx, inputs, output):
-    x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads = inputs
+    x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads, pow2 = inputs
     _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s = output
     ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
                           qkv_qt, qkv_s, o_qt, o_s)
-    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads))
+    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -125,30 +127,30 @@ def _backward(ctx, dy, *_):
     (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
      qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
-        return (None,) * 14
-    eps, h, hkv, hd, qk_eps, grad_dtype = ctx.args
+        return (None,) * 15
+    eps, h, hkv, hd, qk_eps, grad_dtype, pow2 = ctx.args
     n = ctx.needs_input_grad
     b, s, d = x.shape
     x2 = x.view(b * s, d)
     dy2 = dy.reshape(b * s, d).contiguous()
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
     do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True)["out"]
-    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o)) if n[3] else None
+    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
     dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
     r = rms_rstd_ref(ss, d, eps)
     g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre if qn is not None else None,
                                      qn, kn, qk_eps)
-    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype)
+    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype, pow2)
     dx = None
     if n[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
         dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True)["dy"]
         dx = dx.view(b, s, d)
-    dw_qkv = wgrad(g, gt_q, gt_s, x2) if n[2] else None
+    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2) if n[2] else None
     if qn is None:
         dqn = dkn = None
-    return dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn, None, None
+    return dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn, None, None, None
 
 
 attention_block_fp8.register_autograd(_backward, setup_context=_setup)

@@ -40,13 +40,14 @@ def check_fp8_widths(op: str, **widths) -> None:
             raise ValueError(f"{op}: {name} must be a multiple of 16 for FP8 operands, got {width}")
 
 
-def weight(w: torch.Tensor):
+def weight(w: torch.Tensor, pow2: bool = False):
     """W (N, K) in FP8 128 x 128 blocks: (q, scales, qt = q^T (K, N)); N a multiple of 16
-    (:func:`check_fp8_widths`). The kernel on CUDA, the reference inside ``reference_on_cpu``."""
+    (:func:`check_fp8_widths`); ``pow2``: power-of-two scales. The kernel on CUDA, the reference
+    inside ``reference_on_cpu``."""
     if w.device.type == "cuda":
-        return quantize_weight(w, None, FP8, transposed=True)
+        return quantize_weight(w, None, FP8, transposed=True, pow2=pow2)
     dispatch.require_reference("coda.quantize_fp8")
-    q, s = quantize_fp8(w, "128x128")
+    q, s = quantize_fp8(w, "128x128", None, FP8, pow2)
     return q, s, q.t().contiguous()
 
 
@@ -66,18 +67,20 @@ def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = 
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
-def grad_operands(g: torch.Tensor, grad_dtype):
+def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
-    multiple of 16, along M transposed for its wgrad (else qt, st None)."""
+    multiple of 16, along M transposed for its wgrad (else qt, st None); ``pow2``: power-of-two
+    scales."""
     if g.shape[0] % 16 == 0:
-        return quantize_dual_fp8(g, grad_dtype)
-    return (*quantize_fp8(g, "1x128", None, grad_dtype), None, None)
+        return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
+    return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)
 
 
-def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor) -> torch.Tensor:
+def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False) -> torch.Tensor:
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
-    transposed quantization given, :func:`grad_operands`), or bf16 where there is none."""
+    transposed quantization given, :func:`grad_operands`; x's scales powers of two with
+    ``pow2``), or bf16 where there is none."""
     if dyt_q is None:
         return gemm_op(dy.t(), x)
-    _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False)
+    _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

@@ -48,10 +48,11 @@ def check_lm_head_fp8(y, w_lm, ss, eps, targets, reduction, gamma):
 @torch.library.custom_op("coda::lm_head_ce_train_fp8", mutates_args=())
 def lm_head_ce_train_fp8(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float,
                          targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-                         gamma: Optional[torch.Tensor] = None, e5m2_grads: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         gamma: Optional[torch.Tensor] = None, e5m2_grads: bool = False,
+                         pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss of ``coda.lm_head_ce_train`` (reduction "mean" or "sum") with FP8 GEMMs (module
-    docstring), V and d multiples of 16; ``e5m2_grads``: dl' in E5M2. Returns (loss, LSE, dy,
+    docstring), V and d multiples of 16; ``e5m2_grads``: dl' in E5M2; ``pow2_scales``: every scale
+    rounded up to a power of two. Returns (loss, LSE, dy,
     dgamma (fp32, empty without gamma), dW (fp32)), the gradients for dloss = 1; only loss carries
     a gradient."""
     if y.device.type == "cpu":
@@ -59,12 +60,12 @@ def lm_head_ce_train_fp8(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, 
     check_lm_head_fp8(y, w_lm, ss, eps, targets, reduction, gamma)
     target_check = PendingIndexCheck(OP, "targets", targets, w_lm.shape[0], ignore_index)
     loss, lse, dy, dgamma, dw = _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
-                                             grad_format(e5m2_grads))
+                                             grad_format(e5m2_grads), pow2_scales)
     target_check.wait()
     return loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32), dw
 
 
-def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad_dtype):
+def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad_dtype, pow2):
     from ..elementwise import cross_entropy_grad_
 
     m, d = y.shape
@@ -74,7 +75,7 @@ def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad
     coef = ce_coef(targets, ignore_index, reduction)
     tgt = targets.to(torch.int32)
     rows, _ = plan_chunks(m, v, d)
-    w_q, w_s, w_qt = weight(w_lm)
+    w_q, w_s, w_qt = weight(w_lm, pow2)
     buf = torch.empty((rows, _padded_width(v)), dtype=y.dtype, device=y.device)
     dy = torch.empty_like(y)
     lse = torch.empty(m, dtype=F32, device=y.device)
@@ -86,13 +87,13 @@ def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad
         s = slice(i, min(i + rows, m))
         dl = buf[: s.stop - i, :v]
         stats = norm_inputs(d, ss[s], eps)
-        u_q, u_s, ut_q, ut_s = grad_operands(u[s], FP8)
+        u_q, u_s, ut_q, ut_s = grad_operands(u[s], FP8, pow2)
         out = project(OP, logits_tree(), u_q, u_s, w_q, w_s, dict(stats, targets=tgt[s]),
                       outputs={"logits": dl})
         lse[s] = E.finalize_lse(*out["lse"])
         target_logit[s] = out["target_logit"]
         zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
-        dl_q, dl_s, dlt_q, dlt_s = grad_operands(dl, grad_dtype)
+        dl_q, dl_s, dlt_q, dlt_s = grad_operands(dl, grad_dtype, pow2)
         inputs = dict(stats, zdz=zdz, y=y[s])
         if gamma is not None:
             inputs["gamma"] = gamma_col
@@ -112,7 +113,8 @@ def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad
 
 
 @lm_head_ce_train_fp8.register_fake
-def _fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None, e5m2_grads=False):
+def _fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None, e5m2_grads=False,
+          pow2_scales=False):
     m = check_lm_head_fp8(y, w_lm, ss, eps, targets, reduction, gamma)
     d = y.shape[1]
     dg = y.new_empty((d if gamma is not None else 0,), dtype=F32)
@@ -121,18 +123,19 @@ def _fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=
 
 
 @lm_head_ce_train_fp8.register_kernel("cpu")
-def _cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None, e5m2_grads=False):
+def _cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", gamma=None, e5m2_grads=False,
+         pow2_scales=False):
     dispatch.require_reference(OP)
     check_lm_head_fp8(y, w_lm, ss, eps, targets, reduction, gamma)
     check_index_range(OP, "targets", targets, w_lm.shape[0], ignore_index)
     rows, _ = plan_chunks(y.shape[0], w_lm.shape[0], y.shape[1])
     loss, lse, dy, dgamma, dw = lm_head_ce_fp8_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
-                                                   grad_format(e5m2_grads), rows)
+                                                   grad_format(e5m2_grads), rows, pow2_scales)
     return loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32), dw
 
 
 def _setup(ctx, inputs, output):
-    y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, e5m2_grads = inputs
+    y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, e5m2_grads, pow2_scales = inputs
     ctx.save_for_backward(gamma, *output[2:])
     ctx.w_dtype = w_lm.dtype
     ctx.mark_non_differentiable(*output[1:])
@@ -142,22 +145,23 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dloss, *_):
     gamma, dy, dgamma, dw = ctx.saved_tensors
     if dloss is None:
-        return (None,) * 9
+        return (None,) * 10
     dloss = dloss.to(F32)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
-    return (dy * dloss).to(dy.dtype), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, dg, None
+    return (dy * dloss).to(dy.dtype), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, dg, None, None
 
 
 lm_head_ce_train_fp8.register_autograd(_backward, setup_context=_setup)
 
 
 def cross_entropy_fp8(y, w_lm, ss, eps: float, targets, ignore_index: int = -100, reduction: str = "mean",
-                      gamma=None, e5m2_grads: bool = False):
+                      gamma=None, e5m2_grads: bool = False, pow2_scales: bool = False):
     """The loss through ``coda.lm_head_ce_train_fp8`` where a gradient is wanted and the reduction
     is "mean" or "sum", else through the bf16 ``coda.lm_head_ce`` (evaluation)."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (y, w_lm, gamma))
     if wants_grad and reduction in ("mean", "sum"):
-        return lm_head_ce_train_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, e5m2_grads)[0]
+        return lm_head_ce_train_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, e5m2_grads,
+                                    pow2_scales)[0]
     return lm_head_ce(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma)[0]
 
 

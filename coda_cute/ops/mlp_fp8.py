@@ -36,7 +36,7 @@ from .. import dispatch
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
+from .fp8_gemms import FP8, check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
 from .mlp import check_mlp
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -54,27 +54,29 @@ def check_mlp_fp8(y, ss, w_gu, w_down, eps):
 
 @torch.library.custom_op("coda::mlp_block_fp8", mutates_args=())
 def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, eps: float,
-                  e5m2_grads: bool = False
+                  e5m2_grads: bool = False, pow2_scales: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
     Arguments as ``coda.mlp_block``'s (y (M, d) bf16, ss its norm statistics, w_gu (2f, d) bf16
     interleaved with gamma folded in, w_down (d, f) bf16), and ``e5m2_grads``: the backward's
-    gradients in E5M2 rather than E4M3. Returns (y2, ss2, z, then the quantized weights kept for the
+    gradients in E5M2 rather than E4M3; ``pow2_scales``: every scale, forward and backward, rounded
+    up to a power of two (``Fp8Recipe.pow2_scales``). Returns (y2, ss2, z, then the quantized weights kept for the
     backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's); only y2 carries a
     gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
-    gu_q, gu_s, gu_qt = weight(w_gu)
-    down_q, down_s, down_qt = weight(w_down)
-    out = project(OP, norm_swiglu_tree(), *quantize_fp8(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
-    res = project(OP, residual_norm_stats_tree(), *quantize_fp8(out["h"]), down_q, down_s, {"residual": y})
+    gu_q, gu_s, gu_qt = weight(w_gu, pow2_scales)
+    down_q, down_s, down_qt = weight(w_down, pow2_scales)
+    act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
+    out = project(OP, norm_swiglu_tree(), *act(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
+    res = project(OP, residual_norm_stats_tree(), *act(out["h"]), down_q, down_s, {"residual": y})
     return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s
 
 
 @mlp_block_fp8.register_fake
-def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
+def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False):
     m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps)
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
@@ -84,17 +86,17 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False):
 
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
-                     needs=(True, True, True)):
+                     needs=(True, True, True), pow2: bool = False):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
-    the weights' FP8 transposes and scales."""
+    the weights' FP8 transposes and scales; ``pow2``: power-of-two scales."""
     d = y.shape[1]
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
     bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s,
                   dict(norm_inputs(d, ss, eps), z=z), transposed=True)
     dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-    dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype)
-    dw_down = wgrad(dy2, dyt_q, dyt_s, h) if needs[2] else None
-    dw_gu = wgrad(dzp, dzt_q, dzt_s, y) if needs[1] else None
+    dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2)
+    dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2) if needs[2] else None
+    dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
@@ -103,10 +105,10 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
 
 
 def _setup(ctx, inputs, output):
-    y, ss, _w_gu, _w_down, eps, e5m2_grads = inputs
+    y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales = inputs
     _y2, ss2, z, gu_qt, gu_s, down_qt, down_s = output
     ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s)
-    ctx.eps, ctx.grad_dtype = eps, grad_format(e5m2_grads)
+    ctx.eps, ctx.grad_dtype, ctx.pow2 = eps, grad_format(e5m2_grads), pow2_scales
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -114,11 +116,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy2, *_):
     y, ss, z, gu_qt, gu_s, down_qt, down_s = ctx.saved_tensors
     if dy2 is None:
-        return (None,) * 6
+        return (None,) * 7
     n = ctx.needs_input_grad
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
-                                          ctx.grad_dtype, (n[0], n[2], n[3]))
-    return dy, None, dw_gu, dw_down, None, None
+                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2)
+    return dy, None, dw_gu, dw_down, None, None, None
 
 
 mlp_block_fp8.register_autograd(_backward, setup_context=_setup)

@@ -73,27 +73,29 @@ def _outputs(x, block, grid, dtype):
 
 @torch.library.custom_op("coda::quantize_fp8", mutates_args=())
 def quantize_fp8(x: torch.Tensor, block: str = "1x128", gamma: Optional[torch.Tensor] = None,
-                 dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales) of ``x`` in FP8 blocks (module docstring)."""
+                 dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of ``x`` in FP8 blocks (module docstring); ``pow2_scales``: each scale rounded
+    up to a power of two."""
     _, _, grid = check_quantize(x, block, gamma, dtype)
     q, scales = _outputs(x, block, grid, dtype)
     if block == "1x128":
-        return quantize_rows(x, dtype, scales, q)
-    return quantize_weight(x, gamma, dtype, scales, q)
+        return quantize_rows(x, dtype, scales, q, pow2_scales)
+    return quantize_weight(x, gamma, dtype, scales, q, pow2=pow2_scales)
 
 
 @quantize_fp8.register_fake
-def _fake(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn):
+def _fake(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn, pow2_scales=False):
     _, _, grid = check_quantize(x, block, gamma, dtype)
     return _outputs(x, block, grid, dtype)
 
 
 @quantize_fp8.register_kernel("cpu")
-def _cpu(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn):
+def _cpu(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn, pow2_scales=False):
     dispatch.require_reference(OP)
     _, _, grid = check_quantize(x, block, gamma, dtype)
     values = x.float() if gamma is None else x.float() * gamma.float()
-    want_q, want_s = quantize_blocks_ref(values, BLOCKS[block], dtype)
+    want_q, want_s = quantize_blocks_ref(values, BLOCKS[block], dtype, pow2_scales)
     q, scales = _outputs(x, block, grid, dtype)
     return q.copy_(want_q), scales.copy_(want_s)
 
@@ -112,35 +114,36 @@ def check_dual(x, dtype):
     return m, k
 
 
-def quantize_dual_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True):
+def quantize_dual_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, pow2_scales: bool = False):
     """(q, s, qt, st): x's 1 x 128 quantization and that of x^T (K, M), scales (rows,
     ceil(cols / 128)) M-major (``precision.block_scales_m_major``), as ``coda.quantize_fp8``'s;
     ``rows`` False: (None, None, qt, st). The kernel on CUDA (``kernels.elementwise.quantize_dual``),
     the reference inside ``reference_on_cpu``."""
     check_dual(x, dtype)
     if x.device.type == "cuda":
-        return quantize_dual(x, dtype, rows)
+        return quantize_dual(x, dtype, rows, pow2_scales)
     dispatch.require_reference(OP_DUAL)
-    qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, 128), dtype)
+    qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, 128), dtype, pow2_scales)
     st = block_scales_m_major(*qt.shape, x.device).copy_(st)
     if not rows:
         return None, None, qt, st
-    q, s = quantize_blocks_ref(x.float(), (1, 128), dtype)
+    q, s = quantize_blocks_ref(x.float(), (1, 128), dtype, pow2_scales)
     return q, block_scales_m_major(*q.shape, x.device).copy_(s), qt, st
 
 
 @torch.library.custom_op("coda::quantize_fp8_dual", mutates_args=())
-def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+def quantize_fp8_dual(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, s, qt, st) of 16-bit ``x`` (M, K) in one pass: q, s = its 1 x 128 quantization along K,
     qt, st = that of ``x.t()`` (K, M) along M, each ``reference.quantize_blocks_ref``'s (bit for
     bit on the GPU); scales (rows, ceil(cols / 128)) fp32, M-major. The weight gradient's operands
-    are quantized along the tokens, which a 1 x 128 tensor cannot be transposed into."""
-    return quantize_dual_fp8(x, dtype)
+    are quantized along the tokens, which a 1 x 128 tensor cannot be transposed into.
+    ``pow2_scales``: scales rounded up to powers of two."""
+    return quantize_dual_fp8(x, dtype, pow2_scales=pow2_scales)
 
 
 @quantize_fp8_dual.register_fake
-def _dual_fake(x, dtype=torch.float8_e4m3fn):
+def _dual_fake(x, dtype=torch.float8_e4m3fn, pow2_scales=False):
     m, k = check_dual(x, dtype)
     return (x.new_empty((m, k), dtype=dtype), block_scales_m_major(m, k, x.device),
             x.new_empty((k, m), dtype=dtype), block_scales_m_major(k, m, x.device))

@@ -4,7 +4,8 @@
     s = max(amax / FP8_MAX, 2^-126), 1 where amax = 0, NaN where amax is inf or NaN;
     q = clamp(x * (1 / s))   (the clamp: the saturating cast's)
 
-with IEEE division for s and 1 / s (once per block) and NaN-keeping min / max, so a NaN spreads
+(``pow2``: s rounded up to the power of two at or above it, ``Fp8Recipe.pow2_scales``), with IEEE
+division for s and 1 / s (once per block) and NaN-keeping min / max, so a NaN spreads
 to its block and nothing is silently clipped. The floor (the smallest normal fp32) keeps 1 / s
 finite for a block of tiny values (a gradient row of denormals): 1 / s overflowing would turn
 its zeros into 0 * inf = NaN. It applies only to blocks whose values all lie below
@@ -15,10 +16,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 #: the smallest scale, 2^-126 (the smallest normal fp32): 1 / s stays finite
 MIN_SCALE = 2.0 ** -126
+#: fp32's mantissa field, and its sign and exponent fields (0xFF800000 as a signed int32)
+MANTISSA_BITS = 0x007FFFFF
+EXPONENT_BITS = -0x00800000
 
 
 @cute.jit
@@ -30,9 +34,22 @@ def abs_max(amax, v, n: cutlass.Constexpr):
 
 
 @cute.jit
-def block_scale(amax, fmax):
-    """(s, 1 / s) of a block with absolute maximum ``amax``."""
+def pow2_ceil(s):
+    """The power of two at or above ``s`` (positive, normal or inf), exactly: the exponent field
+    rounded up unless the mantissa is zero, on the bits (an inf stays inf)."""
+    t = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+    t[0] = s
+    up = (t.load().bitcast(Int32) + MANTISSA_BITS) & EXPONENT_BITS
+    return up.bitcast(Float32)[0]
+
+
+@cute.jit
+def block_scale(amax, fmax, pow2: cutlass.Constexpr = False):
+    """(s, 1 / s) of a block with absolute maximum ``amax`` (``pow2``: s rounded up to a power of
+    two, so 1 / s is exact too)."""
     s = Float32(cutlass.select_(amax == Float32(0.0), Float32(1.0), cute.arch.fmax(amax / fmax, Float32(MIN_SCALE))))
+    if cutlass.const_expr(pow2):
+        s = pow2_ceil(s)
     s = s + (amax - amax)  # NaN exactly where amax is inf or NaN, + 0 otherwise
     return s, Float32(1.0) / s
 

@@ -51,8 +51,9 @@ class QuantizeDual:
     (M, ceil(K / 128)), qt (K, M), st (K, ceil(M / 128)); scales fp32 of any strides.
     ``rows=False``: q and s are not written (pass them anyway, any tensors of those shapes)."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True):
+    def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True, pow2: bool = False):
         self.dtype, self.out_dtype, self.fp8_max, self.rows = dtype, out_dtype, fp8_max, rows
+        self.pow2 = pow2
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
@@ -96,7 +97,7 @@ class QuantizeDual:
                 amax = abs_max(Float32(0.0), v, VEC)
                 for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
                     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
-                scale, inv = block_scale(amax, fmax)
+                scale, inv = block_scale(amax, fmax, self.pow2)
                 if row < m and col < groups:
                     gq[(None, (row, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
                     if j == 0:
@@ -111,7 +112,7 @@ class QuantizeDual:
             vals[e] = tile[(half * HALF + e, c)].to(Float32)
         red[(half, c)] = abs_max(Float32(0.0), vals.load(), HALF)
         cute.arch.sync_threads()
-        scale, inv = block_scale(cute.arch.fmax(red[(0, c)], red[(1, c)], nan=True), fmax)
+        scale, inv = block_scale(cute.arch.fmax(red[(0, c)], red[(1, c)], nan=True), fmax, self.pow2)
         kk = bx * BLOCK + c
         if kk < k:
             out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), self.out_dtype)

@@ -42,8 +42,8 @@ class QuantizeRows:
     """``q, scales = quantize 1 x 128`` for 16-bit ``x`` (M, K) to ``out_dtype`` (E4M3 / E5M2),
     scales (M, ceil(K / 128)) fp32 of any strides."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float):
-        self.dtype, self.out_dtype, self.fp8_max = dtype, out_dtype, fp8_max
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool = False):
+        self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
@@ -77,7 +77,7 @@ class QuantizeRows:
             amax = abs_max(Float32(0.0), v, VEC)
             for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
                 amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
-            scale, inv = block_scale(amax, fmax)
+            scale, inv = block_scale(amax, fmax, self.pow2)
             if row0 + r < rows and col < groups:
                 gq[(None, (row0 + r, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
                 if lane == 0:

@@ -50,8 +50,9 @@ class QuantizeWeight:
     fp16, gamma (K,) of any of those, rows 16-byte aligned; q (N, K) FP8, scales
     (ceil(N / 128), ceil(K / 128)) fp32 of any strides; ``transposed``: qt (K, N) FP8 too."""
 
-    def __init__(self, dtype, gamma_dtype, out_dtype, fp8_max: float, transposed: bool = False):
+    def __init__(self, dtype, gamma_dtype, out_dtype, fp8_max: float, transposed: bool = False, pow2: bool = False):
         self.dtype, self.gamma_dtype, self.out_dtype, self.fp8_max = dtype, gamma_dtype, out_dtype, fp8_max
+        self.pow2 = pow2
         self.transposed = transposed
 
     @cute.jit
@@ -116,7 +117,7 @@ class QuantizeWeight:
             red[WARPS] = total
         cute.arch.sync_threads()
         fmax = Float32(self.fp8_max)
-        scale, inv = block_scale(red[WARPS], fmax)
+        scale, inv = block_scale(red[WARPS], fmax, self.pow2)
         tile_v = None if cutlass.const_expr(tile is None) else cute.zipped_divide(tile, (1, VEC))
         for r in cutlass.range_constexpr(ROWS):
             qv = quantize(vals[(None, r)].load(), inv, VEC).to(self.out_dtype)
