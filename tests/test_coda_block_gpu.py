@@ -364,8 +364,8 @@ def test_model_gradients_vs_fp32_reference():
 
 def test_training_step_is_deterministic():
     """Two steps on the same model and batch give bitwise equal loss and gradients with
-    torch.use_deterministic_algorithms(True) (the attention core and the embedding backward are
-    torch's; our own kernels use no atomics)."""
+    torch.use_deterministic_algorithms(True) (the attention core is torch's; our own kernels,
+    the embedding backward included, use no atomics)."""
     cfg = dataclasses.replace(CFG, n_layers=2, max_seq_len=512)
     _, model, tokens, targets = _model_and_batch(cfg)
     torch.use_deterministic_algorithms(True)
