@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_fp8.py
 
 The three quantizers (1 x 128 rows, the weight fold + 128 x 128 with its transpose, both 1 x 128
-quantizations of a gradient in one pass, E4M3 and E5M2), and a CodaLlama in FP8 forward and
+quantizations of a gradient in one pass, E4M3 and E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and
 backward: the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the
 weight-gradient form) and the FP8 LM head, on a token count that is no multiple of the tiles.
 """
@@ -17,11 +17,13 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(333, 520, device="cuda").bfloat16()
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        quantize_rows(x, dtype)
-        quantize_dual(x[:320], dtype)
-        quantize_dual(x[:320], dtype, rows=False)
-    quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
-                    transposed=True)
+        for pow2 in (False, True):
+            quantize_rows(x, dtype, pow2=pow2)
+            quantize_dual(x[:320], dtype, pow2=pow2)
+            quantize_dual(x[:320], dtype, rows=False, pow2=pow2)
+    for pow2 in (False, True):
+        quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
+                        transposed=True, pow2=pow2)
     from coda_cute.nn import CodaLlama, LlamaConfig
     from coda_cute.precision import Fp8Recipe
 
