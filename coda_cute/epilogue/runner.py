@@ -152,10 +152,12 @@ class Plan:
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
         scales = None
         if self.block_views is not None:
-            scales = tuple(t.as_strided(*v) for t, v in zip(block_scales, self.block_views))
-            if self.b_rows_n is not None:  # strides that depend on the copy, if one was needed
-                cols = wgrad_column_scales(block_scales[1], self.b_rows_n)
-                scales = (scales[0], cols.as_strided(*_scale_view(cols)))
+            sa, sb = block_scales
+            if self.b_rows_n is not None:  # its strides depend on the copy, if one was needed
+                sb = wgrad_column_scales(sb, self.b_rows_n)
+                scales = (sa.as_strided(*self.block_views[0]), sb.as_strided(*_scale_view(sb)))
+            else:
+                scales = tuple(t.as_strided(*v) for t, v in zip(block_scales, self.block_views))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
                     workspace, scales)
         return _group(result, self.tree)
