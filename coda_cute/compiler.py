@@ -189,11 +189,12 @@ def _fake_signature(spec: KernelSpec):
     if spec.config.split_tail:  # the tail's fp32 partials and int32 arrival counters
         workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
     block_scales = None
-    if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128 or N, K/128, L) fp32 scales, any strides
-        kb = cute.sym_int()  # but the wgrad form's B scales N-major (kernels.sm90.block_scales)
-        block_scales = tuple(fake("float32", (rows, kb, l), (1 if b_major else cute.sym_int64(), cute.sym_int64(),
-                                                             cute.sym_int64()), 4)
-                             for rows, b_major in ((m, False), (cute.sym_int(), spec.b_rows)))
+    if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128 or N, K/128, L) fp32 scales as TMA reads
+        kb = cute.sym_int()  # them: M-major, N-major (b_rows) or K-major (runner.tma_block_scales)
+        def s4():  # a stride of its own (shared symbols must agree at call time), 16-byte divisible
+            return cute.sym_int64(divisibility=4)
+        block_scales = (fake("float32", (m, kb, l), (1, s4(), s4())),
+                        fake("float32", (cute.sym_int(), kb, l), (1, s4(), s4()) if spec.b_rows else (s4(), 1, s4())))
     # Empty tuples are no valid kernel arguments: an absent group is passed as None.
     return a, b, tuple(ins) or None, tuple(outs), scalars or None, workspace, block_scales
 

@@ -52,7 +52,7 @@ from . import dispatch
 from .artifacts import PtxCensus, SassCensus, disassemble, find_nvdisasm, scan_ptx, scan_sass
 from .compiler import DTYPE_BYTES, FP8_DTYPES, CompiledKernel, GemmSpec, KernelSpec, compile_gemm
 from .epilogue.runner import choose_config, tree_smem_bytes
-from .kernels.common.config import GemmConfig, pipeline_stages, smem_bytes
+from .kernels.common.config import GemmConfig, block_scale_stage_bytes, pipeline_stages, smem_bytes
 
 ARCH = "sm_90a"
 FAMILIES = {
@@ -217,11 +217,18 @@ class KernelReport:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes)
+        return smem_bytes(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes, self.scale_bytes)
 
     @property
     def stages(self) -> int:
-        return pipeline_stages(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes)
+        return pipeline_stages(self.spec.config, DTYPE_BYTES[self.spec.a_dtype], self.epi_bytes, self.scale_bytes)
+
+    @property
+    def scale_bytes(self) -> int:
+        """A stage's block scales (block-scaled FP8), 0 otherwise."""
+        if not getattr(self.spec, "block_scaled", False):  # a GemmSpec (no tree) never is
+            return 0
+        return block_scale_stage_bytes(self.spec.config, self.spec.b_rows)
 
     def presence(self) -> dict[str, tuple[bool, bool | None]]:
         """(in PTX, in SASS or None if unknown) per instruction class."""

@@ -4,14 +4,13 @@ Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): t
 GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
 kernel. A reading of 1005 TFLOP/s for the weight-gradient form then did not reproduce (385 the
 next session; likely a binary of the disk cache's key collision, since fixed). The forward form
-promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``); its per-k-tile scale
-loads are L2 round trips. Variants, each compiled afresh (no disk cache)
-and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same operands:
+promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``); each k-tile's scales come
+with its stage by TMA (``kernels.sm90.block_scales``). Variants, each compiled afresh (no disk
+cache) and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same
+operands:
 
 * ``paired``: today's kernel;
-* ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
-* ``paired_ahead`` / ``single_ahead``: where the kernel has ``SCALE_AHEAD`` (each promotion
-  group loads the next group's factors), the same with it on; the plain names then have it off.
+* ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop).
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
@@ -45,12 +44,8 @@ SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
 WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384)]
 
 
-def variants():
-    """{name: (paired allowed, scale ahead or None where the kernel has no such switch)}."""
-    if hasattr(G, "SCALE_AHEAD"):
-        return {"paired": (True, False), "single": (False, False),
-                "paired_ahead": (True, True), "single_ahead": (False, True)}
-    return {"paired": (True, None), "single": (False, None)}
+#: {name: whether a second temporary may pair k-tiles}
+VARIANTS = {"paired": True, "single": False}
 
 
 def _fresh_plan(tree, a, b, config, scales, b_rows=False):
@@ -65,7 +60,7 @@ def wgrad(console, rounds):
     tree = gemm_tree("none", "none", "float32")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc = G.MAX_ACC_REGISTERS
-    names = ["paired", "single"]
+    names = list(VARIANTS)
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
     for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", *names, "best / bf16"]:
         table.add_column(col, justify="right")
@@ -106,9 +101,9 @@ def main():
         return wgrad(console, args.rounds)
     tree = gemm_tree("none", "none", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
-    max_acc, ahead0 = G.MAX_ACC_REGISTERS, getattr(G, "SCALE_AHEAD", None)
+    max_acc = G.MAX_ACC_REGISTERS
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
-    names = list(variants())
+    names = list(VARIANTS)
     for col in ["M x N x K", "config", "ours row", "torch block", *names, "best / torch"]:
         table.add_column(col, justify="right")
     for m, n, k in SHAPES:
@@ -121,18 +116,14 @@ def main():
                "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),
                                                       out_dtype=torch.bfloat16)}
         base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True)
-        for name, (paired, ahead) in variants().items():
+        for name, paired in VARIANTS.items():
             G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
-            if ahead is not None:
-                G.SCALE_AHEAD = ahead
             plan = _fresh_plan(tree, a_q, b_q.t(), base, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"{m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
         G.MAX_ACC_REGISTERS = max_acc
-        if ahead0 is not None:
-            G.SCALE_AHEAD = ahead0
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=500)
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)

@@ -2,8 +2,9 @@
 the kernel's sm_90a builds and the configs it refuses; the op on the reference path against the
 float64 product of the dequantized operands, its fake shapes, and its argument rules on the CPU
 and fake paths. Each k-tile's partial product is promoted with one FFMA per
-accumulator register (``acc += sa[m, kb] * sb[nb, kb] * partial``), its scale loads are fp32
-global loads issued under the WGMMAs, and the builds neither spill nor serialize their WGMMAs."""
+accumulator register (``acc += sa[m, kb] * sb[nb, kb] * partial``), its scales come with each
+stage by TMA and are read from shared memory (no global loads), and the builds neither spill nor
+serialize their WGMMAs."""
 
 import re
 
@@ -13,7 +14,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import coda_cute
 from coda_cute import reference as R
-from coda_cute.artifacts import disassemble, find_nvdisasm
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
@@ -39,7 +39,8 @@ def test_block_scaled_kernel_builds(cfg, a, b):
     # per thread and k-tile: 64 x tile_n / 128 accumulator registers per 64-row atom, one FFMA each
     regs = cfg.tile_m * cfg.tile_n // (128 if cfg.schedule == "pingpong" else 256)
     assert ptx.count("fma.rn.f32") >= regs, ptx.count("fma.rn.f32")
-    assert ptx.count("ld.global.b32") >= 3  # a k-tile's row scales and its weight-block scale
+    # a k-tile's row scales and its weight-block scale, from the stage's shared memory
+    assert ptx.count("ld.shared") >= 3 and "ld.global" not in ptx
 
 
 def test_block_scaled_name_differs_from_row_scaled():
@@ -120,15 +121,17 @@ def test_op_outside_the_reference_path_names_it():
 ], ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128"])
 def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
     """Per k-tile the factor is the thread's row scales times its column scales: one more fp32
-    load per column it holds and one multiply per register next to the FFMA, without spills."""
+    shared-memory load per column it holds and one multiply per register next to the FFMA,
+    without spills."""
     k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "float32"),
                                    block_scaled=True, b_rows=True), keep_artifacts=True)
     assert spill_bytes(k) == 0 and not k.stats["wgmma_serialized"], k.stats
     regs = cfg.tile_m * cfg.tile_n // (128 if cfg.schedule == "pingpong" else 256)
     ptx = k.ptx
     assert ptx.count("fma.rn.f32") >= regs and ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= regs
-    # the thread's columns (tile_n / 4 of them) and rows, each k-tile
-    assert ptx.count("ld.global.b32") + 2 * ptx.count("ld.global.v2.b32") >= cfg.tile_n // 4 + 2
+    # the thread's columns (tile_n / 4 of them) and rows, each k-tile, from the stage
+    shared = ptx.count("ld.shared.b32") + 2 * ptx.count("ld.shared.v2.b32") + 4 * ptx.count("ld.shared.v4.b32")
+    assert shared >= cfg.tile_n // 4 + 2 and "ld.global" not in ptx, shared
 
 
 def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():
@@ -155,67 +158,29 @@ def test_wgrad_form_rules(path):
         torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "128x1")
 
 
-def _scale_loads_read_before_a_wait(sass: str) -> list:
-    """The instructions that read an ``LDG.E`` result (the scales are the kernel's only 32-bit
-    global loads) before the warp next waits on a stage's mbarrier or its WGMMAs, or branches:
-    a read there holds the warp for the load's L2 round trip in the middle of issuing."""
-    lines = [re.sub(r"/\*[0-9a-f]*\*/", "", line).strip() for line in sass.splitlines()]
-    lines = [line for line in lines if line]
-    early = []
-    for i, line in enumerate(lines):
-        load = re.match(r"(@!?P\d+ )?LDG\.E R(\d+), ", line)
-        if not load:
-            continue
-        reg = re.compile(rf"\bR{load.group(2)}\b")
-        for later in lines[i + 1:]:
-            if later.startswith(".") or "BRA" in later or "SYNCS.PHASECHK" in later or "WARPGROUP.DEPBAR" in later:
-                break
-            body = re.sub(r"^@!?P\d+ ", "", later)
-            if reg.search(body.split(",", 1)[1] if "," in body else ""):
-                early.append(later)
-                break
-    return early
-
-
-@pytest.mark.skipif(find_nvdisasm() is None, reason="nvdisasm not installed")
-@pytest.mark.parametrize("b_rows", [False, True], ids=["block", "wgrad"])
-@pytest.mark.parametrize("cfg", [GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
-                                 GemmConfig(tile_m=128, tile_n=128, tile_k=128),
-                                 GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong")],
-                         ids=["coop-128x128-c2x1", "coop-128x128", "pingpong-64x128"])
-def test_scale_loads_are_not_waited_for_while_issuing(cfg, b_rows):
-    """The mainloop's scale loads are read only after the warp's next wait (SASS): each
-    promotion group loads the next group's factors, and a factor multiplies its two loaded parts
-    at the promotion. A product formed right after the loads (as the kernel once did) sits in
-    the block that issues the k-tile's WGMMAs, and every k-tile the warp waited for the loads'
-    L2 round trip before it could wait for the next stage. Only the kernel's first tile, whose
-    first k-tile is promoted before the mainloop, reads its factor's loads early (3 loads: the
-    thread's two rows and the weight block; ping-pong has no such tile). The weight block's scale
-    is loaded from an address ptxas cannot prove uniform: a uniform load's value goes into a
-    uniform register right after it, which waits there too. The weight-gradient form multiplies
-    the partial by its row and then its column scales: their product, which needs the loads only,
-    was hoisted by ptxas to right after them (35 reads early per build)."""
-    k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "float32"),
-                                   block_scaled=True, b_rows=True) if b_rows else spec(cfg), keep_artifacts=True)
-    early = _scale_loads_read_before_a_wait(disassemble(k.cubin))
-    assert len(early) <= (3 if cfg.schedule == "cooperative" else 0), early
-
-
-def test_wgrad_column_scales_are_read_in_place_only_when_padded():
-    """The weight-gradient form's B scales: our quantizers' layout (N-major, rows padded to 128)
-    passes as is; row-major, unpadded or too short a storage is copied into that layout, values
-    kept."""
-    from coda_cute.epilogue.runner import wgrad_column_scales
+def test_scales_reach_the_kernel_in_layouts_its_tma_reads():
+    """Our quantizers' layouts pass as they are: 1 x 128 scales M-major with rows padded to 128
+    (``precision.block_scales_m_major``), the weight's 128 x 128 contiguous where its k-blocks are
+    a multiple of 4. Others are copied into one, values kept: row-major 1 x 128 scales, an odd
+    column stride, a misaligned slice, weight scales of 3 k-blocks. The kernel's view has stride 1
+    along the contiguous mode and multiples of 4 elsewhere, also for modes of one element."""
+    from coda_cute.epilogue.runner import _scale_view, tma_block_scales
     from coda_cute.precision import block_scales_m_major
 
     sb = torch.randn(200, 3)
     padded = block_scales_m_major(200, 300, "cpu").copy_(sb)
-    assert padded.stride() == (1, 256) and wgrad_column_scales(padded, 200) is padded
-    tight = sb.t().contiguous().t()  # N-major, but the last k-block ends at row 200
-    short = torch.empty_strided((200, 3), (1, 256)).copy_(sb)  # its storage ends at row 200
-    assert wgrad_column_scales(padded[:, 1:], 200).data_ptr() == padded[:, 1:].data_ptr()  # a slice
-    for t in (sb, tight, short):
-        got = wgrad_column_scales(t, 200)
-        assert got is not t and got.stride() == (1, 256) and torch.equal(got, t)
-    one = block_scales_m_major(200, 100, "cpu")  # one k-block
-    assert one.stride() == (1, 256) and wgrad_column_scales(one, 200) is one
+    assert padded.stride() == (1, 256) and tma_block_scales(padded, True) is padded
+    weight = torch.randn(7, 8)
+    assert tma_block_scales(weight, False) is weight
+    odd = torch.empty_strided((200, 3), (1, 201)).copy_(sb)
+    for t, rows in ((sb, True), (odd, True), (padded[1:], True), (torch.randn(7, 3), False),
+                    (weight.t().contiguous().t(), False)):
+        got = tma_block_scales(t, rows)
+        assert got is not t and torch.equal(got, t) and got.data_ptr() % 16 == 0
+        view = _scale_view(got, rows)
+        inner = 0 if rows else 1
+        assert view.stride(inner) == 1 and view.stride(1 - inner) % 4 == 0 and view.stride(2) % 4 == 0
+        assert torch.equal(view[..., 0], t)
+    one = block_scales_m_major(1, 100, "cpu").fill_(2.0)  # one row, one k-block
+    view = _scale_view(tma_block_scales(one, True), True)
+    assert view.stride()[:2] == (1, 4) or view.stride(0) == 1 and view.stride(1) % 4 == 0

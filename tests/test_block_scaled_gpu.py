@@ -8,7 +8,7 @@ import torch
 
 from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, get_gemm
-from coda_cute.epilogue.runner import wgrad_column_scales
+from coda_cute.epilogue.runner import _scale_view, tma_block_scales
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
 from coda_cute.precision import block_scales_m_major
@@ -29,11 +29,10 @@ def launch(cfg, a_q, sa, b_q, sb):
     spec = KernelSpec.of(str(a_q.dtype)[6:], str(b_q.dtype)[6:], "k", "k", cfg,
                          gemm_tree("none", "none", "bfloat16"), block_scaled=True)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kb, nb = sa.shape[1], sb.shape[0]
-    sa_m = torch.empty(kb, m, device="cuda").t().copy_(sa)  # M-major, as DeepGEMM's LHS scales
+    # M-major activation scales, K-major weight scales, as the kernel's TMA reads them
+    scales = (_scale_view(tma_block_scales(sa, True), True), _scale_view(tma_block_scales(sb, False), False))
     get_gemm(spec).fn(a_q.as_strided((m, k, 1), (k, 1, m * k)), b_q.as_strided((n, k, 1), (k, 1, n * k)),
-                      None, (out.as_strided((m, n, 1), (n, 1, m * n)),), None, None,
-                      (sa_m.as_strided((m, kb, 1), (1, m, m * kb)), sb.contiguous().as_strided((nb, kb, 1), (kb, 1, nb * kb))))
+                      None, (out.as_strided((m, n, 1), (n, 1, m * n)),), None, None, scales)
     return out
 
 
@@ -89,16 +88,17 @@ def test_wgrad_form_is_the_dequantized_product(m, n, k, out_dtype, a_dtype):
 
 
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (136, 200, 4112)])
-def test_wgrad_form_reads_padded_column_scales_in_place(m, n, k):
+def test_wgrad_form_reads_our_column_scales_in_place(m, n, k):
     """Column scales as our quantizers allocate them (``precision.block_scales_m_major``: N-major,
-    padded to 128) are read in place, the padding past N included (never stored: poisoned here
-    with NaN, which would show in every column of a row that took it); row-major A scales."""
+    padded to 128) are read in place; the padding past N, poisoned with NaN, is never read (TMA
+    fills columns past N with zeros; a NaN taken would show in every column of its row); row-major
+    A scales (copied by the launch)."""
     a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128))
     b_q, sb = R.quantize_blocks_ref(spread(n, k), (1, 128))
     cols = block_scales_m_major(n, k, "cuda")
     cols.as_strided((cols.stride(1) * cols.shape[1],), (1,)).fill_(float("nan"))
     cols.copy_(sb)
-    assert wgrad_column_scales(cols, n) is cols
+    assert tma_block_scales(cols, True) is cols
     out = torch.ops.coda.gemm_blockwise(a_q, sa, b_q, cols, torch.float32, "1x128")
     want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), out_dtype=torch.float64)
     assert bool(out.isfinite().all()) and rel_err(out.double(), want) < 5e-4

@@ -122,7 +122,7 @@ def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: 
 class Plan:
     """One call signature's validated launch recipe."""
 
-    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views", "block_views", "b_rows_n",
+    __slots__ = ("tree", "op", "device", "batched", "out_allocs", "a_view", "b_view", "in_views", "block_form",
                  "scalar_names", "out_views", "kernel", "empty", "config", "workspace", "tail_sizes")
 
     def launch(self, a, b, inputs: dict, outputs: Optional[dict] = None, block_scales=None) -> dict:
@@ -151,13 +151,9 @@ class Plan:
             workspace = (torch.empty(parts, dtype=torch.float32, device=self.device),
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
         scales = None
-        if self.block_views is not None:
-            sa, sb = block_scales
-            if self.b_rows_n is not None:  # its strides depend on the copy, if one was needed
-                sb = wgrad_column_scales(sb, self.b_rows_n)
-                scales = (sa.as_strided(*self.block_views[0]), sb.as_strided(*_scale_view(sb)))
-            else:
-                scales = tuple(t.as_strided(*v) for t, v in zip(block_scales, self.block_views))
+        if self.block_form is not None:  # (rows-major A scales, B's as the form has them)
+            scales = tuple(_scale_view(tma_block_scales(t, rows), rows)
+                           for t, rows in zip(block_scales, (True, self.block_form == "1x128")))
         self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
                     workspace, scales)
         return _group(result, self.tree)
@@ -317,9 +313,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
                       n_tiles if i.kind == "col_vec" and n_tiles != n else None, i.wide)
                      for i in tree.inputs if i.kind != "scalar"]
     plan.scalar_names = _check_scalars(tree, inputs, op)
-    plan.block_views, plan.b_rows_n = None, n if blocked and b_rows else None
-    if blocked:  # (rows, k-blocks, L = 1), the kernel's any-stride fp32 scales
-        plan.block_views = [_scale_view(t) for t in block_scales]
+    plan.block_form = ("1x128" if b_rows else "128x128") if blocked else None
     spec = KernelSpec.of(dtype_name(a.dtype), dtype_name(b.dtype), a_major, b_major, config, tree,
                          arch, sms, block_scaled=blocked, b_rows=b_rows)
     plan.kernel = get_gemm(spec).fn
@@ -360,21 +354,36 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
     return out
 
 
-def _scale_view(t: torch.Tensor):
-    """(size, stride) of a 2-D scale tensor as the kernel's (rows, k-blocks, L = 1)."""
-    return (t.shape[0], t.shape[1], 1), (*t.stride(), t.shape[0] * t.shape[1])
+def _pad4(x: int) -> int:
+    return -(-x // 4) * 4
 
 
-def wgrad_column_scales(t: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight-gradient form's B scales (N, k-blocks) as its kernel reads them
-    (``kernels.sm90.block_scales``): N-major, each k-block's column readable up to N rounded up to
-    128, as ``precision.block_scales_m_major`` allocates them (our quantizers do); other layouts
-    are copied into one (N x k-blocks fp32: a few hundred KB at most)."""
-    kb, pad = t.shape[1], -(-n // BLOCK) * BLOCK
-    room = t.untyped_storage().nbytes() // 4 - t.storage_offset()
-    if t.stride(0) == 1 and (kb == 1 or t.stride(1) >= pad) and room >= (kb - 1) * t.stride(1) + pad:
+def _scale_view(t: torch.Tensor, rows_major: bool) -> torch.Tensor:
+    """A 2-D scale tensor in a :func:`tma_block_scales` layout as the kernel's (rows, k-blocks,
+    L = 1), with the strides its signature declares (stride 1 along the contiguous mode, the
+    others multiples of 4) also where a mode of one element leaves a stride free."""
+    inner = 0 if rows_major else 1
+    strides = [1, 1]
+    strides[1 - inner] = t.stride(1 - inner) if t.shape[1 - inner] > 1 else _pad4(t.shape[inner])
+    return t.as_strided((*t.shape, 1), (*strides, _pad4(t.shape[0] * t.shape[1])))
+
+
+def tma_block_scales(t: torch.Tensor, rows_major: bool) -> torch.Tensor:
+    """Block scales (rows, k-blocks) in a layout the block-scaled kernel's TMA reads
+    (``kernels.sm90.block_scales``). ``rows_major`` (1 x 128 scales: A's, and B's in the
+    weight-gradient form): stride 1 along the rows; else (the weight's 128 x 128 scales) stride
+    1 along the k-blocks; the other stride a multiple of 4 (16 bytes) and the data 16-byte
+    aligned. Our quantizers' layouts pass as they are (``precision.block_scales_m_major``; the
+    weight's contiguous (N / 128, K / 128) where K / 128 is a multiple of 4); others are copied
+    (a few hundred KB at most)."""
+    inner = 0 if rows_major else 1
+    if ((t.stride(inner) == 1 or t.shape[inner] == 1) and t.data_ptr() % 16 == 0
+            and (t.shape[1 - inner] == 1 or t.stride(1 - inner) % 4 == 0)):
         return t
-    return block_scales_m_major(n, kb * BLOCK, t.device).copy_(t)
+    rows, kb = t.shape
+    if rows_major:
+        return block_scales_m_major(rows, kb * BLOCK, t.device).copy_(t)
+    return torch.empty((rows, _pad4(kb)), dtype=torch.float32, device=t.device)[:, :kb].copy_(t)
 
 
 def check_block_scales(a, b, scales, op, b_rows: bool = False):

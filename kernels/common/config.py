@@ -164,30 +164,45 @@ def dtype_bytes(name: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[name]
 
 
+#: shared-memory bytes of one stage's weight-scale box in the block-scaled FP8 GEMM (16 bytes of
+#: scales in a slot that keeps TMA destinations 128-byte aligned)
+BLOCK_SCALE_B_SLOT = 128
+
+
+def block_scale_stage_bytes(cfg: GemmConfig, b_rows: bool) -> int:
+    """What one stage of the block-scaled FP8 GEMM holds for its scales
+    (``kernels.sm90.block_scales``): the tile's rows of A's, and its columns of B's (``b_rows``)
+    or one weight-scale slot."""
+    return 4 * cfg.tile_m + (4 * cfg.tile_n if b_rows else BLOCK_SCALE_B_SLOT)
+
+
 def ab_stage_bytes(cfg: GemmConfig, ab_bytes: int) -> int:
     return (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes
 
 
-def smem_bytes(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:
+def smem_bytes(cfg: GemmConfig, ab_bytes: int, epi_bytes: int, stage_extra: int = 0) -> int:
     """Shared memory one CTA allocates for ``cfg`` next to ``epi_bytes`` of epilogue buffers:
 
-        stages x (tile_m + tile_n) x tile_k x ab_bytes  +  epi_bytes  +  SMEM_RESERVED
+        stages x ((tile_m + tile_n) x tile_k x ab_bytes + stage_extra)  +  epi_bytes  +  SMEM_RESERVED
 
-    where ``stages`` is what :func:`pipeline_stages` picks and ``SMEM_RESERVED`` covers the
-    mainloop's mbarriers and alignment padding.
+    where ``stages`` is what :func:`pipeline_stages` picks, ``stage_extra`` what else a stage
+    holds (block-scaled FP8: its scales) and ``SMEM_RESERVED`` covers the mainloop's mbarriers
+    and alignment padding.
     """
-    return pipeline_stages(cfg, ab_bytes, epi_bytes) * ab_stage_bytes(cfg, ab_bytes) + epi_bytes + SMEM_RESERVED
+    stage = ab_stage_bytes(cfg, ab_bytes) + stage_extra
+    return pipeline_stages(cfg, ab_bytes, epi_bytes, stage_extra) * stage + epi_bytes + SMEM_RESERVED
 
 
-def pipeline_stages(cfg: GemmConfig, ab_bytes: int, epi_bytes: int) -> int:
-    """A/B stages that fit next to ``epi_bytes`` of epilogue shared memory."""
+def pipeline_stages(cfg: GemmConfig, ab_bytes: int, epi_bytes: int, stage_extra: int = 0) -> int:
+    """A/B stages (each with ``stage_extra`` bytes besides) that fit next to ``epi_bytes`` of
+    epilogue shared memory."""
     free = SM90_SMEM_CAPACITY - SMEM_RESERVED - epi_bytes
-    fit = free // ab_stage_bytes(cfg, ab_bytes)
+    fit = free // (ab_stage_bytes(cfg, ab_bytes) + stage_extra)
     if cfg.stages:
         if cfg.stages > fit:
             raise ValueError(
                 f"config {cfg.name}: {cfg.stages} stages need "
-                f"{cfg.stages * ab_stage_bytes(cfg, ab_bytes) + epi_bytes} B of shared memory, "
+                f"{cfg.stages * (ab_stage_bytes(cfg, ab_bytes) + stage_extra) + epi_bytes} B of shared memory, "
                 f"only {SM90_SMEM_CAPACITY - SMEM_RESERVED} B exist"
             )
         return cfg.stages

@@ -14,16 +14,19 @@ are quantized in 1 x 128 blocks along them, so B too has one scale per row and k
     D[m, n] = sum_kb  sa[m, kb] * sb[n, kb] * sum_{k in kb} A[m, k] B[n, k]
 
 Its factor is an outer product per k-tile: the thread's row scales times its column scales
-(:class:`OuterFactor`), so only 2 x MMA_M + its columns' values are live rather than a factor
-per accumulator register. The partial is multiplied by the two parts in turn, never by their
-product: the product depends on the loads alone, and ptxas hoisted it to right after them, into
-the block that issues the k-tile's WGMMAs, where the warp then waited for the loads' L2 round trip
-every k-tile (SASS). ``partial * row`` depends on the WGMMAs' result and stays after their wait.
+(:class:`OuterFactor`). The partial is multiplied by the two parts in turn, never by their
+product, which depends on the loads alone: ptxas hoists such a product to right after its
+loads, into the block that issues the k-tile's WGMMAs (SASS).
 
-Roles: the consumer warpgroups call :meth:`BlockScales.factors` right after issuing a k-tile's
-WGMMAs, so its loads (the thread's 2 x MMA_M row scales and the tile's one weight scale, or its
-columns' scales, from L2 after the first tile of a row band) run under the tensor cores' work,
-and the factors are ready at the promotion.
+Roles: the producer warp's TMA brings each k-tile's scales into its shared-memory stage next to
+the A and B tiles, under the same mbarrier (:class:`ScaleLoads`): the tile's rows of ``sa`` and
+(weight-gradient form) its columns of ``sb``, both one contiguous run in their M- / N-major
+layouts, or the 16 bytes of ``sb``'s row holding the k-block's weight scale. The consumer
+warpgroups read them with shared-memory loads right after issuing the k-tile's WGMMAs
+(:meth:`BlockScales.factors`). Read from global memory instead, each k-tile's scales were an
+L2 round trip that the promotion waited for (ncu, H200: the weight-gradient form's top stall,
+its 34 loads per thread and k-tile also throttling the load queue). TMA fills rows and columns
+past the problem with zeros: their products are never stored.
 """
 
 from __future__ import annotations
@@ -31,33 +34,86 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..common.config import BLOCK_SCALE_B_SLOT
 
 #: the scale block along K and along N of B (the recipe's 128)
 BLOCK = 128
-#: the weight-gradient form's B scales (N, ceil(K / 128)) are N-major with each k-block's column
-#: readable up to N rounded up to this (``coda_cute.epilogue.runner`` pads them where needed)
-COLUMN_PAD = 128
+#: fp32 scales per TMA box of the weight's 128 x 128 scales: the 16 bytes of its K-major row
+#: that hold the k-block's scale (TMA boxes are whole 16-byte units)
+SB_BOX = 4
+
+
+class ScaleLoads:
+    """The producer's side: TMA atoms and per-stage shared-memory tiles of the scales. Built in
+    the host function (:meth:`make`), partitioned in the kernel (:meth:`partition`)."""
+
+    @staticmethod
+    def smem_layouts(tile_m: int, tile_n: int, b_rows: bool, stages: int):
+        """(sa's, sb's) staged shared-memory layouts."""
+        sa = cute.make_layout((tile_m, 1, stages))
+        if b_rows:
+            return sa, cute.make_layout((tile_n, 1, stages))
+        return sa, cute.make_layout((1, SB_BOX, stages), stride=(SB_BOX, 1, BLOCK_SCALE_B_SLOT // 4))
+
+    @staticmethod
+    def tiles(tile_m: int, tile_n: int, b_rows: bool):
+        return (tile_m, 1), ((tile_n, 1) if b_rows else (1, SB_BOX))
+
+    @staticmethod
+    def make(sa: cute.Tensor, sb: cute.Tensor, layouts, tiles):
+        """TMA atoms of ``sa`` (M, KB, L), M-major, and ``sb``: (NB, KB, L) K-major or (``b_rows``)
+        (N, KB, L) N-major; every other stride a multiple of 16 bytes (the launch copies other
+        layouts). Returns ((atom, TMA tensor) of sa, of sb)."""
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        return tuple(cpasync.make_tiled_tma_atom(op, t, cute.slice_(lay, (None, None, 0)), tile)
+                     for t, lay, tile in zip((sa, sb), layouts, tiles))
+
+    def __init__(self, atoms, tensors, smem, tiles, tile_n: int, b_rows: bool):
+        self.atoms = atoms
+        self.b_rows = b_rows
+        self.tile_n = tile_n
+        self.parts = []
+        for atom, t, s, tile in zip(atoms, tensors, smem, tiles):
+            g = cute.local_tile(t, tile, (None, None, None))
+            self.parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                                    cute.group_modes(g, 0, 2)))
+
+    def load(self, coord, stage, bar):
+        """Tile ``coord`` = (tm, tn, tl, k)'s k-tile scales into stage ``stage``, counted on
+        ``bar`` (the A/B stage's mbarrier)."""
+        tm, tn, tl, k = coord
+        (sa_s, sa_g), (sb_s, sb_g) = self.parts
+        cute.copy(self.atoms[0], sa_g[(None, tm, k, tl)], sa_s[(None, stage)], tma_bar_ptr=bar)
+        if const_expr(self.b_rows):
+            cute.copy(self.atoms[1], sb_g[(None, tn, k, tl)], sb_s[(None, stage)], tma_bar_ptr=bar)
+        else:
+            nb = tn * self.tile_n // BLOCK
+            cute.copy(self.atoms[1], sb_g[(None, nb, k // SB_BOX, tl)], sb_s[(None, stage)], tma_bar_ptr=bar)
 
 
 class OuterFactor:
-    """A promotion factor laid out like the accumulator, as the product of a row part and a
-    column part (each with zero strides on the other's modes)."""
+    """A promotion factor laid out like the accumulator, as the product of a row part (loaded)
+    and a column part (zero strides on the row modes), which ``columns()`` reads from shared
+    memory at the promotion: its values held from the k-tile's issue on (a temporary's worth
+    of registers per thread next to two temporaries in flight) made the paired 128 x 128 build
+    spill."""
 
-    def __init__(self, rows, cols):
-        self.rows, self.cols = rows, cols
+    def __init__(self, rows, columns):
+        self.rows, self.columns = rows, columns
 
     def scaled(self, t):
         """``t * rows * cols`` (one FMUL and, in ``acc + scaled``, one FFMA per register), in
         that order: see the module docstring."""
-        return t.load() * self.rows.load() * self.cols.load()
+        return t.load() * self.rows.load() * self.columns().load()
 
 
 class RowFactor:
     """A promotion factor of one value per accumulator row, kept as its two loaded parts: ``rows``
     (sa of the thread's rows, laid out like the accumulator with zero strides on the column
-    modes) and ``b`` (one-element tensor: the weight block's scale). :meth:`load` multiplies them,
-    at the promotion: a product formed right after the loads would make the warp wait for their
-    L2 round trip before it can issue the next k-tile (ptxas keeps it in the issuing block)."""
+    modes) and ``b`` (one-element tensor: the weight block's scale), multiplied at the
+    promotion."""
 
     def __init__(self, rows, b):
         self.rows, self.b = rows, b
@@ -74,68 +130,39 @@ class RowFactor:
         """``t * factor``."""
         return t.load() * self.load()
 
-    def assign(self, other: "RowFactor"):
-        """Take ``other``'s values (copying the distinct registers only)."""
-        self._flat(self.rows).store(self._flat(other.rows).load())
-        self.b[0] = other.b[0]
-
 
 class BlockScales:
-    """Promotion factors of one output tile. ``sa``: (M, ceil(K / 128), L) fp32, any strides;
-    ``sb``: (ceil(N / 128), ceil(K / 128), L) fp32, any strides (``b_rows``: (N, ceil(K / 128), L),
-    N-major and padded: stride 1 along N, and each k-block's column of scales readable up to N
-    rounded up to 128, see :data:`COLUMN_PAD`). ``acc_coords``: the global (m, n) of every
-    accumulator register of this thread (``thr_mma.partition_C`` of the tile's identity tensor);
-    ``tl``: its batch; ``tile_n``: the tile's width. Rows past M read row M - 1, columns past N
-    (``b_rows``) the padding, and a tile past the problem (the producer's extra stage after the
-    last tile) its last block: their products are never stored."""
+    """The consumers' side: promotion factors from a stage's scales. ``sSA`` / ``sSB``: the
+    staged shared-memory scales (:meth:`ScaleLoads.smem_layouts`); ``tile_coords``: the
+    tile-local (m, n) of every accumulator register of this thread (``thr_mma.partition_C`` of
+    the tile's identity tensor), the same for every tile."""
 
-    def __init__(self, sa: cute.Tensor, sb: cute.Tensor, acc_coords: cute.Tensor, problem_mnl, tl,
-                 tile_n: int, b_rows: bool = False):
-        self.sa, self.sb = sa, sb
-        self.coords = acc_coords
-        self.problem = problem_mnl
+    def __init__(self, sSA: cute.Tensor, sSB: cute.Tensor, tile_coords: cute.Tensor, b_rows: bool = False):
+        self.sSA, self.sSB = sSA, sSB
+        self.coords = tile_coords
         self.b_rows = b_rows
-        self.tl = cutlass.min(tl, problem_mnl[2] - 1)
-        (self.pairs, _, self.groups), self.mma_m, self.mma_n = acc_coords.shape
-        # the thread's rows of sa and the tile's row of sb as tensors along k, sliced once per
-        # tile: a k-tile's load is then one offset from its row's start, not a 3-D index
-        self.sa_rows = []
-        for mm in range(self.mma_m):
-            for half in range(2):
-                m = cutlass.min(acc_coords[((0, half, 0), mm, 0)][0], problem_mnl[0] - 1)
-                self.sa_rows.append(sa[(m, None, self.tl)])
-        self.sb_row = None
-        if const_expr(b_rows):
-            # The thread's columns as one base plus offsets known at compile time (no clamp to
-            # N - 1, whose per-column address arithmetic ptxas spread between a k-tile's WGMMAs:
-            # SASS), into the padding past N; a tile past the problem reads the last tile's.
-            self.col0 = acc_coords[((0, 0, 0), 0, 0)][1]
-            last = cute.ceil_div(problem_mnl[1], COLUMN_PAD) * COLUMN_PAD - tile_n
-            self.col_base = cutlass.min(self.col0, last + self.col0 % tile_n)
-        else:
-            # The tile's weight block, found from this thread's first column rather than the tile's:
-            # the same block for every thread (a tile of at most 128 columns lies in one), but
-            # ptxas cannot prove the load uniform, so it keeps the value in a vector register
-            # instead of moving it into a uniform one right after the load (which waits for it).
-            n = cutlass.min(acc_coords[((0, 0, 0), 0, 0)][1], problem_mnl[1] - 1)
-            self.sb_row = sb[(cutlass.min(n // BLOCK, sb.shape[0] - 1), None, self.tl)]
+        (self.pairs, _, self.groups), self.mma_m, self.mma_n = tile_coords.shape
 
     @cute.jit
-    def factors(self, k):
-        """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register, a :class:`RowFactor`
-        (only the thread's rows and one value occupy registers); ``b_rows``: the
-        :class:`OuterFactor` of sa[m, k] and sb[n, k]."""
-        k = cutlass.min(k, self.sa.shape[1] - 1)  # a prefetch past the last k-block
+    def factors(self, k, stage):
+        """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register from stage ``stage``, a
+        :class:`RowFactor` (only the thread's rows and one value occupy registers); ``b_rows``:
+        the :class:`OuterFactor` of sa[m, k] and sb[n, k]."""
         rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
         for mm in cutlass.range_constexpr(self.mma_m):
             for half in cutlass.range_constexpr(2):
-                rows[((0, half, 0), mm, 0)] = self.sa_rows[2 * mm + half][k]
+                crd = ((0, half, 0), mm, 0)
+                rows[crd] = self.sSA[(self.coords[crd][0], 0, stage)]
         if const_expr(not self.b_rows):
             b = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-            b[0] = self.sb_row[k]
+            b[0] = self.sSB[(0, k % SB_BOX, stage)]
             return RowFactor(rows, b)
-        # the thread's columns: (pairs, groups, MMA_N) values, zero strides on the row modes
+        return OuterFactor(rows, lambda: self._columns(stage))
+
+    @cute.jit
+    def _columns(self, stage):
+        """The thread's columns of sb: (pairs, groups, MMA_N) values, zero strides on the row
+        modes."""
         p, g = self.pairs, self.groups
         cols = cute.make_rmem_tensor(
             cute.make_layout(self.coords.shape, stride=((1, 0, p), 0, p * g)), Float32)
@@ -143,5 +170,5 @@ class BlockScales:
             for v in cutlass.range_constexpr(g):
                 for c in cutlass.range_constexpr(p):
                     crd = ((c, 0, v), 0, nn)
-                    cols[crd] = self.sb[(self.col_base + (self.coords[crd][1] - self.col0), k, self.tl)]
-        return OuterFactor(rows, cols)
+                    cols[crd] = self.sSB[(self.coords[crd][1], 0, stage)]
+        return cols

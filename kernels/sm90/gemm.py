@@ -40,17 +40,14 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.config import MAX_ACC_REGISTERS, GemmConfig, pipeline_stages
+from ..common.config import MAX_ACC_REGISTERS, GemmConfig, block_scale_stage_bytes, pipeline_stages
 from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
-from .block_scales import BLOCK, BlockScales
+from .block_scales import BLOCK, BlockScales, ScaleLoads
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
-#: block-scaled FP8 (not the weight-gradient form): each promotion group loads the next group's
-#: factors (``Sm90Mainloop.run``'s ``scale_ahead``); a switch for ``scripts/exp_block_scaled.py``
-SCALE_AHEAD = True
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
 
 # Named barrier ids (0 is __syncthreads).
@@ -114,7 +111,8 @@ class Sm90Gemm:
         self.epi_threads = _THREADS_PER_WG if self.pingpong else 2 * _THREADS_PER_WG
         self.max_clusters = num_sms // (cfg.cluster_m * cfg.cluster_n)
         self.epilogue = Sm90TreeEpilogue(tree, cfg, a_dtype.width // 8)
-        self.stages = pipeline_stages(cfg, a_dtype.width // 8, self.epilogue.smem_bytes())
+        self.scale_bytes = block_scale_stage_bytes(cfg, b_rows) if block_scaled else 0
+        self.stages = pipeline_stages(cfg, a_dtype.width // 8, self.epilogue.smem_bytes(), self.scale_bytes)
         self.mainloop = Sm90Mainloop(
             a_dtype, b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
@@ -130,8 +128,8 @@ class Sm90Gemm:
         tensor inputs, outputs and runtime scalars in the epilogue's order (``None`` when
         empty); ``workspace``: ``split_tail`` only (else ``None``), the tail's fp32 partials and
         its per-tile int32 arrival counters (zeroed); ``block_scales``: block-scaled FP8 only
-        (else ``None``), A's 1 x 128 and B's 128 x 128 (``b_rows``: 1 x 128) fp32 scales
-        (``block_scales.py``)."""
+        (else ``None``), A's 1 x 128 and B's 128 x 128 (``b_rows``: 1 x 128) fp32 scales in the
+        layouts :meth:`ScaleLoads.make` takes."""
         tiled_mma = self.mainloop.tiled_mma(self.tile_mnk[1])
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
@@ -140,12 +138,20 @@ class Sm90Gemm:
         ins = ins if ins is not None else ()
         scalars = scalars if scalars is not None else ()
         store_atoms, load_atoms, epi_layouts = self.epilogue.make_atoms(ins, outs)
+        scale_tma, scale_smem = None, (cute.make_layout(1), cute.make_layout(1))
+        if const_expr(self.block_scaled):
+            scale_smem = ScaleLoads.smem_layouts(self.cfg.tile_m, self.cfg.tile_n, self.b_rows, self.stages)
+            scale_tma = ScaleLoads.make(*block_scales, scale_smem,
+                                        ScaleLoads.tiles(self.cfg.tile_m, self.cfg.tile_n, self.b_rows))
 
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+            # block-scaled FP8: each stage's scales (one float each otherwise, never touched)
+            sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(scale_smem[0])], 128]
+            sSB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(scale_smem[1])], 128]
 
         self.shared_storage = SharedStorage
         problem_mnl = (mA.shape[0], mB.shape[0], mA.shape[2])
@@ -154,7 +160,7 @@ class Sm90Gemm:
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB,
             tuple(x[0] for x in store_atoms), tuple(x[1] for x in store_atoms),
             tuple(x[0] for x in load_atoms), tuple(x[1] for x in load_atoms),
-            ins, outs, scalars, workspace, block_scales, problem_mnl, a_smem, b_smem, epi_layouts,
+            ins, outs, scalars, workspace, scale_tma, problem_mnl, a_smem, b_smem, epi_layouts, scale_smem,
         ).launch(
             grid=grid,
             block=[self.threads, 1, 1],
@@ -174,8 +180,8 @@ class Sm90Gemm:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                tma_b: cute.CopyAtom, mB: cute.Tensor, store_atoms: tuple, store_tensors: tuple,
                load_atoms: tuple, load_tensors: tuple, ins: tuple, outs: tuple, scalars: tuple,
-               workspace: tuple, block_scales: tuple, problem_mnl, a_smem: cute.ComposedLayout,
-               b_smem: cute.ComposedLayout, epi_layouts):
+               workspace: tuple, scale_tma: tuple, problem_mnl, a_smem: cute.ComposedLayout,
+               b_smem: cute.ComposedLayout, epi_layouts, scale_smem: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
@@ -185,6 +191,9 @@ class Sm90Gemm:
             cpasync.prefetch_descriptor(tma_b)
             for atom in store_atoms + load_atoms:
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.block_scaled):
+                for atom, _ in scale_tma:
+                    cpasync.prefetch_descriptor(atom)
 
         cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -194,11 +203,13 @@ class Sm90Gemm:
         storage = smem.allocate(self.shared_storage)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sSA = storage.sSA.get_tensor(scale_smem[0])
+        sSB = storage.sSB.get_tensor(scale_smem[1])
         epi_bufs, epi_tiles, epi_scratch, load_pipe = self.epilogue.allocate(smem, epi_layouts)
 
         mcast_size = self.cluster_mn[0] + self.cluster_mn[1] - 1
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
-            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))) + self.scale_bytes
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
@@ -222,8 +233,13 @@ class Sm90Gemm:
         if wg_idx == 2:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == self.producer_warp:
+                scale_loads = None
+                if const_expr(self.block_scaled):
+                    scale_loads = ScaleLoads(tuple(x[0] for x in scale_tma), tuple(x[1] for x in scale_tma),
+                                             (sSA, sSB), ScaleLoads.tiles(self.cfg.tile_m, self.cfg.tile_n, self.b_rows),
+                                             self.cfg.tile_n, self.b_rows)
                 produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, self.stages,
-                        self.cluster_mn, cta_layout_mnk, cluster_coord, self.overlap)
+                        self.cluster_mn, cta_layout_mnk, cluster_coord, self.overlap, scale_loads)
             if const_expr(len(load_atoms) > 0):
                 if warp_idx == self.load_warp:
                     self.epilogue.produce_loads(load_atoms, load_tensors, epi_tiles, load_pipe, sched)
@@ -231,13 +247,13 @@ class Sm90Gemm:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.consume(tiled_mma, sA, sB, ab_pipe, sched, k_tiles, problem_mnl, tidx, warp_idx,
                          wg_idx, (epi_bufs, epi_tiles, epi_scratch, load_pipe),
-                         store_atoms, store_tensors, ins, outs, scalars, workspace, block_scales)
+                         store_atoms, store_tensors, ins, outs, scalars, workspace, (sSA, sSB))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tiled_mma, sA, sB, ab_pipe, sched: TileScheduler, k_tiles, problem_mnl, tidx,
                 warp_idx, wg_idx, epi_smem, store_atoms, store_tensors, ins, outs, scalars, workspace,
-                block_scales):
+                scale_smem):
         """MMA warpgroups: mainloop into registers, then the epilogue, tile after tile."""
         epi_bufs, epi_tiles, epi_scratch, load_pipe = epi_smem
         mma_tidx = tidx
@@ -254,6 +270,9 @@ class Sm90Gemm:
         cD = cute.local_tile(cute.make_identity_tensor((problem_mnl[0], problem_mnl[1])),
                              self.tile_mnk[:2], (None, None))
         tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
+        scales = None
+        if const_expr(self.block_scaled):
+            scales = BlockScales(*scale_smem, tCcT, self.b_rows)
 
         epi_bar_id = _BAR_EPI
         is_store_warp = warp_idx == 0
@@ -287,8 +306,7 @@ class Sm90Gemm:
         if const_expr(self.overlap):
             first, stage, read_state = self.mainloop.issue_first(
                 tiled_mma.op, frags, acc, ab_pipe, read_state)
-            self.mainloop.take_first(acc, first, ab_pipe, stage,
-                                     self._first_factor(work, sched, block_scales, thr_mma, cD, problem_mnl))
+            self.mainloop.take_first(acc, first, ab_pipe, stage, self._first_factor(scales, stage))
         epi_count = Int32(0)
         while sched.is_valid(work):
             tm, tn, tl = sched.coord(work)
@@ -312,19 +330,16 @@ class Sm90Gemm:
             _, k_count, k_slice, split, tail_slot = sched.slice(work)
             if const_expr(self.overlap):
                 k_count -= 1  # the first is in acc already
-            scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
             read_state, epi_state = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
-                self.overlap, None if const_expr(scales is None) else scales.factors,
-                SCALE_AHEAD and not self.b_rows)
+                self.overlap, None if const_expr(scales is None) else scales.factors)
             next_factor = None
             if const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)
                 # runs on the tensor cores during the fixup and the epilogue.
                 first, stage, read_state = self.mainloop.issue_first(
                     tiled_mma.op, frags, acc, ab_pipe, read_state)
-                next_factor = self._first_factor(work + work_step, sched, block_scales, thr_mma, cD,
-                                                 problem_mnl)
+                next_factor = self._first_factor(scales, stage)
             if const_expr(self.split_tail):
                 if split > 1:
                     self._fixup(acc, workspace, k_slice, split, tail_slot, tidx, epi_barrier)
@@ -356,17 +371,10 @@ class Sm90Gemm:
             if is_store_warp:
                 store_pipe.producer_tail()
 
-    def _scales_of(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
-        """The block-scaled promotion factors of work item ``work`` (None otherwise)."""
-        if const_expr(not self.block_scaled):
-            return None
-        wm, wn, wl = sched.coord(work)
-        return BlockScales(block_scales[0], block_scales[1], thr_mma.partition_C(cD[(None, None, wm, wn)]),
-                           problem_mnl, wl, self.tile_mnk[1], self.b_rows)
-
-    def _first_factor(self, work, sched, block_scales, thr_mma, cD, problem_mnl):
-        scales = self._scales_of(work, sched, block_scales, thr_mma, cD, problem_mnl)
-        return None if const_expr(scales is None) else scales.factors(0)
+    @staticmethod
+    def _first_factor(scales, stage):
+        """A tile's first k-tile's promotion factor from its stage (None unless block-scaled)."""
+        return None if const_expr(scales is None) else scales.factors(0, stage.index)
 
     @cute.jit
     def _fixup(self, acc, workspace, k_slice, split, tail_slot, tidx, barrier):

@@ -45,10 +45,12 @@ PROMOTION_GROUP = 2
 
 @cute.jit
 def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Constexpr,
-            cluster_mn: cutlass.Constexpr, cta_layout_mnk, cluster_coord, extra_stage: cutlass.Constexpr):
+            cluster_mn: cutlass.Constexpr, cta_layout_mnk, cluster_coord, extra_stage: cutlass.Constexpr,
+            scale_loads=None):
     """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring.
     ``extra_stage``: after the last tile, load its first k-tile once more, for consumers that
-    issue each next tile's first k-tile before their epilogue (``Sm90Mainloop.issue_first``)."""
+    issue each next tile's first k-tile before their epilogue (``Sm90Mainloop.issue_first``).
+    ``scale_loads`` (block-scaled FP8): each stage's scales too (``block_scales.ScaleLoads``)."""
     a_mask = None
     b_mask = None
     if const_expr(cluster_mn[1] > 1):
@@ -69,7 +71,8 @@ def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Conste
         tm, tn, tl = sched.coord(work)
         k0, k_count, _, _, _ = sched.slice(work)  # a K slice of a split tail tile, or all of K
         for k in cutlass.range(k0, k0 + k_count, unroll=1):
-            _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k), a_mask, b_mask)
+            _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k), a_mask, b_mask,
+                        scale_loads)
             state.advance()
         work += sched.stride
     if const_expr(extra_stage):
@@ -77,19 +80,22 @@ def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Conste
         last = work - sched.stride
         tm, tn, tl = sched.coord(last)
         k0, _, _, _, _ = sched.slice(last)
-        _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k0), a_mask, b_mask)
+        _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k0), a_mask, b_mask,
+                    scale_loads)
         state.advance()
     ab_pipe.producer_tail(state)
 
 
 @cute.jit
-def _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, coord, a_mask, b_mask):
-    """One k-tile of A and B into the ring stage ``state`` (after it is free)."""
+def _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, coord, a_mask, b_mask, scale_loads=None):
+    """One k-tile of A and B (and its scales) into the ring stage ``state`` (after it is free)."""
     tm, tn, tl, k = coord
     ab_pipe.producer_acquire(state)
     bar = ab_pipe.producer_get_barrier(state)
     cute.copy(tma_a, tAgA[(None, tm, k, tl)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
     cute.copy(tma_b, tBgB[(None, tn, k, tl)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+    if const_expr(scale_loads is not None):
+        scale_loads.load(coord, state.index, bar)
     ab_pipe.producer_commit(state)
 
 
@@ -143,18 +149,15 @@ class Sm90Mainloop:
 
     @cute.jit
     def run(self, tiled_mma, frags, acc, tmp, ab_pipe, read_state, k_tiles, on_last_issue, stagger,
-            preloaded: cutlass.Constexpr = False, scale=None, scale_ahead: cutlass.Constexpr = False):
+            preloaded: cutlass.Constexpr = False, scale=None):
         """``k_tiles`` k-tiles of one output tile. ``on_last_issue()`` runs once the last WGMMAs
         are issued, before waiting for them (ping-pong cues the other warpgroup there; the
         epilogue starts its per-tile loads). ``stagger`` (two-level cooperative only) offsets the
         two warpgroups. ``preloaded`` (two-level): ``acc`` already holds the tile's first k-tile
         (:meth:`issue_first`, :meth:`take_first`) and ``k_tiles`` are the ones after it.
-        ``scale`` (two-level, block-scaled FP8): ``scale(k)`` gives k-tile k's promotion factors
-        laid out like the accumulator (``kernels.sm90.block_scales``): acc += factor * tmp.
-        ``scale_ahead`` (paired): each group loads the next group's factors, so their L2 round
-        trip runs under two k-tiles of WGMMAs rather than one (a few registers per factor; not
-        for the weight-gradient form, whose factors hold a value per column).
-        Returns (advanced read state, on_last_issue's result)."""
+        ``scale`` (two-level, block-scaled FP8): ``scale(k, stage)`` gives k-tile k's promotion
+        factors, laid out like the accumulator, from its smem stage (``kernels.sm90.block_scales``):
+        acc += factor * tmp. Returns (advanced read state, on_last_issue's result)."""
         extra = None
         if const_expr(not self.two_level):
             release_state = read_state.clone()
@@ -178,25 +181,20 @@ class Sm90Mainloop:
             release_state = read_state.clone()
             singles = k_tiles
             first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
-            ahead = None
             if const_expr(self.paired):
                 groups = k_tiles // PROMOTION_GROUP
-                if const_expr(scale is not None and scale_ahead):
-                    ahead = [scale(first_k + i) for i in range(PROMOTION_GROUP)]
                 for j in cutlass.range(groups, unroll=1):
                     read_state, release_state = self._group(
                         tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k, ahead)
+                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k)
                 singles = k_tiles - groups * PROMOTION_GROUP
                 first_k = first_k + groups * PROMOTION_GROUP
             for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
                 factor = None
-                if const_expr(ahead is not None):
-                    factor = ahead[0]  # paired: at most one single, the last group loaded it
-                elif const_expr(scale is not None):
-                    factor = scale(first_k + k)  # loads under the WGMMAs
+                if const_expr(scale is not None):
+                    factor = scale(first_k + k, read_state.index)  # read under the WGMMAs
                 read_state.advance()
                 if const_expr(stagger is not None):
                     # once per tile, after its first issue (a grouped loop has passed it already)
@@ -238,44 +236,31 @@ class Sm90Mainloop:
 
     @cute.jit
     def _group(self, op, frags, acc, tmp, ab_pipe, read_state, release_state, n: cutlass.Constexpr,
-               k0, stagger, scale=None, first_k=None, ahead=None):
+               k0, stagger, scale=None, first_k=None):
         """k-tiles k0 .. k0 + n - 1, software-pipelined: k-tile i + 1 is issued into its own
         temporary before k-tile i is promoted, so only the last promotion waits for the tensor
         cores to drain. Two temporaries are live at a time; all are created here, in the loop
-        body (see the module docstring). ``ahead``: this group's factors, loaded by the group
-        before; refilled with the next group's. Returns the advanced (read, release) states."""
-        temps, factors, nxt = [], [], []
+        body (see the module docstring). Returns the advanced (read, release) states."""
+        temps, factors = [], []
         for i in cutlass.range_constexpr(n):
             temps.append(cute.make_rmem_tensor(tmp.layout, cutlass.Float32))
             ab_pipe.consumer_wait(read_state)
             self._issue(op, temps[i], frags, read_state.index, False)
-            if const_expr(ahead is not None):
-                factors.append(ahead[i])
-                nxt.append(scale(first_k + k0 + n + i))  # past the tile's last: never used
-            else:
-                factors.append(scale(first_k + k0 + i) if const_expr(scale is not None) else None)
+            factors.append(scale(first_k + k0 + i, read_state.index) if const_expr(scale is not None) else None)
             read_state.advance()
             if const_expr(stagger is not None and i == 0):
                 if k0 == 0:
                     stagger.pass_turn()
             if const_expr(i > 0):
                 warpgroup.wait_group(1)
-                self._promote_from(acc, temps[i - 1], factors[i - 1], nxt, i - 1)
+                _promote(acc, temps[i - 1], factors[i - 1])
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
         warpgroup.wait_group(0)
-        self._promote_from(acc, temps[n - 1], factors[n - 1], nxt, n - 1)
+        _promote(acc, temps[n - 1], factors[n - 1])
         ab_pipe.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
-
-    @staticmethod
-    def _promote_from(acc, tmp, factor, nxt, i: int):
-        """:func:`_promote`, then (scales ahead) the factor's registers take the next group's."""
-        _promote(acc, tmp, factor)
-        if nxt:
-            factor.assign(nxt[i])
-
 
 @cute.jit
 def _promote(acc, tmp, factor):
