@@ -26,6 +26,21 @@ def spec(cfg, a=E4M3, b=E4M3, out="bfloat16"):
     return KernelSpec.of(a, b, "k", "k", cfg, gemm_tree("none", "none", out), block_scaled=True)
 
 
+def expected_tx(ptx: str) -> set:
+    """The transaction byte counts the kernel's stage mbarriers expect (``mbarrier.expect_tx``
+    of a register set from an immediate)."""
+    regs = re.findall(r"expect_tx\.shared\.b64 %rd\d+, \[%r\d+\], (%r\d+);", ptx)
+    return {int(v) for r in regs for v in re.findall(rf"mov\.[ubs]32\s+{r},\s*(\d+);", ptx)}
+
+
+def stage_tx(cfg, b_rows: bool) -> int:
+    """What one stage's TMA boxes bring: the FP8 A and B tiles, the tile's rows of A's scales and
+    its columns of B's (``b_rows``) or the 16-byte box holding the weight block's scale. A count
+    above that never completes the barrier (the kernel hangs), one below lets the consumers read
+    a stage still in flight."""
+    return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + 4 * cfg.tile_m + (4 * cfg.tile_n if b_rows else 16)
+
+
 @pytest.mark.parametrize("cfg, a, b", [
     (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2), E4M3, E4M3),  # fprop
     (GemmConfig(tile_m=128, tile_n=64, tile_k=128), E5M2, E4M3),  # dgrad with E5M2 gradients
@@ -41,6 +56,7 @@ def test_block_scaled_kernel_builds(cfg, a, b):
     assert ptx.count("fma.rn.f32") >= regs, ptx.count("fma.rn.f32")
     # a k-tile's row scales and its weight-block scale, from the stage's shared memory
     assert ptx.count("ld.shared") >= 3 and "ld.global" not in ptx
+    assert expected_tx(ptx) == {stage_tx(cfg, False)}, expected_tx(ptx)
 
 
 def test_block_scaled_name_differs_from_row_scaled():
@@ -132,6 +148,7 @@ def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
     # the thread's columns (tile_n / 4 of them) and rows, each k-tile, from the stage
     shared = ptx.count("ld.shared.b32") + 2 * ptx.count("ld.shared.v2.b32") + 4 * ptx.count("ld.shared.v4.b32")
     assert shared >= cfg.tile_n // 4 + 2 and "ld.global" not in ptx, shared
+    assert expected_tx(ptx) == {stage_tx(cfg, True)}, expected_tx(ptx)
 
 
 def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():

@@ -45,6 +45,13 @@ BLOCK = 128
 SB_BOX = 4
 
 
+def scale_tx_bytes(tile_m: int, tile_n: int, b_rows: bool) -> int:
+    """Bytes one stage's scale boxes bring (the stage mbarrier's transaction count): less than
+    the slots they fill (``config.block_scale_stage_bytes``), whose weight-scale slot is padded
+    for alignment. A count above what arrives never completes the barrier."""
+    return 4 * tile_m + 4 * (tile_n if b_rows else SB_BOX)
+
+
 class ScaleLoads:
     """The producer's side: TMA atoms and per-stage shared-memory tiles of the scales. Built in
     the host function (:meth:`make`), partitioned in the kernel (:meth:`partition`)."""

@@ -44,7 +44,7 @@ from ..common.config import MAX_ACC_REGISTERS, GemmConfig, block_scale_stage_byt
 from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
-from .block_scales import BLOCK, BlockScales, ScaleLoads
+from .block_scales import BLOCK, BlockScales, ScaleLoads, scale_tx_bytes
 from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
@@ -209,7 +209,9 @@ class Sm90Gemm:
 
         mcast_size = self.cluster_mn[0] + self.cluster_mn[1] - 1
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
-            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))) + self.scale_bytes
+            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        if const_expr(self.block_scaled):  # what the scale boxes bring, not the slots they fill
+            stage_bytes += scale_tx_bytes(self.cfg.tile_m, self.cfg.tile_n, self.b_rows)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
