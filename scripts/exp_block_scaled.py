@@ -10,14 +10,17 @@ cache) and timed in turns with our row-wise FP8 GEMM and torch's block-wise one 
 operands:
 
 * ``paired``: today's kernel;
-* ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop).
+* ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
+* with ``--stages``: ``paired`` and our row-wise GEMM each with one A/B stage fewer than they
+  get (the scales' shared memory costs the block-scaled 128 x 128 bf16-out kernel its sixth
+  stage; the row-wise one keeps six): how much one stage is worth to each.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
 them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
 bf16 on the same product and our row-wise FP8 GEMM.
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad | --stages]
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from rich.table import Table  # noqa: E402
 from coda_cute import compiler, dispatch  # noqa: E402
 from coda_cute import reference as R  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.common.config import block_scale_stage_bytes, pipeline_stages  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
+from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
@@ -95,11 +100,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--wgrad", action="store_true", help="the weight-gradient form's variants instead")
+    ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
         return wgrad(console, args.rounds)
-    tree = gemm_tree("none", "none", "bfloat16")
+    tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc = G.MAX_ACC_REGISTERS
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
@@ -116,6 +122,11 @@ def main():
                "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),
                                                       out_dtype=torch.bfloat16)}
         base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True)
+        if args.stages:
+            fewer = _fewer_stages(tree, rtree, base, runner.choose_config(rtree, m, n, k, 1, True, False, sms))
+            block_plan = _fresh_plan(tree, a_q, b_q.t(), fewer["block"], (sa, sb))
+            fns[f"block s{fewer['block'].stages}"] = lambda p=block_plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
+            fns[f"row s{fewer['row'].stages}"] = lambda c=fewer["row"]: gemm_impl(a_q, b_q.t(), ra, rb, config=c)
         for name, paired in VARIANTS.items():
             G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
             plan = _fresh_plan(tree, a_q, b_q.t(), base, (sa, sb))
@@ -129,7 +140,18 @@ def main():
         best = max(tf[name] for name in names)
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}", f"{tf['torch block']:.0f}",
                       *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
+        if args.stages:
+            console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(
+                f"{name} {tf[name]:.0f}" for name in tf if " s" in name))
     console.print(table)
+
+
+def _fewer_stages(tree, rtree, block_cfg, row_cfg) -> dict:
+    """The block-scaled and row-wise configs with one A/B stage fewer than the kernels pick."""
+    block = pipeline_stages(block_cfg, 1, runner.tree_smem_bytes(tree, block_cfg, 1),
+                            block_scale_stage_bytes(block_cfg, False))
+    row = pipeline_stages(row_cfg, 1, runner.tree_smem_bytes(rtree, row_cfg, 1))
+    return {"block": block_cfg.with_(stages=block - 1), "row": row_cfg.with_(stages=row - 1)}
 
 
 if __name__ == "__main__":
