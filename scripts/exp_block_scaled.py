@@ -13,14 +13,17 @@ operands:
 * ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
 * with ``--stages``: ``paired`` and our row-wise GEMM each with one A/B stage fewer than they
   get (the scales' shared memory costs the block-scaled 128 x 128 bf16-out kernel its sixth
-  stage; the row-wise one keeps six): how much one stage is worth to each.
+  stage; the row-wise one keeps six): how much one stage is worth to each; and ``paired 64x1``:
+  the epilogue in 64-column sub-tiles through one store buffer (``kernels.sm90.epilogue``'s
+  ``WIDE_SUB_TILES`` / ``SUBTILE_BUFFERS``), whose freed shared memory buys a stage back. With
+  ``--wgrad``, ``paired 64x1`` only.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
 them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
 bf16 on the same product and our row-wise FP8 GEMM.
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad | --stages]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import block_scale_stage_bytes, pipeline_stages  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
+from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
@@ -60,12 +64,25 @@ def _fresh_plan(tree, a, b, config, scales, b_rows=False):
     return runner._make_plan(tree, a, b, {}, config, False, "exp", scales, b_rows)
 
 
-def wgrad(console, rounds):
+def one_buffer_plan(tree, a, b, config, scales, b_rows=False):
+    """(plan, its A/B stages) with the epilogue in 64-column sub-tiles through one buffer."""
+    widths = EPI.WIDE_SUB_TILES
+    EPI.WIDE_SUB_TILES, EPI.SUBTILE_BUFFERS = (64,), 1
+    try:
+        plan = _fresh_plan(tree, a, b, config, scales, b_rows)
+        epi = EPI.Sm90TreeEpilogue(tree, config, 1)
+        stages = pipeline_stages(config, 1, epi.smem_bytes(), block_scale_stage_bytes(config, b_rows))
+    finally:
+        EPI.WIDE_SUB_TILES, EPI.SUBTILE_BUFFERS = widths, None
+    return plan, stages
+
+
+def wgrad(console, rounds, stages=False):
     """The weight-gradient form's variants (module docstring), TFLOP/s."""
     tree = gemm_tree("none", "none", "float32")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc = G.MAX_ACC_REGISTERS
-    names = list(VARIANTS)
+    names = list(VARIANTS) + (["paired 64x1"] if stages else [])
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
     for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", *names, "best / bf16"]:
         table.add_column(col, justify="right")
@@ -88,6 +105,11 @@ def wgrad(console, rounds):
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
         G.MAX_ACC_REGISTERS = max_acc
+        if stages:
+            plan, n_stages = one_buffer_plan(tree, a_q, b_q.t(), base, scales, True)
+            fns["paired 64x1"] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
+            err = (fns["paired 64x1"]()["out"][:256].double() - want).norm() / want.norm()
+            console.log(f"wgrad {m}x{n}x{k} paired 64x1: {n_stages} A/B stages, rel err {float(err):.2e}")
         ms = interleaved_medians(fns, rounds=rounds, settle_ms=500)
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)
@@ -104,7 +126,7 @@ def main():
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
-        return wgrad(console, args.rounds)
+        return wgrad(console, args.rounds, args.stages)
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     max_acc = G.MAX_ACC_REGISTERS
@@ -127,6 +149,11 @@ def main():
             block_plan = _fresh_plan(tree, a_q, b_q.t(), fewer["block"], (sa, sb))
             fns[f"block s{fewer['block'].stages}"] = lambda p=block_plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             fns[f"row s{fewer['row'].stages}"] = lambda c=fewer["row"]: gemm_impl(a_q, b_q.t(), ra, rb, config=c)
+            one_plan, n_stages = one_buffer_plan(tree, a_q, b_q.t(), base, (sa, sb))
+            fns[f"block 64x1 s{n_stages}"] = lambda p=one_plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
+            want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
+            err = (fns[f"block 64x1 s{n_stages}"]()["out"][:256].double() - want).norm() / want.norm()
+            console.log(f"{m}x{n}x{k} block 64x1: {n_stages} A/B stages, rel err {float(err):.2e} (first 256 rows)")
         for name, paired in VARIANTS.items():
             G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
             plan = _fresh_plan(tree, a_q, b_q.t(), base, (sa, sb))

@@ -56,6 +56,13 @@ WIDE_MAX_REGISTERS = 200
 #: of exp): fewer live values against one rescale (an exp) per fold and row
 LSE_FOLD = 4
 GATHER_SELECT = False
+#: the widths a cooperative element-wise tree's sub-tile may take, widest first (``_sub_tile``)
+WIDE_SUB_TILES = (128, 64)
+#: store-ring buffers of a sub-tile narrower than its tile (None: :func:`epi_stage_count`'s
+#: rule). One makes each sub-tile's staging wait for the previous one's TMA store to have read
+#: its buffer, for shared memory that may buy an A/B stage; a switch for
+#: ``scripts/exp_block_scaled.py --stages``.
+SUBTILE_BUFFERS = None
 _NEG_INF = -math.inf
 
 
@@ -66,6 +73,8 @@ def epi_stage_count(tile_mn, epi_tile) -> int:
     of a cooperative 128 x 128 FP8 tile."""
     if tuple(epi_tile) == tuple(tile_mn):
         return 1
+    if SUBTILE_BUFFERS is not None:
+        return SUBTILE_BUFFERS
     return 2 if tile_mn[1] >= 128 else 4
 
 
@@ -121,7 +130,7 @@ class Sm90TreeEpilogue:
                            or self.half_stores or self.lookups_ahead or self.segment_nodes)
         if self.pingpong or not elementwise:
             return rows, cols
-        for wide in (128, 64):
+        for wide in WIDE_SUB_TILES:
             staged = rows * wide // (self.epi_warps * 32)
             if cfg.tile_n % wide or wide <= cols or cfg.acc_registers + staged * 3 // 2 > WIDE_MAX_REGISTERS:
                 continue
