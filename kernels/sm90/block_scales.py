@@ -53,8 +53,9 @@ def scale_tx_bytes(tile_m: int, tile_n: int, b_rows: bool) -> int:
 
 
 class ScaleLoads:
-    """The producer's side: TMA atoms and per-stage shared-memory tiles of the scales. Built in
-    the host function (:meth:`make`), partitioned in the kernel (:meth:`partition`)."""
+    """The producer's side: TMA atoms and per-stage shared-memory tiles of the scales. The atoms
+    are built in the host function (:meth:`make`); the constructor, in the kernel, partitions
+    them over the staged shared-memory tiles."""
 
     @staticmethod
     def smem_layouts(tile_m: int, tile_n: int, b_rows: bool, stages: int):
