@@ -56,3 +56,39 @@ def test_ids_outside_the_table_raise_before_any_device_assert():
         torch.ops.coda.embedding(w, torch.tensor([[1, 100, 2]], device="cuda"))
     torch.cuda.synchronize()  # the context is still usable
     assert torch.ops.coda.embedding(w, torch.tensor([[1]], device="cuda")).shape == (1, 1, 64)
+
+
+def test_model_forward_raises_for_bad_tokens_and_targets_at_its_end(monkeypatch):
+    """CodaLlama's forward defers its device-data checks to its end (``deferred_checks``): the
+    first host read-back comes after every kernel of the forward is queued, a bad token id or
+    target still raises its ValueError before forward returns, and the context stays usable."""
+    from coda_cute.nn.llama import CodaLlama, LlamaConfig
+    from coda_cute.ops import checks
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=1000, head_dim=64)
+    model = CodaLlama(cfg, device="cuda")
+    tokens = torch.randint(0, 1000, (2, 128), device="cuda")
+    targets = torch.roll(tokens, -1, 1)
+    reads = []
+    sync = checks.PendingCheck.wait
+
+    def wait(self):
+        reads.append(getattr(checks._DEFERRED, "checks", None) is None)
+        return sync(self)
+
+    monkeypatch.setattr(checks.PendingCheck, "wait", wait)
+    loss = model(tokens, targets)
+    assert torch.isfinite(loss)
+    # every op's wait was postponed (context active), then read back at the exit
+    assert reads and reads.count(True) == reads.count(False) >= 2
+    bad = tokens.clone()
+    bad[1, 7] = 1000
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 1000\); found 1000"):
+        model(bad, targets)
+    bad_t = targets.clone()
+    bad_t[0, 3] = -5
+    with pytest.raises(ValueError, match="targets must lie in"):
+        model(tokens, bad_t)
+    torch.cuda.synchronize()
+    assert torch.equal(model(tokens, targets), loss)

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.checks import PendingCheck
+from ..ops.checks import PendingCheck, with_deferred_checks
 from ..ops.embedding import embedding
 from ..ops.fold import fold_gamma
 from ..ops.proj import norm_proj
@@ -198,6 +198,7 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
+@with_deferred_checks
 def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None,
                  num_items_in_batch=None, shift_labels=None, **kwargs):

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..ops.attention import attention_block
 from ..ops.attention_fp8 import attention_block_fp8
+from ..ops.checks import with_deferred_checks
 from ..ops.embedding import embedding
 from ..ops.lm_head_ce import cross_entropy
 from ..ops.lm_head_ce_fp8 import cross_entropy_fp8
@@ -277,9 +278,12 @@ class CodaLlama(nn.Module):
                 cache.clear()
             cache.enabled = caching
 
+    @with_deferred_checks
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 ignore_index: int = -100, reduction: str = "mean"):
-        """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V)."""
+        """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V).
+        The ids and targets are checked on the GPU and read back once, at the end
+        (``ops.checks.deferred_checks``)."""
         b, s = tokens.shape
         if self.cache_folds:
             self._follow_fsdp()

@@ -7,7 +7,10 @@ launch. Each failure names the op, the argument and the rule.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -152,6 +155,10 @@ class PendingCheck:
     def wait(self):
         if self.done is None:
             return
+        deferred = getattr(_DEFERRED, "checks", None)
+        if deferred is not None:
+            deferred.append(self)
+            return
         self.done.synchronize()
         if bool(self.flag):
             raise self.error()
@@ -162,3 +169,40 @@ class PendingIndexCheck(PendingCheck):
 
     def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
         super().__init__(_out_of_range(t, hi, ignore).any(), lambda: _range_error(op, name, t, hi, ignore))
+
+
+#: the checks whose read-back a :func:`deferred_checks` context of this thread postponed
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_checks():
+    """Postpone every :meth:`PendingCheck.wait` inside the context to its exit, where each is
+    read back in order and the first failing one raises: a model's forward then syncs with the
+    host once, at its end, instead of at each op that checks device data (the embedding's ids at
+    the step's very start left the GPU idle until the host had caught up). Safe because every
+    op that queues a check already tolerates the bad values until its wait (clamped gathers,
+    targets the loss kernels never index with). Errors still raise before the forward returns.
+    Nested contexts join the outermost; an exception inside drops the pending checks."""
+    if getattr(_DEFERRED, "checks", None) is not None:
+        yield
+        return
+    _DEFERRED.checks = []
+    try:
+        yield
+    finally:
+        pending, _DEFERRED.checks = _DEFERRED.checks, None
+    for check in pending:
+        check.wait()
+
+
+def with_deferred_checks(forward):
+    """``forward`` run inside :func:`deferred_checks`; traced unchanged by ``torch.compile``
+    (the compiled graph's ops wait for their own checks)."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        with deferred_checks():
+            return forward(*args, **kwargs)
+    return run
