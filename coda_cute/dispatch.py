@@ -192,14 +192,40 @@ def _rate(cfg: GemmConfig, fp8: bool) -> float:
     return table.get(key, 0.0)
 
 
+#: 16-bit operands (A + B, bytes) past which a config's rate scales with its L2 intensity
+#: (:func:`l2_intensity`). Measured on an H200, 2026-12-02 (``scripts/exp_large_gemms.py``, in
+#: turns with cuBLAS): on gate/up dgrad 32768 x 8192 x 57344 and wgrad 57344 x 8192 x 32768 (4.3-4.7
+#: GB of operands) ping-pong 128 x 128 2x1 ran at 0.74-0.77 of cuBLAS, cooperative 128 x 256 2x1
+#: at 1.04-1.08 and ping-pong 128 x 128 1x1 at 0.55; at the same (M, N) with K = 8192 (under 2 GB)
+#: the three ran at 1.00-1.05, 1.02-1.04 and 0.57 of cuBLAS (the 1x1 rate is in the table).
+LARGE_OPERAND_BYTES = 2 << 30
+
+
+def l2_intensity(cfg: GemmConfig) -> float:
+    """Output elements per operand element a CTA loads per k-step, multicast counted once per
+    cluster: tile_m tile_n / (tile_m / cluster_n + tile_n / cluster_m)."""
+    return cfg.tile_m * cfg.tile_n / (cfg.tile_m / cfg.cluster_n + cfg.tile_n / cfg.cluster_m)
+
+
+def _large_operands(m: int, n: int, k: int, batch: int, fp8: bool) -> bool:
+    """Problems whose rate follows the tiles' L2 intensity: 16-bit (the FP8 tables were not
+    measured there), both M and N past one wave of big tiles (thin problems stream one operand
+    once whatever the tile)."""
+    return not fp8 and min(m, n) >= 1024 and 2 * batch * k * (m + n) > LARGE_OPERAND_BYTES
+
+
 def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int, fp8: bool) -> float:
     """Wave-quantization model of a config's run time (arbitrary units).
 
     Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
     the busiest CTA's tile count x the tile's work / the per-SM rate. Partial tiles at the edges
-    cost as much as full ones; a cluster slot processes a whole cluster tile.
+    cost as much as full ones; a cluster slot processes a whole cluster tile. On operands past
+    ``LARGE_OPERAND_BYTES`` the rate is scaled by the config's L2 intensity over the densest
+    config's (the measured ratios there follow it).
     """
     rate = _rate(cfg, fp8)
+    if _large_operands(m, n, k, batch, fp8):
+        rate *= l2_intensity(cfg) / max(l2_intensity(c) for c in config_space(False))
     tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
     if rate <= 0 or tiles_m < cfg.cluster_m or tiles_n < cfg.cluster_n:
         # A cluster wider than the problem leaves its extra CTAs on out-of-bounds tiles.

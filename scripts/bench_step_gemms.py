@@ -37,12 +37,12 @@ def record_launches(step) -> list:
     seen: dict = {}
     original = runner.Plan.launch
 
-    def launch(plan, a, b, inputs, outputs=None):
+    def launch(plan, a, b, inputs, outputs=None, block_scales=None):
         entry = seen.get(id(plan))
         if entry is None:
-            seen[id(plan)] = entry = [plan, a, b, dict(inputs), dict(outputs or {}), 0]
-        entry[5] += 1
-        return original(plan, a, b, inputs, outputs)
+            seen[id(plan)] = entry = [plan, a, b, dict(inputs), dict(outputs or {}), block_scales, 0]
+        entry[6] += 1
+        return original(plan, a, b, inputs, outputs, block_scales)
 
     runner.Plan.launch = launch
     try:
@@ -71,9 +71,9 @@ def time_config(name: str, layers: int, rounds: int, console: Console) -> list:
     step()  # compile every kernel before recording
     launches = record_launches(step)
     rows = []
-    for plan, a, b_, inputs, outputs, count in launches:
+    for plan, a, b_, inputs, outputs, scales, count in launches:
         mm = torch.bmm if a.dim() == 3 else torch.mm
-        fns = {"fused": lambda p=plan, a=a, b=b_, i=inputs, o=outputs: p.launch(a, b, i, o or None),
+        fns = {"fused": lambda p=plan, a=a, b=b_, i=inputs, o=outputs, s=scales: p.launch(a, b, i, o or None, s),
                "plain": lambda a=a, b=b_: gemm_impl(a, b),
                "cublas": lambda a=a, b=b_, mm=mm: mm(a, b)}
         t = interleaved_medians(fns, rounds=rounds, settle_ms=300)

@@ -487,3 +487,25 @@ def test_gemm_devices_must_match_on_fake_and_reference_paths():
 
     with FakeTensorMode(), pytest.raises(ValueError, match="a is on cuda:0 but b is on cpu"):
         torch.ops.coda.gemm(torch.empty(64, 48, dtype=BF16, device="cuda"), torch.empty(48, 32, dtype=BF16))
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    (32768, 8192, 57344, "coop_128x256x64_c2x1_g8"),   # gate/up dgrad, d 8192, 32768 tokens: 4.7 GB
+    (57344, 8192, 32768, "coop_128x256x64_c2x1_g8"),   # its wgrad
+    (8192, 8192, 57344, "pp_128x128x64_c2x1_g8"),      # the same (M, N) at 8192 tokens: 1.9 GB
+    (16384, 28672, 4096, "pp_128x128x64_c2x1_g8"),     # the 8B step's shapes keep the tuned pick
+    (16384, 4096, 28672, "pp_128x128x64_c2x1_g8"),
+    (4096, 4096, 128256, "pp_128x128x64_c2x1_g8"),     # the 8B LM head's dgrad chunk: 1.96 GiB
+])
+def test_large_operands_pick_the_densest_tile(m, n, k, want, monkeypatch):
+    """Past LARGE_OPERAND_BYTES of 16-bit operands the rate follows the tile's L2 intensity, so
+    the cooperative 128 x 256 2x1 tile (the densest) wins there and nowhere else on these; FP8
+    picks do not move (its tables were not measured there)."""
+    assert dispatch.select_config(m, n, k, 1, False, False, 132).name == want
+    dense = GemmConfig(128, 256, 64, "cooperative", 2, 1)
+    assert dispatch.l2_intensity(dense) == max(dispatch.l2_intensity(c) for c in dispatch.config_space(False))
+    fp8 = [dispatch.select_config(m, n, k, 1, True, fast, 132) for fast in (False, True)]
+    monkeypatch.setattr(dispatch, "LARGE_OPERAND_BYTES", 1 << 60)
+    assert [dispatch.select_config(m, n, k, 1, True, fast, 132) for fast in (False, True)] == fp8
+    if 2 * k * (m + n) > (2 << 30):  # without the rule, the ping-pong tile would have been picked
+        assert dispatch.select_config(m, n, k, 1, False, False, 132).name == "pp_128x128x64_c2x1_g8"

@@ -1,0 +1,91 @@
+"""Experiment: what the SwiGLU backward's epilogue costs its GEMM, per config and load depth.
+
+``coda.swiglu_backward`` is the down-proj dgrad dh = dy @ W_down with the SwiGLU backward in its
+epilogue: per output column it reads the saved pre-activation pair (g, u) (a wide tile: twice
+the output's width) and writes dz' (twice the width), h and the per-tile zdz partials, 2.7x the
+plain output's bytes. ``bench_step_gemms.py`` (H200, 2026-12-02) measured it at 1.104x (1b:
+16384 x 8192 x 2048) and 1.054x (8b: 16384 x 14336 x 4096) cuBLAS's time for the plain product,
+where our plain GEMM of the shape runs at 0.895 / 0.950. This times, in turns with cuBLAS and
+our plain GEMM, the op's tree on each config the heuristic ranks (the first ``--configs``, those
+whose build does not spill) and, on the heuristic's pick, the tile-input ring at other depths
+(``kernels.sm90.epilogue.LOAD_STAGES``, compiled afresh).
+
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_backward.py [--rounds 10] [--configs 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ["CODA_CUTE_CACHE_DIR"] = "0"
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from coda_cute import compiler, dispatch  # noqa: E402
+from coda_cute import epilogue as E  # noqa: E402
+from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
+from coda_cute.ops.gemm import gemm_impl  # noqa: E402
+from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
+from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
+from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+
+#: (label, tokens, d, ffn)
+SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
+DEPTHS = (2, 6)
+
+
+def _operands(m, d, f):
+    g = torch.Generator(device="cuda").manual_seed(m + d + f)
+    dy = torch.randn(m, d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(d, f, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    z = torch.randn(m, 2 * f, device="cuda", generator=g).bfloat16()
+    ss = torch.rand(m, 4, device="cuda", generator=g) * d
+    return dy, w, dict(norm_inputs(d, ss, 1e-5), z=z)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--configs", type=int, default=6, help="how many of the ranked configs to time")
+    args = ap.parse_args()
+    console = Console(width=150)
+    sms = dispatch.num_sms(torch.device("cuda"))
+    tree = swiglu_backward_tree()
+    table = Table(title="SwiGLU backward (dgrad + epilogue): time / cuBLAS plain dy @ W_down")
+    for col in ("shape", "variant", "ms", "/ cuBLAS"):
+        table.add_column(col, justify="right")
+    for label, m, d, f in SHAPES:
+        dy, w, inputs = _operands(m, d, f)
+        pick = runner.choose_config(tree, m, f, d, 1, False, False, sms)
+        ranked = [c for c in runner.ranked_configs(tree, m, f, d, 1, False, False, sms)
+                  if not runner.spills(tree, c, False, sms)][: args.configs]
+        fns = {"cublas": lambda: torch.mm(dy, w), "plain": lambda: gemm_impl(dy, w)}
+        for c in ranked:
+            fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: E.run(tree, dy, w, inputs, config=c)
+        want = E.run(tree, dy, w, inputs, config=pick)
+        depth0 = EPI.LOAD_STAGES
+        try:
+            for depth in DEPTHS:
+                EPI.LOAD_STAGES = depth
+                compiler._cache.clear()
+                runner._plans.clear()
+                plan = runner._make_plan(tree, dy, w, inputs, pick, False, "exp")
+                got = plan.launch(dy, w, inputs)
+                same = all(torch.equal(got[k], want[k]) for k in want)
+                console.log(f"{label} load depth {depth}: outputs equal to the pick's: {same}")
+                fns[f"{pick.name} load {depth}"] = lambda p=plan: p.launch(dy, w, inputs)
+        finally:
+            EPI.LOAD_STAGES = depth0
+        t = interleaved_medians(fns, rounds=args.rounds, settle_ms=300)
+        for name, ms in t.items():
+            table.add_row(f"{label} {m}x{f}x{d}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")
+            console.log(f"{label} {name}: {ms / t['cublas']:.3f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
