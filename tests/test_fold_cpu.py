@@ -195,3 +195,69 @@ def test_fold_backward_traces_as_one_op_on_fake_cuda_tensors(monkeypatch):
 def test_fold_op_rejects_bad_input(w_shape, g_shape, dtypes, match):
     with pytest.raises((ValueError, TypeError), match=match):
         fold_gamma_impl(torch.ones(w_shape, dtype=dtypes[0]), torch.ones(g_shape, dtype=dtypes[1]))
+
+
+# -- nn.fold.WeightQuantCache: the FP8 weights once per version ---------------------------------------
+
+
+def test_weight_quant_cache_keeps_one_quantization_per_version(monkeypatch):
+    import coda_cute
+    from coda_cute.nn import fold as F
+    from coda_cute.ops.fp8_gemms import weight
+
+    calls = []
+    monkeypatch.setattr(F, "weight", lambda w, pow2: calls.append(pow2) or weight(w, pow2))
+    w = torch.randn(160, 144).bfloat16().requires_grad_()
+    cache = F.WeightQuantCache(enabled=True)
+    with coda_cute.reference_on_cpu():
+        first = cache(w, False)
+        assert cache(w, False) is first and len(calls) == 1
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                               b.view(torch.uint8) if b.dtype != torch.float32 else b)
+                   for a, b in zip(first, weight(w.detach(), False)))
+        cache(w, True)  # the recipe's scale rounding is part of the key
+        assert len(calls) == 2
+        with torch.no_grad():
+            w.mul_(2)  # an optimizer step: a new version
+        again = cache(w, True)
+        assert len(calls) == 3 and torch.equal(again[1], 2 * weight(w.detach() / 2, True)[1])
+        twin = w.detach().clone().requires_grad_()  # same values, another tensor: quantized anew
+        cache(twin, True)
+        assert len(calls) == 4
+    assert F.WeightQuantCache(enabled=False)(w, False) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cache(twin, True) is None
+    assert copy.deepcopy(cache).value is None and pickle.loads(pickle.dumps(cache)).enabled
+
+
+def test_fp8_model_with_cached_weights_trains_like_the_uncached_one():
+    """CodaLlama(precision="fp8", cache_folds=True): the layers' FP8 weights quantized once and
+    reused by the next micro-batch (same objects), the loss and every gradient equal to the
+    model quantizing on each forward, and an in-place weight update re-quantizes."""
+    import coda_cute
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=32,
+                      precision="fp8")
+    plain = CodaLlama(cfg, device="cpu")
+    cached = CodaLlama(cfg, device="cpu", cache_folds=True)
+    cached.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 96, (2, 32))
+    targets = torch.roll(tokens, -1, 1)
+    blk = cached.layers[0]
+    with coda_cute.reference_on_cpu():
+        for step in range(2):
+            for model in (plain, cached):
+                model(tokens, targets).backward()
+            if step == 0:
+                kept = [c.value for c in blk._quants]
+                assert all(v is not None for v in kept)
+        assert all(c.value is v for c, v in zip(blk._quants, kept))  # the second micro-batch reused them
+        for (name, p), q in zip(plain.named_parameters(), cached.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        with torch.no_grad():
+            blk.w_down.mul_(0.5)
+        cached(tokens, targets)
+    assert blk._quants[3].value is not kept[3] and blk._quants[0].value is kept[0]
+    cached.clear_folds()
+    assert all(c.value is None for c in blk._quants)

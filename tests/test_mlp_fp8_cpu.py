@@ -128,3 +128,56 @@ def test_fp8_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, test_utils=basic)
         torch.library.opcheck(torch.ops.coda.quantize_fp8_dual.default, (torch.randn(48, 40).bfloat16(),),
                               test_utils=basic + ("test_aot_dispatch_dynamic",))
+
+
+def _quantized(*ws):
+    from coda_cute.ops.fp8_gemms import weight
+
+    with coda_cute.reference_on_cpu():
+        return [t for w in ws for t in weight(w)]
+
+
+def test_given_quantized_weights_are_used_and_not_returned():
+    """The caller's quantized weights (``nn.fold.WeightQuantCache``) give the self-quantizing
+    op's outputs and gradients exactly; the op returns empty tensors for them (a custom op may
+    not return its inputs) and its backward uses the given transposes."""
+    y, ss, w_gu, w_down, dy2 = _inputs(77, 272, 208, 5)
+    given = _quantized(w_gu, w_down)
+    out, grads = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
+    leaves = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+    with coda_cute.reference_on_cpu():
+        res = torch.ops.coda.mlp_block_fp8(leaves[0], ss, leaves[1], leaves[2], EPS, False, False, *given)
+        res[0].backward(dy2)
+    assert torch.equal(res[0], out) and all(t.numel() == 0 for t in res[3:])
+    assert all(torch.equal(t.grad, g) for t, g in zip(leaves, grads))
+    with coda_cute.reference_on_cpu():  # the backward reads the given qt: a changed one changes dy
+        bad = list(given)
+        bad[2] = torch.zeros_like(bad[2])
+        leaves[0].grad = None
+        torch.ops.coda.mlp_block_fp8(leaves[0], ss, leaves[1], leaves[2], EPS, False, False, *bad)[0].backward(dy2)
+    assert not torch.equal(leaves[0].grad, grads[0])
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("change, match", [
+    (lambda g: g[:5] + [None], "pass every quantized weight"),
+    (lambda g: [g[0][:-1].contiguous()] + g[1:], r"w_gu's quantized q must be a contiguous torch.float8_e4m3fn \(416, 272\)"),
+    (lambda g: g[:4] + [g[4].double()] + g[5:], "w_down's quantized scales must be"),
+    (lambda g: g[:5] + [g[5].t()], "w_down's quantized qt must be a contiguous"),
+])
+def test_bad_given_weights_are_refused_on_every_path(path, change, match):
+    y, ss, w_gu, w_down, _ = _inputs(64, 272, 208, 6)
+    given = change(_quantized(w_gu, w_down))
+    with on_path(path), pytest.raises(ValueError, match=match):
+        torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, False, False, *given)
+
+
+def test_attention_op_takes_given_quantized_weights():
+    import test_attention_fp8_cpu as A
+
+    args = A._args(7, qk_norm=True)
+    dy = torch.randn(A.B, A.S, A.D, generator=torch.Generator().manual_seed(7)).bfloat16()
+    want = A._run(torch.ops.coda.attention_block_fp8, args, dy)
+    given = _quantized(args[2], args[3])
+    got = A._run(lambda *a: torch.ops.coda.attention_block_fp8(*a, False, False, *given), args, dy)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

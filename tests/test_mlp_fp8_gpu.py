@@ -56,3 +56,32 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
     bound = 0.16 if e5m2_grads else 0.08
     for e8, e16 in zip(errors["fp8"], errors["bf16"]):
         assert e16 < e8 < bound, errors
+
+
+def test_model_with_cached_fp8_weights_is_the_uncached_model():
+    """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights
+    (``nn.fold.WeightQuantCache``, quantized by the weight kernel) reused by a second micro-batch;
+    the loss bit for bit that of the model quantizing on each forward, every gradient equal up to
+    the attention backward's nondeterminism (cuDNN's atomics; FP8 requantizes its last bits)."""
+    from coda_cute.nn import CodaLlama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1408, vocab_size=1000,
+                      head_dim=64, precision="fp8")
+    plain = CodaLlama(cfg, device="cuda")
+    cached = CodaLlama(cfg, device="cuda", cache_folds=True)
+    cached.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 1000, (2, 256), device="cuda")
+    targets = torch.roll(tokens, -1, 1)
+    losses = {}
+    for step in range(2):
+        for name, model in (("plain", plain), ("cached", cached)):
+            loss = model(tokens, targets)
+            loss.backward()
+            losses.setdefault(name, []).append(loss.detach())
+        if step == 0:
+            kept = [c.value for c in cached.layers[0]._quants]
+    assert all(c.value is v for c, v in zip(cached.layers[0]._quants, kept))
+    assert all(torch.equal(a, b) for a, b in zip(losses["plain"], losses["cached"]))
+    for (name, p), q in zip(plain.named_parameters(), cached.parameters()):
+        assert rel_err(q.grad.float(), p.grad.float()) < 2e-3, name

@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from ..ops.fold import fold_gamma, fold_gamma_backward, fold_gamma_impl
+from ..ops.fp8_gemms import weight
 
 
 class _Fold(torch.autograd.Function):
@@ -49,39 +50,63 @@ class _Fold(torch.autograd.Function):
         return fold_gamma_backward(dw, ctx.w, ctx.gamma)
 
 
-class FoldCache:
-    """``cache(w, gamma)`` = W * gamma[None, :]. Enabled, the fold is kept and reused until W or
-    gamma is replaced or written in place, or the grad or inference mode changes (a fold made
-    without autograd has no backward; one made in inference mode cannot enter a graph). Disabled,
-    and inside ``torch.compile``, every call folds."""
+class _PerVersion:
+    """A value computed from some tensors, kept while each is the same object with the same
+    storage and in-place version counter (and ``extra`` is unchanged), recomputed otherwise."""
 
     def __init__(self, enabled: bool = False):
         self.enabled = enabled
         self.clear()
 
     def clear(self):
-        """Drop the fold (frees its memory; the next call folds again)."""
+        """Drop the value (frees its memory; the next call computes it again)."""
         self.key = self.refs = self.value = None
 
-    def __call__(self, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-        grad = torch.is_grad_enabled() and (w.requires_grad or gamma.requires_grad)
-        if not self.enabled or torch.compiler.is_compiling():
-            return fold_gamma(w, gamma)
-        key = (w.data_ptr(), w._version, w.shape, w.dtype, gamma.data_ptr(), gamma._version, grad,
-               torch.is_inference_mode_enabled())
-        same = self.refs is not None and self.refs[0]() is w and self.refs[1]() is gamma
+    def _get(self, tensors: tuple, extra: tuple, compute):
+        key = tuple((t.data_ptr(), t._version, t.shape, t.dtype) for t in tensors) + extra
+        same = self.refs is not None and all(r() is t for r, t in zip(self.refs, tensors))
         if key != self.key or not same:
-            self.value = _Fold.apply(w, gamma) if grad else fold_gamma_impl(w, gamma)
-            self.key, self.refs = key, (weakref.ref(w), weakref.ref(gamma))
+            self.value = compute()
+            self.key, self.refs = key, tuple(weakref.ref(t) for t in tensors)
         return self.value
 
-    # A copied or pickled module starts without a fold (the cached one may be a graph node, which
-    # deepcopy refuses, and belongs to the original's parameters).
+    # A copied or pickled module starts empty (a cached fold may be a graph node, which deepcopy
+    # refuses, and belongs to the original's parameters).
     def __deepcopy__(self, memo):
-        return FoldCache(self.enabled)
+        return type(self)(self.enabled)
 
     def __getstate__(self):
         return {"enabled": self.enabled}
 
     def __setstate__(self, state):
         self.__init__(state["enabled"])
+
+
+class FoldCache(_PerVersion):
+    """``cache(w, gamma)`` = W * gamma[None, :]. Enabled, the fold is kept and reused until W or
+    gamma is replaced or written in place, or the grad or inference mode changes (a fold made
+    without autograd has no backward; one made in inference mode cannot enter a graph). Disabled,
+    and inside ``torch.compile``, every call folds."""
+
+    def __call__(self, w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled() and (w.requires_grad or gamma.requires_grad)
+        if not self.enabled or torch.compiler.is_compiling():
+            return fold_gamma(w, gamma)
+        return self._get((w, gamma), (grad, torch.is_inference_mode_enabled()),
+                         lambda: _Fold.apply(w, gamma) if grad else fold_gamma_impl(w, gamma))
+
+
+class WeightQuantCache(_PerVersion):
+    """``cache(w, pow2)`` = W's FP8 128 x 128 quantization as the FP8 sublayers take it, the flat
+    [q, scales, qt] of ``ops.fp8_gemms.weight``, kept like :class:`FoldCache`'s fold: once per
+    version of W (an optimizer step re-quantizes), so the micro-batches between two steps share
+    one quantization instead of one per forward. W is the cached fold where the weight has a norm
+    before it (hit as long as the fold is). No autograd: the sublayers' weight gradients come from
+    the activations. Disabled, and inside ``torch.compile``, returns None (the op quantizes)."""
+
+    def __call__(self, w: torch.Tensor, pow2: bool):
+        if not self.enabled or torch.compiler.is_compiling():
+            return None
+        with torch.no_grad():
+            return self._get((w,), (bool(pow2), torch.is_inference_mode_enabled()),
+                             lambda: list(weight(w.detach(), pow2)))

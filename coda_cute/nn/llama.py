@@ -15,7 +15,9 @@ the residual stream: they carry no gradient (each op's backward includes the nor
 The block's RMSNorm weights are folded into the consumer weights on every forward (a
 differentiable multiply: d gamma = sum_n dW' * W), or with ``cache_folds=True`` once per version
 of the weights (``coda_cute.nn.fold.FoldCache``: reused by every micro-batch between two
-optimizer steps and by every inference forward; read its caveat on writes through ``.data``);
+optimizer steps and by every inference forward; read its caveat on writes through ``.data``).
+With ``precision="fp8"`` the same switch keeps each layer weight's FP8 quantization once per
+version (``coda_cute.nn.fold.WeightQuantCache``), which the FP8 sublayers then take as given;
 see ``coda_cute.ops.residual.residual_gemm_norm_stats`` for why gamma is not stored with y. The
 final norm's weight is applied to the activations instead (``coda_cute.ops.lm_head_ce``).
 Parameters live in the CODA layouts (fused, adjacent-pair QKV; interleaved gate/up);
@@ -47,7 +49,7 @@ from ..ops.qkv import segment_widths as qk_norm_head_dims
 from ..precision import Fp8Recipe, recipe_for
 from ..reference import rope_inv_freq
 from .convert import block_from_hf, block_to_hf, check_hf_keys
-from .fold import FoldCache
+from .fold import FoldCache, WeightQuantCache
 from .fsdp import check_layer_inputs, under_fsdp
 
 
@@ -144,11 +146,12 @@ def _norm(d, device, dtype):
 
 
 def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, w_down,
-                  q_norm=None, k_norm=None):
+                  q_norm=None, k_norm=None, quantized=None):
     """One decoder layer on the two sublayer ops: x (B, S, d) bf16 and its partials ss,
     positions (B*S,) int32 (per token: packed sequences restart them), inv_freq (hd/2,) fp32;
-    the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu.
-    Returns the next residual stream (B, S, d) and its partials."""
+    the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu;
+    ``quantized``: for FP8, the four weights' [q, scales, qt] in that order (each None: the op
+    quantizes it). Returns the next residual stream (B, S, d) and its partials."""
     b, s, d = x.shape
     args = (x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
             c.head_dim, q_norm, k_norm, c.qk_norm_eps)
@@ -157,8 +160,9 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     else:  # the projections' GEMMs in FP8; the attention core and the LM head stay bf16
         e5m2, pow2 = c.precision.grad_format == "e5m2", c.precision.pow2_scales
-        y1, ss1 = attention_block_fp8(*args, e5m2, pow2)[:2]
-        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2)[:2]
+        qkv_q, o_q, gu_q, down_q = (q or [None] * 3 for q in (quantized or (None,) * 4))
+        y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q)[:2]
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2, *gu_q, *down_q)[:2]
     return y2.view(b, s, d), ss2
 
 
@@ -184,11 +188,13 @@ class CodaLlamaBlock(nn.Module):
         self.q_norm = _norm(hd, **kw) if cfg.qk_norm else None
         self.k_norm = _norm(hd, **kw) if cfg.qk_norm else None
         self._folds = (FoldCache(cache_folds), FoldCache(cache_folds))  # W_qkv * attn_norm, W_gu * ffn_norm
+        # FP8: W_qkv', W_o, W_gu', W_down quantized once per version (with the folds)
+        self._quants = tuple(WeightQuantCache(cache_folds) for _ in range(4))
 
     def clear_folds(self):
-        """Drop cached gamma folds (``cache_folds``): needed after writes the version counter
-        does not see, such as ``p.data.copy_(...)``."""
-        for cache in self._folds:
+        """Drop cached gamma folds and FP8 weights (``cache_folds``): needed after writes the
+        version counter does not see, such as ``p.data.copy_(...)``."""
+        for cache in self._folds + self._quants:
             cache.clear()
 
     def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
@@ -198,9 +204,14 @@ class CodaLlamaBlock(nn.Module):
         Returns the next residual stream (B, S, d) and its partials."""
         b = x.shape[0]
         check_layer_inputs(ss, inv_freq)
-        return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq,
-                             self._folds[0](self.wqkv, self.attn_norm), self.wo,
-                             self._folds[1](self.w_gu, self.ffn_norm), self.w_down, self.q_norm, self.k_norm)
+        weights = (self._folds[0](self.wqkv, self.attn_norm), self.wo,
+                   self._folds[1](self.w_gu, self.ffn_norm), self.w_down)
+        quantized = None
+        if self.cfg.precision != "bf16":
+            pow2 = self.cfg.precision.pow2_scales
+            quantized = tuple(cache(w, pow2) for cache, w in zip(self._quants, weights))
+        return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq, *weights, self.q_norm,
+                             self.k_norm, quantized)
 
     def load_hf(self, p: dict, rope: str = "rotate_half"):
         """Copy in one layer's HF tensors (names relative to the layer)."""
@@ -266,7 +277,7 @@ class CodaLlama(nn.Module):
 
     def _fold_caches(self):
         for layer in self.layers:
-            yield from layer._folds
+            yield from layer._folds + layer._quants
         yield self.head._fold
 
     def _follow_fsdp(self):

@@ -36,7 +36,8 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import FP8, check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
+from .fp8_gemms import (FP8, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
+                        quantized_weights, wgrad)
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -67,22 +68,29 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
                         positions: torch.Tensor, inv_freq: torch.Tensor, eps: float, n_heads: int,
                         n_kv_heads: int, head_dim: int, q_norm_w: Optional[torch.Tensor] = None,
                         k_norm_w: Optional[torch.Tensor] = None, qk_eps: float = 1e-6, e5m2_grads: bool = False,
-                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        pow2_scales: bool = False, qkv_q: Optional[torch.Tensor] = None,
+                        qkv_s: Optional[torch.Tensor] = None, qkv_qt: Optional[torch.Tensor] = None,
+                        o_q: Optional[torch.Tensor] = None, o_s: Optional[torch.Tensor] = None,
+                        o_qt: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
     """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
     ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3, and ``pow2_scales``: every
-    scale rounded up to a power of two (``Fp8Recipe.pow2_scales``). d, n_heads * head_dim
-    (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the quantized
-    weights kept for the backward (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's); only y
-    carries a gradient."""
+    scale rounded up to a power of two (``Fp8Recipe.pow2_scales``); ``qkv_q, qkv_s, qkv_qt``,
+    ``o_q, o_s, o_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales)`` returns
+    them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``), or
+    none of them for the op to quantize. d, n_heads * head_dim (hence the QKV width) multiples of
+    16. Returns the bf16 op's eight outputs, then the quantized weights kept for the backward
+    (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's; empty when the caller passed them,
+    which the backward then uses); only y carries a gradient."""
     if x.device.type == "cpu":
         dispatch.require_reference(OP)
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     x2 = x.view(b * s, d)
-    qkv_q, qkv_s, qkv_qt = weight(w_qkv, pow2_scales)
-    o_q, o_s, o_qt = weight(w_o, pow2_scales)
+    given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
+    (qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt) = quantized_weights(OP, given, pow2_scales, w_qkv=w_qkv, w_o=w_o)
     act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
@@ -94,14 +102,21 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     o, lse, rng_a, rng_b = attention_forward(q, k, v)
     res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2})
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
-    return res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s
+    kept = ((*kept_weights(w_qkv, True), *kept_weights(w_o, True)) if given[0] is not None
+            else (qkv_qt, qkv_s, o_qt, o_s))
+    return (res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, *kept)
 
 
 @attention_block_fp8.register_fake
 def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_dim,
-          q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False, pow2_scales=False):
+          q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False, pow2_scales=False, qkv_q=None,
+          qkv_s=None, qkv_qt=None, o_q=None, o_s=None, o_qt=None):
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
+    given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
+    cached = qkv_q is not None
+    if any(t is not None for t in given):
+        quantized_weights(OP, given, pow2_scales, w_qkv=w_qkv, w_o=w_o)
     m, n, hh = b * s, w_qkv.shape[0], n_heads * head_dim
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
@@ -110,12 +125,14 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, hh, sms, x.device.type, block_scaled=True))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
     return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
-            *weight_fake(w_qkv), *weight_fake(w_o))
+            *kept_weights(w_qkv, cached), *kept_weights(w_o, cached))
 
 
 def _setup(ctx, inputs, output):
-    x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads, pow2 = inputs
+    x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads, pow2 = inputs[:15]
     _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s = output
+    if inputs[15] is not None:  # the caller's copies
+        qkv_s, qkv_qt, o_s, o_qt = inputs[16], inputs[17], inputs[19], inputs[20]
     ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
                           qkv_qt, qkv_s, o_qt, o_s)
     ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2)
@@ -127,7 +144,7 @@ def _backward(ctx, dy, *_):
     (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
      qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
-        return (None,) * 15
+        return (None,) * 21
     eps, h, hkv, hd, qk_eps, grad_dtype, pow2 = ctx.args
     n = ctx.needs_input_grad
     b, s, d = x.shape
@@ -150,7 +167,7 @@ def _backward(ctx, dy, *_):
     dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2) if n[2] else None
     if qn is None:
         dqn = dkn = None
-    return dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn, None, None, None
+    return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 9
 
 
 attention_block_fp8.register_autograd(_backward, setup_context=_setup)

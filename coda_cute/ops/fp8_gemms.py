@@ -51,6 +51,37 @@ def weight(w: torch.Tensor, pow2: bool = False):
     return q, s, q.t().contiguous()
 
 
+def quantized_weights(op: str, given: list, pow2: bool, **ws) -> list:
+    """(q, scales, qt) of each named weight W (N, K): the caller's copies ``given`` (flat, in that
+    order, as :func:`weight` returns them; e.g. kept once per version of the weights by
+    ``coda_cute.nn.fold.WeightQuantCache``), checked against W; or, all None, quantized now."""
+    if all(t is None for t in given):
+        return [weight(w, pow2) for w in ws.values()]
+    if any(t is None for t in given):
+        raise ValueError(f"{op}: pass every quantized weight (q, scales, qt of {', '.join(ws)}) or none")
+    out = []
+    for i, (name, w) in enumerate(ws.items()):
+        q, s, qt = given[3 * i: 3 * i + 3]
+        qt_want, s_want = weight_fake(w)
+        for what, t, dtype, shape in (("q", q, FP8, tuple(w.shape)), ("scales", s, torch.float32, tuple(s_want.shape)),
+                                      ("qt", qt, FP8, tuple(qt_want.shape))):
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != w.device:
+                raise ValueError(f"{op}: {name}'s quantized {what} must be a contiguous {dtype} {shape} "
+                                 f"tensor on {w.device} ({name} in 128 x 128 blocks), got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        out.append((q, s, qt))
+    return out
+
+
+def kept_weights(w: torch.Tensor, cached: bool):
+    """The (qt, scales) outputs an FP8 sublayer returns for weight W: W's, or with ``cached``
+    (the caller passed its quantized weights and keeps them) empty tensors, since a custom op
+    may not return its inputs."""
+    if cached:
+        return w.new_empty((0,), dtype=FP8), w.new_empty((0,), dtype=torch.float32)
+    return weight_fake(w)
+
+
 def weight_fake(w: torch.Tensor):
     """What the FP8 sublayers keep of a weight for the backward, for their fake implementations:
     qt (K, N) e4m3 and the scales (ceil(N / 128), ceil(K / 128)) fp32."""

@@ -30,13 +30,16 @@ products summed in fp32, so the error against an fp32 reference is FP8's roundin
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import dispatch
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import FP8, check_fp8_widths, grad_format, grad_operands, project, weight, weight_fake, wgrad
+from .fp8_gemms import (FP8, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
+                        quantized_weights, wgrad)
 from .mlp import check_mlp
 from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
@@ -54,35 +57,49 @@ def check_mlp_fp8(y, ss, w_gu, w_down, eps):
 
 @torch.library.custom_op("coda::mlp_block_fp8", mutates_args=())
 def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, eps: float,
-                  e5m2_grads: bool = False, pow2_scales: bool = False
+                  e5m2_grads: bool = False, pow2_scales: bool = False,
+                  gu_q: Optional[torch.Tensor] = None, gu_s: Optional[torch.Tensor] = None,
+                  gu_qt: Optional[torch.Tensor] = None, down_q: Optional[torch.Tensor] = None,
+                  down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
     Arguments as ``coda.mlp_block``'s (y (M, d) bf16, ss its norm statistics, w_gu (2f, d) bf16
     interleaved with gamma folded in, w_down (d, f) bf16), and ``e5m2_grads``: the backward's
     gradients in E5M2 rather than E4M3; ``pow2_scales``: every scale, forward and backward, rounded
-    up to a power of two (``Fp8Recipe.pow2_scales``). Returns (y2, ss2, z, then the quantized weights kept for the
-    backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's); only y2 carries a
-    gradient."""
+    up to a power of two (``Fp8Recipe.pow2_scales``); ``gu_q, gu_s, gu_qt``, ``down_q, down_s,
+    down_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales)`` returns them, kept by
+    the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``), or none
+    of them for the op to quantize. Returns (y2, ss2, z, then the quantized weights kept for the
+    backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's; empty when the
+    caller passed them, which the backward then uses); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
-    gu_q, gu_s, gu_qt = weight(w_gu, pow2_scales)
-    down_q, down_s, down_qt = weight(w_down, pow2_scales)
+    given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
+    (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales,
+                                                                         w_gu=w_gu, w_down=w_down)
     act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
     out = project(OP, norm_swiglu_tree(), *act(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
     res = project(OP, residual_norm_stats_tree(), *act(out["h"]), down_q, down_s, {"residual": y})
+    if given[0] is not None:
+        return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True)
     return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s
 
 
 @mlp_block_fp8.register_fake
-def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False):
+def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=None, gu_s=None, gu_qt=None,
+          down_q=None, down_s=None, down_qt=None):
     m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps)
+    given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
+    cached = gu_q is not None
+    if cached or any(t is not None for t in given):
+        quantized_weights(OP, given, pow2_scales, w_gu=w_gu, w_down=w_down)
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, f, sms, y.device.type, block_scaled=True))
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
-            *weight_fake(w_gu), *weight_fake(w_down))
+            *kept_weights(w_gu, cached), *kept_weights(w_down, cached))
 
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
@@ -105,8 +122,10 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
 
 
 def _setup(ctx, inputs, output):
-    y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales = inputs
+    y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales, _gu_q, gu_s_in, gu_qt_in, _down_q, down_s_in, down_qt_in = inputs
     _y2, ss2, z, gu_qt, gu_s, down_qt, down_s = output
+    if gu_qt_in is not None:  # the caller's copies
+        gu_qt, gu_s, down_qt, down_s = gu_qt_in, gu_s_in, down_qt_in, down_s_in
     ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s)
     ctx.eps, ctx.grad_dtype, ctx.pow2 = eps, grad_format(e5m2_grads), pow2_scales
     ctx.mark_non_differentiable(*output[1:])
@@ -116,11 +135,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy2, *_):
     y, ss, z, gu_qt, gu_s, down_qt, down_s = ctx.saved_tensors
     if dy2 is None:
-        return (None,) * 7
+        return (None,) * 13
     n = ctx.needs_input_grad
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
                                           ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2)
-    return dy, None, dw_gu, dw_down, None, None, None
+    return (dy, None, dw_gu, dw_down) + (None,) * 9
 
 
 mlp_block_fp8.register_autograd(_backward, setup_context=_setup)
