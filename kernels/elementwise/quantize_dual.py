@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .fp8_math import abs_max, block_scale, quantize
+from ..common.fp8_math import abs_max, block_scale, quantize
 
 THREADS = 256
 BLOCK = 128

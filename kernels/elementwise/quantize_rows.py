@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .fp8_math import abs_max, block_scale, quantize
+from ..common.fp8_math import abs_max, block_scale, quantize
 
 THREADS = 128
 #: columns per scale block (the recipe's 1 x 128)

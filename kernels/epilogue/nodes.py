@@ -33,6 +33,10 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
                                               (L, N, m_tiles) fp32; op sum | sumsq | max
               gather(x, index, name)          out[l, m] = x[m, index[l, m]] (fp32, (L, M)); rows
                                               whose index is outside [0, N) are left at 0
+              quantize(x, name, dtype, pow2)  x in FP8 with one fp32 scale per row and aligned
+                                              128-column block: (values (M, N) FP8, scales
+                                              (M, ceil(N / 128)) fp32), exactly
+                                              ``reference.quantize_blocks_ref(x, (1, 128))``
 
 ``Epilogue(*sinks)`` validates the DAG and gives it a structural key (node kinds, ops, dtypes,
 constants, which input each leaf reads by position in the input order; not names or values of
@@ -46,6 +50,9 @@ from typing import Callable, Optional
 
 DTYPES = ("float32", "bfloat16", "float16", "int32")
 STORE_DTYPES = ("float32", "bfloat16", "float16")
+#: a quantize sink's value types, and the columns of one of its scale blocks
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+QUANT_BLOCK = 128
 UNARY_OPS = ("neg", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "recip", "sin", "cos",
              "tanh", "sigmoid", "silu", "gelu", "relu", "square", "to_float")
 BINARY_OPS = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod")
@@ -486,6 +493,29 @@ class Gather(Sink):
         self.index = index
 
 
+class Quantize(Sink):
+    """x in FP8 blocks of 1 x QUANT_BLOCK along each row (the activations' and gradients' blocks
+    of ``precision.Fp8Recipe``): amax over the block, s = the scale of ``quantize_blocks_ref``
+    (``pow2``: rounded up to a power of two), q = cast(x / s). Two outputs: the values (M, N) in
+    ``dtype`` and the scales (M, ceil(N / 128)) fp32. A GEMM whose output is the next GEMM's
+    operand hands it over quantized without a pass of its own."""
+
+    kind = "quantize"
+
+    def __init__(self, x, name, dtype="float8_e4m3fn", pow2: bool = False):
+        super().__init__(x, name)
+        if dtype not in FP8_DTYPES:
+            raise EpilogueError(f"quantize {name!r}: dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+        if x.domain != FULL:
+            raise EpilogueError(f"quantize {name!r}: quantize full-width values (one per output column); "
+                                f"got a {x.domain}-width one")
+        self.dtype = dtype
+        self.pow2 = bool(pow2)
+
+    def params(self):
+        return (self.dtype, self.pow2)
+
+
 # -- traversal and identity ------------------------------------------------------------------------
 def walk(node: Node):
     """Every node reachable from ``node`` (each once), children before parents."""
@@ -538,15 +568,18 @@ class InputSpec:
 @dataclass(frozen=True)
 class OutputSpec:
     name: str
-    kind: str  # store | row_reduce | col_reduce | gather
+    kind: str  # store | row_reduce | col_reduce | gather | quantize
     dtype: str
     half: bool = False
     op: str = ""
     wide: bool = False  # a double-width store: (M, 2N), written as 32-bit column pairs
+    pow2: bool = False  # quantize: power-of-two scales
 
     @property
     def kernel_dtype(self) -> str:
-        return "float32" if self.wide else self.dtype
+        """What the kernel writes: a double-width store's column pairs as 32-bit words, a quantize
+        sink's FP8 column pairs as 16-bit ones."""
+        return "float32" if self.wide else ("int16" if self.kind == "quantize" else self.dtype)
 
 
 class Epilogue:
@@ -557,7 +590,7 @@ class Epilogue:
             raise EpilogueError("an epilogue needs at least one output (store, reduction or gather)")
         for s in sinks:
             if not isinstance(s, Sink):
-                raise EpilogueError(f"Epilogue takes outputs (store, row_reduce, col_reduce, gather), "
+                raise EpilogueError(f"Epilogue takes outputs (store, row_reduce, col_reduce, gather, quantize), "
                                     f"got {s!r}")
         self.sinks = tuple(sinks)
         names = [s.name for s in sinks]
@@ -611,6 +644,8 @@ def _output_spec(s: Sink) -> OutputSpec:
         return OutputSpec(s.name, "row_reduce", "float32", s.x.domain == HALF, s.op)
     if isinstance(s, ColReduce):
         return OutputSpec(s.name, "col_reduce", "float32", False, s.op)
+    if isinstance(s, Quantize):
+        return OutputSpec(s.name, "quantize", s.dtype, pow2=s.pow2)
     return OutputSpec(s.name, "gather", "float32")
 
 
@@ -635,6 +670,8 @@ def store(x: Node, name: str, dtype: str = "bfloat16") -> Sink: return Store(x, 
 def row_reduce(x: Node, op: str, name: str) -> Sink: return RowReduce(x, op, name)
 def col_reduce(x: Node, op: str, name: str) -> Sink: return ColReduce(x, op, name)
 def gather(x: Node, index: Node, name: str) -> Sink: return Gather(x, index, name)
+def quantize(x: Node, name: str, dtype: str = "float8_e4m3fn", pow2: bool = False) -> Sink:
+    return Quantize(x, name, dtype, pow2)
 def row_sum(name: str) -> Node: return RowSum(name)
 def lookup(name: str, row: Node, col: Node) -> Node: return Lookup(name, row, col)
 

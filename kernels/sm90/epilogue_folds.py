@@ -1,0 +1,202 @@
+"""The folds of the Hopper tree epilogue (``kernels.sm90.epilogue``): row and column reductions,
+gathers and the quantize sink's block scales, as a mixin of ``Sm90TreeEpilogue``.
+
+Roles: the consumer warpgroups' epilogue threads, per sub-tile and then per tile. Row values live
+in the accumulator layout of WGMMA: each row of a 64-row atom is held by the 4 lanes of a quad
+(2 adjacent columns per 8-column chunk), so a row's total is a thread's own values combined over
+its quad (butterfly shuffles 1 and 2); columns combine over a warp's 8 row groups (shuffles 4,
+8, 16) and then across warps through a shared-memory scratch row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..common.fastmath import fast_exp
+from ..common.fp8_math import block_scale
+from ..epilogue import nodes as N
+
+_NEG_INF = -math.inf
+#: the largest finite value of each quantize sink dtype
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+FP8_TYPES = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+
+
+class SinkFolds:
+    """Reductions, gathers and quantize scales over the tile (``self`` is the tree epilogue)."""
+
+    def _row_init(self, r: N.RowReduce):
+        slots = self.row_slots
+        if r.op == "max":
+            return [Float32(_NEG_INF)] * slots
+        if r.op == "lse":
+            return ([Float32(_NEG_INF)] * slots, [Float32(0.0)] * slots)
+        return [Float32(0.0)] * slots
+
+    @property
+    def row_slots(self) -> int:
+        """Distinct rows per thread in a tile (2 per 64-row WGMMA atom the thread covers)."""
+        return 2 * (self.tile_mn[0] // (64 * (1 if self.pingpong else 2)))
+
+    def _row_step(self, r, accum, lse_items: dict, emit, ctx, v: int, problem_mnl):
+        """Fold element v into a row reduction: sum / sumsq / max at once; an lse collects a
+        quad's values per row first (its rescale costs an exp per quad, not per value)."""
+        x = _as_float(emit.value(r.x, v))
+        if r.op == "sumsq":
+            x = x * x
+        valid = ctx.col_index(v) < problem_mnl[1]
+        slot = ctx.row_slot(v)
+        if r.op == "lse":
+            lse_items.setdefault(slot, []).append((valid, x))
+            return accum
+        out = list(accum)
+        if r.op == "max":
+            out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+        else:
+            out[slot] = out[slot] + Float32(cutlass.select_(valid, x, Float32(0.0)))
+        return out
+
+    @cute.jit
+    def _row_finish(self, r, accum, outs, acc_coords, tn, tl, problem_mnl):
+        """Reduce each row over the 4 threads that share it and write the tile's partial."""
+        lane = cute.arch.lane_idx()
+        out0 = outs[self.out_slots[r.name]]
+        out1 = outs[self.out_slots[r.name] + 1] if const_expr(r.op == "lse") else None
+        for slot in cutlass.range_constexpr(self.row_slots):
+            m = acc_coords[self.row_slot_index(slot)][0]
+            if const_expr(r.op == "lse"):
+                mx, sm = accum[0][slot], accum[1][slot]
+                for off in cutlass.range_constexpr(2):
+                    m_o = cute.arch.shuffle_sync_bfly(mx, offset=1 << off)
+                    s_o = cute.arch.shuffle_sync_bfly(sm, offset=1 << off)
+                    m_new = cutlass.max(mx, m_o)
+                    sm = _rescale(sm, mx, m_new) + _rescale(s_o, m_o, m_new)
+                    mx = m_new
+                if lane % 4 == 0:
+                    if m < problem_mnl[0] and tn * self.tile_mn[1] < problem_mnl[1]:
+                        out0[(m, tn, tl)] = mx
+                        out1[(m, tn, tl)] = sm
+            else:
+                x = accum[slot]
+                for off in cutlass.range_constexpr(2):
+                    x = _combine(r.op == "max", x, cute.arch.shuffle_sync_bfly(x, offset=1 << off))
+                if lane % 4 == 0:
+                    if m < problem_mnl[0] and tn * self.tile_mn[1] < problem_mnl[1]:
+                        out0[(m, tn, tl)] = x
+
+    def row_slot_index(self, slot: int):
+        """Accumulator coordinate of the first register in row slot ``slot``."""
+        return ((0, slot % 2, 0), slot // 2, 0)
+
+    @cute.jit
+    def _col_fold(self, c, scratch, emit, ctx, n_frag: cutlass.Constexpr, warp_in_epi, problem_mnl):
+        """Sum (or max) this sub-tile's rows per column into the warp's scratch row."""
+        is_max = c.op == "max"
+        identity = Float32(_NEG_INF) if is_max else Float32(0.0)
+        # Sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk: fold the two row halves
+        # in-thread, then the warp's 8 row groups (lanes 4 apart), then warps via scratch.
+        for j in cutlass.range_constexpr(n_frag // 4):
+            for pair in cutlass.range_constexpr(2):
+                v = 4 * j + pair
+                parts = []
+                for w in (v, v + 2):
+                    x = _as_float(emit.value(c.x, w))
+                    if const_expr(c.op == "sumsq"):
+                        x = x * x
+                    parts.append(Float32(cutlass.select_(ctx.row_index(w) < problem_mnl[0], x, identity)))
+                x = _combine(is_max, parts[0], parts[1])
+                for off in cutlass.range_constexpr(3):
+                    x = _combine(is_max, x, cute.arch.shuffle_sync_bfly(x, offset=4 << off))
+                nl = ctx.tile_local(v)[1]
+                if cute.arch.lane_idx() < 4:
+                    scratch[(warp_in_epi, nl)] = _combine(is_max, scratch[(warp_in_epi, nl)], x)
+
+    @cute.jit
+    def _col_finish(self, c, scratch, out, tidx, tn, tm, tl, problem_mnl):
+        is_max = c.op == "max"
+        identity = Float32(_NEG_INF) if is_max else Float32(0.0)
+        threads = self.epi_warps * 32
+        for base in cutlass.range_constexpr(0, self.tile_mn[1], threads):
+            col = base + tidx
+            if col < self.tile_mn[1]:
+                total = identity
+                for w in cutlass.range_constexpr(self.epi_warps):
+                    total = _combine(is_max, total, scratch[(w, col)])
+                    scratch[(w, col)] = identity
+                n = tn * self.tile_mn[1] + col
+                # A cluster can run past the problem's last row tile: such tiles have no partial.
+                if n < problem_mnl[1] and tm * self.tile_mn[0] < problem_mnl[0]:
+                    out[(n, tm, tl)] = total
+
+    @cute.jit
+    def init_scratch(self, scratch, tidx):
+        """Scratch starts at the reduction identity (afterwards ``_col_finish`` resets it)."""
+        for c, s in zip(self.col_reds, scratch):
+            identity = Float32(_NEG_INF) if c.op == "max" else Float32(0.0)
+            threads = self.epi_warps * 32
+            for i in cutlass.range_constexpr(0, cute.size(s), threads):
+                idx = i + tidx
+                if idx < cute.size(s):
+                    s[idx] = identity
+
+    @cute.jit
+    def _gather_now(self, g, emit, ctx, v: cutlass.Constexpr, out, problem_mnl, tl):
+        m = ctx.row_index(v)
+        n = ctx.col_index(v)
+        hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
+        x = _as_float(emit.value(g.x, v))
+        if hit:
+            if m < problem_mnl[0]:
+                out[(m, tl)] = x
+
+    def _gather_step(self, g, hits, emit, ctx, v: int, problem_mnl):
+        """Keep element v's value in its row slot if its column is the row's index (a row's
+        index lies in at most one column: a select, no branch per element)."""
+        n = ctx.col_index(v)
+        hit = (n == Int32(emit.value(g.index, v))) & (n < problem_mnl[1])
+        slot = ctx.row_slot(v)
+        out = list(hits)
+        seen, val = out[slot]
+        out[slot] = (seen | hit, Float32(cutlass.select_(hit, _as_float(emit.value(g.x, v)), val)))
+        return out
+
+    @cute.jit
+    def _gather_finish(self, hits, out, acc_coords, tl, problem_mnl):
+        """Write the gathered values of the tile's rows whose index column was in the tile."""
+        for slot in cutlass.range_constexpr(self.row_slots):
+            m = acc_coords[self.row_slot_index(slot)][0]
+            seen, val = hits[slot]
+            if seen:
+                if m < problem_mnl[0]:
+                    out[(m, tl)] = val
+
+
+def _combine(is_max: bool, a, b):
+    return cutlass.max(a, b) if is_max else a + b
+
+
+def _as_float(x):
+    return x if isinstance(x, Float32) else Float32(x)
+
+
+def _lse_fold(accum, items: dict):
+    """Fold a sub-tile's values per row slot into running (max, sum of exp) pairs."""
+    mx, sm = list(accum[0]), list(accum[1])
+    for slot, vals in items.items():
+        m_sub = mx[slot]
+        for valid, x in vals:
+            m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+        s_new = _rescale(sm[slot], mx[slot], m_sub)
+        for valid, x in vals:
+            s_new = s_new + Float32(cutlass.select_(valid, fast_exp(x - m_sub), Float32(0.0)))
+        mx[slot], sm[slot] = m_sub, s_new
+    return (mx, sm)
+
+
+def _rescale(s, m_old, m_new):
+    """s * exp(m_old - m_new), with an empty running sum (m_old = -inf) staying 0."""
+    return Float32(cutlass.select_(m_old == m_new, s, s * fast_exp(m_old - m_new)))
