@@ -27,7 +27,7 @@ from .kernels.epilogue.plain import gemm_tree
 
 # torch dtype name -> element bytes; the DSL types are looked up lazily (importing the DSL is slow).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
-               "int32": 4}
+               "int32": 4, "int16": 2}
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 _CUTLASS_NAMES = {
     "bfloat16": "BFloat16",
@@ -36,6 +36,7 @@ _CUTLASS_NAMES = {
     "float8_e4m3fn": "Float8E4M3FN",
     "float8_e5m2": "Float8E5M2",
     "int32": "Int32",
+    "int16": "Int16",  # a quantize sink's FP8 column pairs
 }
 SUPPORTED_ARCHS = ("sm_90a",)
 
@@ -182,6 +183,9 @@ def _fake_signature(spec: KernelSpec):
                 outs.append(fake("float32", (m, t, l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
         elif o.kind == "col_reduce":
             outs.append(fake("float32", (n, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
+        elif o.kind == "quantize":  # FP8 column pairs as (M, N / 2) 16-bit words, then the scales
+            outs.append(fake("int16", (m, cute.sym_int(), l), (stride16("int16"), 1, stride16("int16"))))
+            outs.append(fake("float32", (m, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
         else:  # gather
             outs.append(fake("float32", (m, l), (1, cute.sym_int64()), 4))
     scalars = tuple(cutlass.Float32(0.0) for i in spec.tree.inputs if i.kind == "scalar")

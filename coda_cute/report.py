@@ -142,6 +142,8 @@ def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]
     plain = gemm_tree("none", "none", "bfloat16")
     ops = (("fp8.norm_swiglu", swiglu.norm_swiglu_tree(), fwd["gate_up"], False),
            ("fp8.residual.down", residual.residual_norm_stats_tree(), fwd["down"], False),
+           # the same with y quantized in its epilogue for the next layer's QKV (E.quantize)
+           ("fp8.residual.down+quantize", residual.residual_norm_stats_tree(True), fwd["down"], False),
            ("fp8.norm_rope_qkv", qkv.norm_rope_qkv_tree(n_qk, c.head_dim, False), fwd["qkv"], False),
            ("fp8.residual.o", residual.residual_norm_stats_tree(), fwd["o"], False),
            ("fp8.swiglu_backward", swiglu.swiglu_backward_tree(), (m, c.ffn, c.d), False),

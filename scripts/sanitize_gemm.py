@@ -6,7 +6,7 @@ Covers both schedules, a 2-CTA cluster, FP8 two-level and fast accumulation, a b
 split-K call, a split tail (on 132 SMs: 2 tail tiles in 2 K slices and their fixup), ragged edges (M, N, K not
 tile multiples) and both block-scaled forms (``coda.gemm_blockwise``; the weight-gradient form's
 column scales read in place from their padded layout and from a copy), each checked against the
-fp32 reference so a sanitizer-clean run is also a correct one.
+fp32 reference so a sanitizer-clean run is also a correct one; and the epilogue's quantize sink.
 """
 
 from __future__ import annotations
@@ -52,6 +52,28 @@ def block_scaled() -> float:
     return worst
 
 
+def quantized() -> float:
+    """The epilogue's quantize sink on ragged tiles (1000 x 1040: a last row tile and a partial
+    last block), bf16 128 x 128 and 128 x 256 and block-scaled FP8: values and scales against the
+    reference quantization of the value the same launch stores in fp32."""
+    from coda_cute import epilogue as E
+
+    tree = E.Epilogue(E.store(E.acc(), "x", "float32"), E.quantize(E.acc(), "x_q"))
+    a = torch.randn(1000, 264, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(264, 1040, device="cuda", dtype=torch.bfloat16)
+    runs = [E.run(tree, a, b, {}, config=GemmConfig(128, n, 64, "cooperative", 1, 1)) for n in (128, 256)]
+    a_q, sa = R.quantize_blocks_ref(torch.randn(1000, 264, device="cuda"), (1, 128))
+    w_q, sw = R.quantize_blocks_ref(torch.randn(1040, 264, device="cuda"), (128, 128))
+    runs.append(E.run(tree, a_q, w_q.t(), {}, block_scales=(sa, sw)))
+    worst = 0.0
+    for out in runs:
+        q, s = out["x_q"]
+        want_q, want_s = R.quantize_blocks_ref(out["x"], (1, 128))
+        worst = max(worst, rel(q.float() * s.repeat_interleave(128, 1)[:, :1040],
+                               want_q.float() * want_s.repeat_interleave(128, 1)[:, :1040]))
+    return worst
+
+
 def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
@@ -80,8 +102,9 @@ def main() -> int:
     b = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16).t()
     worst = max(worst, rel(gemm_impl(a, b, split_k=3), gemm_ref(a, b, round_output=False)))
     worst = max(worst, block_scaled())
+    worst = max(worst, quantized())
     torch.cuda.synchronize()
-    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 5} launches, worst relative error {worst:.2e}")
+    print(f"sanitize_gemm: {len(CASES16) * 2 + len(CASES8) + 8} launches, worst relative error {worst:.2e}")
     return 0 if worst < 2e-2 else 1
 
 

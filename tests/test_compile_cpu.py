@@ -264,7 +264,7 @@ def test_report_json(tmp_path, capsys):
     rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
     assert rc == 0
     records = json.loads(path.read_text())
-    assert len(records) == len(report.kernel_specs("default")) == 29
+    assert len(records) == len(report.kernel_specs("default")) == 30
     for r in records:
         assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
         for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
@@ -275,7 +275,7 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "29 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "30 as intended" in out and "norm_rope_qkv_qk_norm" in out
     assert "fp8.wgrad.gate_up" in out and "fp8.lm_head.dw" in out
 
 

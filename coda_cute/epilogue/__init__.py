@@ -46,6 +46,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     minimum,
     neg,
     pairwise,
+    quantize,
     recip,
     relu,
     row_index,

@@ -13,9 +13,10 @@ import math
 import torch
 
 from ..kernels.epilogue import nodes as N
+from ..reference import quantize_blocks_ref
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int32": torch.int32}
+          "int32": torch.int32, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -42,6 +43,9 @@ def evaluate(tree: N.Epilogue, acc: torch.Tensor, inputs: dict, tile_mn=(128, 25
             res = _row_partials(x, s.op, tile_mn[1] // (2 if s.x.domain == N.HALF else 1))
         elif isinstance(s, N.ColReduce):
             res = _col_partials(x, s.op, tile_mn[0])
+        elif isinstance(s, N.Quantize):  # (values (L, M, N), scales (L, M, ceil(N / 128)))
+            parts = [quantize_blocks_ref(xl, (1, N.QUANT_BLOCK), _TORCH[s.dtype], s.pow2) for xl in x]
+            res = tuple(torch.stack(p) for p in zip(*parts))
         else:
             idx = ev.value(s.index).long().expand(L, M, 1)[..., 0]
             ok = (idx >= 0) & (idx < x.shape[-1])

@@ -44,6 +44,17 @@ def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
         return False
 
 
+def quantizes(tree: N.Epilogue) -> bool:
+    return any(o.kind == "quantize" for o in tree.outputs)
+
+
+def quantize_config(cfg: GemmConfig) -> bool:
+    """Configs a quantize sink runs on: cooperative 128-row tiles whose width is whole 128-column
+    blocks; the epilogue's sub-tile is then one block wide (``kernels.sm90.epilogue``), so each
+    row's block amax is its quad's (a 4-lane shuffle)."""
+    return cfg.schedule == "cooperative" and cfg.tile_m == 128 and cfg.tile_n % N.QUANT_BLOCK == 0
+
+
 def segment_widths(tree: N.Epilogue) -> set:
     return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
@@ -76,7 +87,8 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     inputs (``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
-    cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)]
+    cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)
+             and (not quantizes(tree) or quantize_config(c))]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
@@ -130,6 +142,7 @@ class Plan:
             if t.data_ptr() % 16:  # real tensors here: the per-call check stays one modulo
                 check_pointer_aligned(t, name, self.op)
         result, out_args = {}, []
+        outputs = _flat_outputs(outputs, self.tree)
         for name, shape, dtype, fill, view, kind in self.out_allocs:
             t = outputs.get(name) if outputs else None
             if t is None:
@@ -179,7 +192,10 @@ def _tail_workspace(plan: Plan, m, n, k, batch, sms, device) -> None:
 
 
 def _words(t: torch.Tensor, wide) -> torch.Tensor:
-    """A double-width tensor (``wide`` true or "wide") as the kernel's 32-bit column pairs."""
+    """A double-width tensor (``wide`` true or "wide") as the kernel's 32-bit column pairs, a
+    quantize sink's FP8 values as its 16-bit ones."""
+    if wide == "quantize":
+        return t.view(torch.int16)
     return t.view(torch.float32) if wide in (True, "wide") else t
 
 
@@ -191,8 +207,8 @@ def _given_output(t, name, shape, dtype, view, kind, op):
                          f"{t.dtype} {tuple(t.shape)}")
     if t.is_contiguous() and not isinstance(view, ValueError):
         return _words(t, kind).as_strided(*view)
-    if kind not in ("store", "wide") or t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide")
+    if kind not in ("store", "wide", "quantize") or t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide", "quantize")
                          else " or row-major (stride 1 along N)") + f", got strides {tuple(t.stride())}")
     return tma_view(mn_view(_words(t, kind)), name, True, ("M", "N", "batch"), op)
 
@@ -203,11 +219,28 @@ def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
     return t if cols is None else torch.nn.functional.pad(t, (0, cols - t.shape[-1]))
 
 
+def _flat_outputs(outputs: Optional[dict], tree: N.Epilogue) -> Optional[dict]:
+    """Preallocated outputs by kernel output name: a quantize sink's (values, scales) pair as
+    ``name`` and ``name.scale``."""
+    if not outputs:
+        return outputs
+    flat = dict(outputs)
+    for o in tree.outputs:
+        if o.kind == "quantize" and o.name in flat:
+            pair = flat.pop(o.name)
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"quantize output {o.name!r} is preallocated as a (values, scales) pair")
+            flat[o.name], flat[o.name + ".scale"] = pair
+    return flat
+
+
 def _group(result: dict, tree: N.Epilogue) -> dict:
     """lse reductions return (max partials, sum-of-exp partials) under their name."""
     for o in tree.outputs:
-        if o.kind == "row_reduce" and o.op == "lse":
+        if o.kind == "row_reduce" and o.op == "lse" and o.name + ".max" in result:
             result[o.name] = (result.pop(o.name + ".max"), result.pop(o.name + ".sumexp"))
+        elif o.kind == "quantize" and o.name + ".scale" in result:
+            result[o.name] = (result.pop(o.name), result.pop(o.name + ".scale"))
     return result
 
 
@@ -261,6 +294,9 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
             out += [(nm, lead + (m, t), torch.float32, False) for nm in names]
         elif o.kind == "col_reduce":
             out.append((o.name, lead + (n, -(-m // config.tile_m)), torch.float32, False))
+        elif o.kind == "quantize":  # values, and one scale per row and 128-column block
+            out += [(o.name, lead + (m, n), torch_dtype(o.dtype), False),
+                    (o.name + ".scale", lead + (m, -(-n // N.QUANT_BLOCK)), torch.float32, False)]
         else:
             out.append((o.name, lead + (m,), torch.float32, True))
     return out
@@ -275,6 +311,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
         _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op, b_rows)
     arch = dispatch.arch_of(a.device)
     _check_half_width(tree, n, op)
+    check_quantize(tree, n, config, op)
     plan = Plan()
     plan.tree = tree
     plan.op = op
@@ -333,6 +370,7 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
         product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
                    @ dequantize_blocks_ref(b.t(), block_scales[1], (1, BLOCK) if b_rows else (BLOCK, BLOCK)).t())
     _check_half_width(tree, n, op)
+    check_quantize(tree, n, config, op)
     if not _check_extents(m, n, k, batch, op):
         _operand_views(a, b, fp8, op)
     for i in tree.inputs:
@@ -344,14 +382,14 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
                            block_scales is not None)
     if product is None:
         product = torch.matmul(a.float(), b.float())
-    out = evaluate(tree, product, inputs, (config.tile_m, config.tile_n))
-    for name, t in (outputs or {}).items():
+    out = _flat_outputs(evaluate(tree, product, inputs, (config.tile_m, config.tile_n)), tree)
+    for name, t in (_flat_outputs(outputs, tree) or {}).items():
         want = out[name]
         if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
             raise ValueError(f"{op}: {name} must be a {want.dtype} tensor of shape {tuple(want.shape)}, "
                              f"got {t.dtype} {tuple(t.shape)}")
         out[name] = t.copy_(want)
-    return out
+    return _group(out, tree)
 
 
 def _pad4(x: int) -> int:
@@ -418,6 +456,19 @@ def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b
         raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
                          "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")
     check_block_scales(a, b, scales, op, b_rows)
+
+
+def check_quantize(tree, n: int, config, op):
+    """A quantize sink's rules: its rows of N FP8 values start on 16-byte boundaries (TMA), and
+    an explicit config is one it runs on (:func:`quantize_config`)."""
+    if not quantizes(tree):
+        return
+    if n % 16:
+        raise ValueError(f"{op}: quantized outputs need N a multiple of 16 (rows of FP8 values start "
+                         f"on 16-byte boundaries), got N={n}")
+    if config is not None and not quantize_config(config):
+        raise ValueError(f"{op}: config {config.name} cannot quantize in its epilogue (it needs the "
+                         f"cooperative schedule, tile_m 128 and tile_n a multiple of {N.QUANT_BLOCK})")
 
 
 def _check_half_width(tree, n: int, op):
@@ -525,8 +576,11 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: in
 
 
 def _out_kind(name: str, tree: N.Epilogue) -> str:
-    """An output's kind, "wide" for a double-width store."""
+    """An output's kind, "wide" for a double-width store, "quantize" for a quantize sink's values
+    and "row_reduce" for its scales (laid out like row partials)."""
     o = next(o for o in tree.outputs if name.split(".")[0] == o.name)
+    if o.kind == "quantize" and name.endswith(".scale"):
+        return "row_reduce"
     return "wide" if o.kind == "store" and o.wide else o.kind
 
 
@@ -534,7 +588,7 @@ def _out_view(name, shape, dtype, kind, op):
     """(shape, strides) of the kernel's view of a dense output; for a store TMA cannot write
     densely, the ValueError saying why (raised at launch unless a padded output is given)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    if kind in ("store", "wide"):
+    if kind in ("store", "wide", "quantize"):
         try:
             v = tma_view(mn_view(_words(meta, kind)), name, True, ("M", "N", "batch"), op)
         except ValueError as e:

@@ -28,11 +28,15 @@ OP = "coda.residual_gemm_norm_stats"
 
 
 @functools.lru_cache(maxsize=None)
-def residual_norm_stats_tree() -> E.Epilogue:
-    """y = acc + residual (stored bf16); ss = per-tile sum of cast(y, bf16)^2."""
+def residual_norm_stats_tree(quantize: bool = False) -> E.Epilogue:
+    """y = acc + residual (stored bf16); ss = per-tile sum of cast(y, bf16)^2; ``quantize``: also
+    y_q = the bf16 y in FP8 1 x 128 blocks (E4M3), the next layer's block-scaled operand, bit for
+    bit a separate quantization of the stored y."""
     y = E.acc() + E.tile("residual")
-    return E.Epilogue(E.store(y, "y", "bfloat16"),
-                      E.row_reduce(E.cast(y, "bfloat16"), "sumsq", "ss"))
+    sinks = [E.store(y, "y", "bfloat16"), E.row_reduce(E.cast(y, "bfloat16"), "sumsq", "ss")]
+    if quantize:
+        sinks.append(E.quantize(E.cast(y, "bfloat16"), "y_q"))
+    return E.Epilogue(*sinks)
 
 
 def check_residual(a, w, residual):

@@ -90,6 +90,7 @@ class Sm90TreeEpilogue(SinkFolds):
         self.row_reds = [s for s in sinks if isinstance(s, N.RowReduce)]
         self.col_reds = [s for s in sinks if isinstance(s, N.ColReduce)]
         self.gathers = [s for s in sinks if isinstance(s, N.Gather)]
+        self.quants = [s for s in sinks if isinstance(s, N.Quantize)]
         # Gathers keep their row's hit in registers until the tile's end (a select per element)
         # next to stored outputs, else store it at once (a branch per element): the choice
         # ptxas kept spill-free (logits store + lse + gather on ping-pong 128 x 128: 48 bytes
@@ -103,7 +104,7 @@ class Sm90TreeEpilogue(SinkFolds):
         slot = 0
         for s in sinks:
             self.out_slots[s.name] = slot
-            slot += 2 if isinstance(s, N.RowReduce) and s.op == "lse" else 1
+            slot += 2 if (isinstance(s, N.RowReduce) and s.op == "lse") or isinstance(s, N.Quantize) else 1
         self.lookups_ahead = lookups_ahead(tree)
         # Tile inputs advance the load ring inside the pass: their trees are not split.
         self.split = None if self.tile_inputs else tile_uniform_split(tree, tile_mn[1])
@@ -123,6 +124,12 @@ class Sm90TreeEpilogue(SinkFolds):
         barriers and a TMA store round; on the H200 128-column sub-tiles made cooperative FP8
         128x128 two-level GEMMs 4-7 % faster than 32-column ones (16384 x {6144, 28672} x 4096)."""
         rows, cols = cfg.epi_tile
+        if self.quants:
+            # one 128-column block per row and sub-tile: its amax is the row's quad's
+            if cfg.schedule != "cooperative" or cfg.tile_m != 128 or cfg.tile_n % N.QUANT_BLOCK:
+                raise ValueError(f"quantize sinks need cooperative 128-row tiles of whole {N.QUANT_BLOCK}-"
+                                 f"column blocks, got {cfg.name}")
+            return rows, N.QUANT_BLOCK
         elementwise = not (self.tile_inputs or self.row_reds or self.col_reds or self.gathers
                            or self.half_stores or self.lookups_ahead or self.segment_nodes)
         if self.pingpong or not elementwise:
@@ -167,6 +174,7 @@ class Sm90TreeEpilogue(SinkFolds):
         stages = epi_stage_count(self.tile_mn, (em, en))
         sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
+        sizes += [stages * em * (en // 2) * 2 for _ in self.quants]  # FP8 pairs as 16-bit words
         sizes += [ring * em * en * BYTES[_kdt(t)] for t in self.tile_inputs]
         sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
         mbarriers = 2 * ring * 8 if self.tile_inputs else 0
@@ -190,12 +198,16 @@ class Sm90TreeEpilogue(SinkFolds):
                                             self.load_stages)
             for t in self.tile_inputs
         ]
+        quant_layouts = [
+            cute.make_layout((em, en // 2, self.stages), stride=(en // 2, 1, em * en // 2))
+            for _ in self.quants
+        ]
         store_atoms = []
         for s, lay in zip(self.full_stores, full_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
                 cute.slice_(lay, (None, None, 0)), self.epi_tile))
-        for s, lay in zip(self.half_stores, half_layouts):
+        for s, lay in zip(self.half_stores + self.quants, half_layouts + quant_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
                 cute.slice_(lay, (None, None, 0)), (em, en // 2)))
@@ -204,7 +216,8 @@ class Sm90TreeEpilogue(SinkFolds):
             load_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), ins[self._in_index(t.name)],
                 cute.slice_(lay, (None, None, 0)), self.epi_tile))
-        return tuple(store_atoms), tuple(load_atoms), (tuple(full_layouts), tuple(half_layouts), tuple(tile_layouts))
+        return tuple(store_atoms), tuple(load_atoms), (tuple(full_layouts), tuple(half_layouts), tuple(tile_layouts),
+                                                       tuple(quant_layouts))
 
     def _in_index(self, name: str) -> int:
         return [i.name for i in self.tensor_inputs].index(name)
@@ -212,12 +225,14 @@ class Sm90TreeEpilogue(SinkFolds):
     # -- device side: shared memory ----------------------------------------------------------------
     def allocate(self, smem, layouts):
         """Carve the epilogue's buffers out of shared memory (after the mainloop's)."""
-        full_layouts, half_layouts, tile_layouts = layouts
+        full_layouts, half_layouts, tile_layouts, quant_layouts = layouts
         bufs = []
         for s, lay in zip(self.full_stores, full_layouts):
             bufs.append(smem.allocate_tensor(DSL_TYPES[_kdt(s)], lay.outer, 1024, swizzle=lay.inner))
         for s, lay in zip(self.half_stores, half_layouts):
             bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay, 1024))
+        for lay in quant_layouts:
+            bufs.append(smem.allocate_tensor(cutlass.Int16, lay, 1024))
         tiles = [smem.allocate_tensor(DSL_TYPES[_kdt(t)], lay.outer, 1024, swizzle=lay.inner)
                  for t, lay in zip(self.tile_inputs, tile_layouts)]
         scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
@@ -376,7 +391,8 @@ class Sm90TreeEpilogue(SinkFolds):
                 barrier.arrive_and_wait()
             staged = self._evaluate(emit, ctx, n_frag, [c[2] for c in full_copies], row_acc, found,
                                     scratch, warp_in_epi, bufs, buf, problem_mnl,
-                                    [outs[self.out_slots[g.name]] for g in self.gathers], tl)
+                                    [outs[self.out_slots[g.name]] for g in self.gathers],
+                                    [outs[self.out_slots[q.name] + 1] for q in self.quants], tl)
             for (tiled_r2s, tRS_sD, _), out in zip(full_copies, staged):
                 cute.copy(tiled_r2s, out, tRS_sD[(None, None, None, buf)])
             if const_expr(len(self.tile_inputs) > 0):
@@ -402,7 +418,7 @@ class Sm90TreeEpilogue(SinkFolds):
         return buffer_base + n_epi, load_state
 
     def _evaluate(self, emit, ctx, n_frag: int, shapes, row_acc, found, scratch, warp_in_epi, bufs,
-                  buf, problem_mnl, outs_g, tl):
+                  buf, problem_mnl, outs_g, outs_q, tl):
         """Every sink of the tree over one sub-tile, element after element: each element's
         values are rounded into the store fragments and folded into the row reductions and
         gathers right away, so the intermediates of one element die before the next is computed
@@ -412,7 +428,11 @@ class Sm90TreeEpilogue(SinkFolds):
         frags = [cute.make_rmem_tensor(2 * n_frag if s.wide else shape, DSL_TYPES[s.dtype])
                  for s, shape in zip(self.full_stores, shapes)]
         lse_items = [{} for _ in self.row_reds]
+        # a quantize sink's values wait in fp32 until their rows' block amax is known
+        quant_vals = [cute.make_rmem_tensor(n_frag, Float32) for _ in self.quants]
         for v in range(n_frag):
+            for k, q in enumerate(self.quants):
+                quant_vals[k][v] = _as_float(emit.value(q.x, v))
             for s, frag in zip(self.full_stores, frags):
                 for h in (0, 1) if s.wide else (None,):
                     i = v if h is None else 2 * v + h
@@ -437,6 +457,9 @@ class Sm90TreeEpilogue(SinkFolds):
         # element math made ptxas spill (e.g. 152 bytes on cooperative 128 x 256 tiles).
         for k, c in enumerate(self.col_reds):
             self._col_fold(c, scratch[k], emit, ctx, n_frag, warp_in_epi, problem_mnl)
+        first_quant = len(self.full_stores) + len(self.half_stores)
+        for k, q in enumerate(self.quants):
+            self._quantize(q, quant_vals[k], ctx, n_frag, bufs[first_quant + k], buf, outs_q[k], problem_mnl, tl)
         return [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Float32), cute.make_layout(shape))
                 if s.wide else f for s, f, shape in zip(self.full_stores, frags, shapes)]
 

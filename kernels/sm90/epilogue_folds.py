@@ -174,6 +174,47 @@ class SinkFolds:
                 if m < problem_mnl[0]:
                     out[(m, tl)] = val
 
+    def _quantize(self, q, vals, ctx, n_frag: int, sQ, buf, scales, problem_mnl, tl):
+        """A quantize sink over one sub-tile (one aligned 128-column block of each of its rows):
+        per row, amax over the block (columns past N count as 0), reduced over the row's quad;
+        the block scale s and 1 / s as the quantize kernels compute them (``fp8_math``); each
+        column pair cast to FP8 (``cvt.rn.satfinite``) and staged as one 16-bit word for the TMA
+        store; the quad's first lane writes the row's scale."""
+        fp8 = FP8_TYPES[q.dtype]
+        slots = sorted({ctx.row_slot(v) for v in range(n_frag)})
+        amax = {slot: Float32(0.0) for slot in slots}
+        for v in range(n_frag):
+            x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], vals[v], Float32(0.0)))
+            vals[v] = x
+            slot = ctx.row_slot(v)
+            amax[slot] = cute.arch.fmax(amax[slot], cute.math.abs(x), nan=True)
+        inv = {}
+        for slot in slots:
+            a = amax[slot]
+            for off in (1, 2):
+                a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=off), nan=True)
+            amax[slot], inv[slot] = block_scale(a, Float32(FP8_MAX[q.dtype]), q.pow2)
+        for v in range(0, n_frag, 2):
+            pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            pair[0] = vals[v] * inv[ctx.row_slot(v)]
+            pair[1] = vals[v + 1] * inv[ctx.row_slot(v)]
+            q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
+            q8.store(pair.load().to(fp8))
+            word = cute.make_tensor(cute.recast_ptr(q8.iterator, dtype=cutlass.Int16), cute.make_layout(1))
+            ml, nl = ctx.local(v)
+            sQ[(ml, nl // 2, buf)] = word[0]
+        for slot in slots:
+            v = next(v for v in range(n_frag) if ctx.row_slot(v) == slot)
+            self._write_scale(scales, ctx.row_index(v), ctx.col_index(v) // N.QUANT_BLOCK, amax[slot], tl,
+                              problem_mnl)
+
+    @cute.jit
+    def _write_scale(self, scales, m, blk, scale, tl, problem_mnl):
+        """The quad's first lane writes its row's block scale (rows and blocks inside the problem)."""
+        if cute.arch.lane_idx() % 4 == 0:
+            if m < problem_mnl[0] and blk * N.QUANT_BLOCK < problem_mnl[1]:
+                scales[(m, blk, tl)] = scale
+
 
 def _combine(is_max: bool, a, b):
     return cutlass.max(a, b) if is_max else a + b

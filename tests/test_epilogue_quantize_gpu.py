@@ -1,0 +1,99 @@
+"""GPU tests of the epilogue's quantize sink (``E.quantize``): the FP8 values and 1 x 128 scales a
+GEMM writes are bit for bit ``reference.quantize_blocks_ref`` of the same value stored in fp32 by
+the same launch, into outputs poisoned with NaN, on ragged shapes, both FP8 formats and
+power-of-two scales, 128 x 128 and 128 x 256 tiles; rows of zeros get scale 1, a row holding inf
+or NaN a NaN scale; a block-scaled FP8 GEMM's quantized output feeds the next block-scaled GEMM."""
+
+import pytest
+import torch
+
+from coda_cute import epilogue as E
+from coda_cute import reference as R
+from coda_cute.kernels.common.config import GemmConfig
+
+pytestmark = pytest.mark.gpu
+
+FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def _tree(dtype, pow2):
+    y = E.acc() * E.col_vec("c") + E.tile("res")
+    return E.Epilogue(E.store(y, "x", "float32"), E.quantize(y, "y_q", dtype, pow2))
+
+
+def _poisoned(m, n, dtype):
+    q = torch.full((m, n), float("nan"), device="cuda").to(FP8[dtype])
+    return q, torch.full((m, -(-n // 128)), float("nan"), device="cuda")
+
+
+def _operands(m, n, k):
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    b = (torch.randn(k, n, device="cuda") / k ** 0.5).bfloat16()
+    return a, b, {"c": torch.rand(n, device="cuda") + 0.5, "res": torch.randn(m, n, device="cuda").bfloat16()}
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("m, n, k", [(4096, 4096, 1024), (1000, 1040, 264), (77, 16, 64)])
+def test_values_and_scales_are_the_reference_of_the_stored_value(dtype, pow2, m, n, k):
+    a, b, inputs = _operands(m, n, k)
+    q, s = _poisoned(m, n, dtype)
+    out = E.run(_tree(dtype, pow2), a, b, inputs, outputs={"y_q": (q, s)})
+    want_q, want_s = R.quantize_blocks_ref(out["x"], (1, 128), FP8[dtype], pow2)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(128, 128, 64, "cooperative", 2, 1),
+                                 GemmConfig(128, 256, 64, "cooperative", 1, 1),
+                                 GemmConfig(128, 256, 64, "cooperative", 2, 1)], ids=lambda c: c.name)
+def test_every_tile_and_sub_tile_writes_its_own_blocks(cfg):
+    """Explicit configs, the quantized value alone (the 128 x 256 builds that do not spill), ragged
+    in both dimensions; against float64 within half an FP8 step of each value."""
+    m, n, k = 1100, 1296, 256
+    a, b, inputs = _operands(m, n, k)
+    tree = E.Epilogue(E.quantize(E.acc() * E.col_vec("c"), "y_q"))
+    q, s = _poisoned(m, n, "float8_e4m3fn")
+    E.run(tree, a, b, {"c": inputs["c"]}, outputs={"y_q": (q, s)}, config=cfg)
+    x = (a.double() @ b.double()) * inputs["c"].double()
+    assert not s.isnan().any() and not q.float().isnan().any()
+    deq = R.dequantize_blocks_ref(q, s, (1, 128)).double()
+    scale = s.repeat_interleave(128, 1)[:, :n].double()
+    # half a step of E4M3 (3 mantissa bits): 2^-4 relative, 2^-10 of the scale among denormals;
+    # plus the fp32 accumulation's own error
+    assert bool(((deq - x).abs() <= (2.0 ** -4 + 1e-5) * x.abs() + 2.0 ** -10 * scale).all())
+
+
+def test_zero_rows_get_scale_one_and_nonfinite_rows_a_nan_scale():
+    m, n, k = 256, 384, 128
+    a, b, inputs = _operands(m, n, k)
+    a[3] = 0
+    inputs["res"][3] = 0  # row 3 all zeros
+    inputs["res"][7, 200] = float("inf")  # row 7, block 1
+    inputs["res"][9, 5] = float("nan")  # row 9, block 0
+    q, s = _poisoned(m, n, "float8_e4m3fn")
+    E.run(_tree("float8_e4m3fn", False), a, b, inputs, outputs={"y_q": (q, s)})
+    assert torch.equal(s[3], torch.ones(3, device="cuda")) and not q[3].float().any()
+    assert s[7, 1].isnan() and s[9, 0].isnan()
+    assert not s[7, 0].isnan() and not s[7, 2].isnan() and not s[9, 1].isnan()
+
+
+def test_a_block_scaled_output_quantized_feeds_the_next_block_scaled_gemm():
+    """x1 = Q(a) @ QW(w1)^T quantized by its own epilogue, then x2 = Q(x1) @ QW(w2)^T: the chain
+    against float64 on the dequantized operands, and the first GEMM's quantization bit for bit
+    the reference of its bf16-free fp32 value."""
+    m, d, f = 2048, 1024, 1536
+    x = torch.randn(m, d, device="cuda")
+    w1 = torch.randn(f, d, device="cuda") / d ** 0.5
+    w2 = torch.randn(d, f, device="cuda") / f ** 0.5
+    a_q, a_s = R.quantize_blocks_ref(x, (1, 128))
+    w1_q, w1_s = R.quantize_blocks_ref(w1, (128, 128))
+    w2_q, w2_s = R.quantize_blocks_ref(w2, (128, 128))
+    tree = E.Epilogue(E.store(E.acc(), "x1", "float32"), E.quantize(E.acc(), "x1_q"))
+    out = E.run(tree, a_q, w1_q.t(), {}, block_scales=(a_s, w1_s))
+    h_q, h_s = out["x1_q"]
+    want_q, want_s = R.quantize_blocks_ref(out["x1"], (1, 128))
+    assert torch.equal(h_s, want_s) and torch.equal(h_q.view(torch.uint8), want_q.view(torch.uint8))
+    y = E.run(E.Epilogue(E.store(E.acc(), "y", "float32")), h_q, w2_q.t(), {}, block_scales=(h_s, w2_s))["y"]
+    want = R.block_scaled_gemm_ref(h_q, h_s, (1, 128), w2_q, w2_s, (128, 128), torch.float64)
+    assert ((y.double() - want).norm() / want.norm()) < 1e-5
