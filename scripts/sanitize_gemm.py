@@ -54,21 +54,25 @@ def block_scaled() -> float:
 
 def quantized() -> float:
     """The epilogue's quantize sink on ragged tiles (1000 x 1040: a last row tile and a partial
-    last block), bf16 128 x 128 and 128 x 256 and block-scaled FP8: values and scales against the
-    reference quantization of the value the same launch stores in fp32."""
+    last block), bf16 128 x 128 and 128 x 256 and block-scaled FP8: the dequantized values against
+    the reference quantization of the value the same launch stores in fp32 (128 x 256, which has
+    no room for that store: of torch's product)."""
     from coda_cute import epilogue as E
 
     tree = E.Epilogue(E.store(E.acc(), "x", "float32"), E.quantize(E.acc(), "x_q"))
+    alone = E.Epilogue(E.quantize(E.acc(), "x_q"))  # 128 x 256: an fp32 store beside it leaves 1 stage
     a = torch.randn(1000, 264, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(264, 1040, device="cuda", dtype=torch.bfloat16)
-    runs = [E.run(tree, a, b, {}, config=GemmConfig(128, n, 64, "cooperative", 1, 1)) for n in (128, 256)]
-    a_q, sa = R.quantize_blocks_ref(torch.randn(1000, 264, device="cuda"), (1, 128))
-    w_q, sw = R.quantize_blocks_ref(torch.randn(1040, 264, device="cuda"), (128, 128))
-    runs.append(E.run(tree, a_q, w_q.t(), {}, block_scales=(sa, sw)))
+    x = gemm_ref(a, b, round_output=False)
+    runs = [(E.run(tree, a, b, {}, config=GemmConfig(128, 128, 64, "cooperative", 1, 1)), None),
+            (E.run(alone, a, b, {}, config=GemmConfig(128, 256, 64, "cooperative", 1, 1)), x)]
+    a_q, sa = R.quantize_blocks_ref(torch.randn(1000, 272, device="cuda"), (1, 128))  # a partial k-block
+    w_q, sw = R.quantize_blocks_ref(torch.randn(1040, 272, device="cuda"), (128, 128))
+    runs.append((E.run(tree, a_q, w_q.t(), {}, block_scales=(sa, sw)), None))
     worst = 0.0
-    for out in runs:
+    for out, value in runs:
         q, s = out["x_q"]
-        want_q, want_s = R.quantize_blocks_ref(out["x"], (1, 128))
+        want_q, want_s = R.quantize_blocks_ref(out["x"] if value is None else value, (1, 128))
         worst = max(worst, rel(q.float() * s.repeat_interleave(128, 1)[:, :1040],
                                want_q.float() * want_s.repeat_interleave(128, 1)[:, :1040]))
     return worst

@@ -96,4 +96,9 @@ def test_a_block_scaled_output_quantized_feeds_the_next_block_scaled_gemm():
     assert torch.equal(h_s, want_s) and torch.equal(h_q.view(torch.uint8), want_q.view(torch.uint8))
     y = E.run(E.Epilogue(E.store(E.acc(), "y", "float32")), h_q, w2_q.t(), {}, block_scales=(h_s, w2_s))["y"]
     want = R.block_scaled_gemm_ref(h_q, h_s, (1, 128), w2_q, w2_s, (128, 128), torch.float64)
-    assert ((y.double() - want).norm() / want.norm()) < 1e-5
+    # the FP8 tensor cores' adder keeps about 14 bits within a k-block (test_block_scaled_gpu's bound)
+    mag = R.block_scaled_gemm_ref(h_q.float().abs(), h_s, (1, 128), w2_q.float().abs(), w2_s, (128, 128),
+                                  torch.float64)
+    err = (y.double() - want).abs()
+    assert bool((err <= 2.0 ** -11 * mag + 2.0 ** -23 * want.abs()).all())
+    assert ((y.double() - want).norm() / want.norm()) < 5e-4
