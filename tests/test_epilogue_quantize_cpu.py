@@ -136,3 +136,57 @@ def test_builds_are_spill_free_with_their_conversions_and_scale_stores(cfg, fp8,
     assert ops["st.shared.b16"] == subtiles * values // 2  # the FP8 pairs staged for TMA
     assert ops["st.global.b32"] == subtiles * 2  # a thread's two rows' scales per block
     assert ops["cp.async.bulk.tensor.3d.global.shared::cta"] >= 1  # the FP8 values' TMA store
+
+
+# -- the transposed sink: x^T in blocks of 128 rows of x -------------------------------------------
+
+
+def _both(dtype="float8_e4m3fn", pow2=False):
+    """y stored, and quantized both ways in the same pass (the wgrad operand and the dgrad one)."""
+    y = E.acc() * E.col_vec("c") + E.tile("res")
+    return E.Epilogue(E.store(y, "y"), E.quantize(y, "y_q", dtype, pow2), E.quantize(y, "y_t", dtype, pow2, True))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("m, n", [(256, 128), (272, 144), (16, 64)])  # whole, ragged last row block
+def test_transposed_reference_path_is_quantize_blocks_ref_of_the_transpose(dtype, pow2, m, n):
+    a, b, inputs = _operands(m, n, 96, m * n)
+    with coda_cute.reference_on_cpu():
+        out = E.run(_both(dtype, pow2), a, b, inputs)
+    x = (a.float() @ b.float()) * inputs["c"] + inputs["res"].float()
+    qt, st = out["y_t"]
+    want_q, want_s = quantize_blocks_ref(x.t(), (1, 128), FP8[dtype], pow2)
+    assert qt.shape == (n, m) and st.shape == (n, -(-m // 128))
+    assert torch.equal(_bits(qt), _bits(want_q)) and torch.equal(st, want_s)
+    q, s = out["y_q"]
+    assert torch.equal(_bits(q), _bits(quantize_blocks_ref(x, (1, 128), FP8[dtype], pow2)[0]))
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_transposed_rows_need_m_a_multiple_of_16(path):
+    op = E.register_op(f"test_quantize_t_rows_{path}", _both())
+    a, b, inputs = _operands(40, 128, 64, 7)
+    mode = coda_cute.reference_on_cpu() if path == "cpu" else FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, pytest.raises(ValueError, match=r"transposed quantized outputs need M a multiple of 16 .*got M=40"):
+        op(a, b, inputs["c"], inputs["res"])
+
+
+@pytest.mark.parametrize("cfg, tree, subtiles", [
+    (GemmConfig(128, 128, 64, "cooperative", 2, 1),
+     lambda: E.Epilogue(E.quantize(E.acc() * E.col_vec("c"), "y_t", transposed=True)), 4),
+    (GemmConfig(128, 256, 64, "cooperative", 2, 1),
+     lambda: E.Epilogue(E.quantize(E.acc() * E.col_vec("c"), "y_t", transposed=True)), 8),
+    (GemmConfig(128, 128, 64, "cooperative", 2, 1), _both, 1),  # both layouts: 128-column sub-tiles
+], ids=["t-128x128", "t-128x256", "both-128x128"])
+def test_transposed_builds_are_spill_free_with_one_byte_store_per_value(cfg, tree, subtiles):
+    k = compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree()), keep_artifacts=True)
+    ops = Counter(re.findall(r"\b(cvt\.rn\.satfinite\.e4m3x2\.f32|st\.shared\.b8|st\.global\.b32|bar\.sync)", k.ptx))
+    assert spill_bytes(k) == 0
+    both = subtiles == 1
+    per_thread = 128 * cfg.tile_n // 256  # the tile's values per epilogue thread
+    assert ops["st.shared.b8"] == per_thread  # each value at its transposed place
+    assert ops["cvt.rn.satfinite.e4m3x2.f32"] == per_thread // 2 * (2 if both else 1)
+    # per sub-tile: one column scale (threads < its width), plus two row scales with both layouts
+    assert ops["st.global.b32"] == subtiles * (3 if both else 1)
+    assert ops["bar.sync"] >= 2 * subtiles  # the column amax's two barriers per sub-tile

@@ -102,3 +102,43 @@ def test_a_block_scaled_output_quantized_feeds_the_next_block_scaled_gemm():
     err = (y.double() - want).abs()
     assert bool((err <= 2.0 ** -11 * mag + 2.0 ** -23 * want.abs()).all())
     assert ((y.double() - want).norm() / want.norm()) < 5e-4
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 2048, 512), (1040, 1296, 264), (16, 128, 64)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_both_layouts_in_one_pass_are_the_references_of_the_stored_value(m, n, k, pow2):
+    """The row sink (1 x 128 along N) and the transposed one (x^T, 128-row blocks) of the same value
+    in one launch, into NaN-poisoned outputs: each bit for bit the reference quantization of the
+    value the launch stores in fp32 (ragged M and N: a partial last row block and column block)."""
+    a, b, inputs = _operands(m, n, k)
+    y = E.acc() * E.col_vec("c") + E.tile("res")
+    tree = E.Epilogue(E.store(y, "x", "float32"), E.quantize(y, "y_q", pow2=pow2),
+                      E.quantize(y, "y_t", pow2=pow2, transposed=True))
+    q, s = _poisoned(m, n, "float8_e4m3fn")
+    qt, st = _poisoned(n, m, "float8_e4m3fn")
+    out = E.run(tree, a, b, inputs, outputs={"y_q": (q, s), "y_t": (qt, st)})
+    for (got_q, got_s), x in (((q, s), out["x"]), ((qt, st), out["x"].t())):
+        want_q, want_s = R.quantize_blocks_ref(x, (1, 128), torch.float8_e4m3fn, pow2)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(128, 128, 64, "cooperative", 2, 1),
+                                 GemmConfig(128, 256, 64, "cooperative", 1, 1)], ids=lambda c: c.name)
+def test_a_transposed_output_is_the_weight_gradient_operand(cfg):
+    """dY from a GEMM, quantized transposed in its epilogue (dY^T in 1 x 128 blocks along the
+    tokens), then dW = dY^T X on the block-scaled weight-gradient form: against float64 on the
+    dequantized operands; the transposed values bit for bit the reference of dY^T."""
+    t, d_out, d_in = 2048, 768, 512
+    a, b, _ = _operands(t, d_out, 256)
+    tree = E.Epilogue(E.store(E.acc(), "dy", "float32"), E.quantize(E.acc(), "dy_t", transposed=True))
+    out = E.run(tree, a, b, {}, config=cfg)
+    dyt_q, dyt_s = out["dy_t"]
+    want_q, want_s = R.quantize_blocks_ref(out["dy"].t(), (1, 128))
+    assert torch.equal(dyt_s, want_s) and torch.equal(dyt_q.view(torch.uint8), want_q.view(torch.uint8))
+    xt_q, xt_s = R.quantize_blocks_ref(torch.randn(d_in, t, device="cuda"), (1, 128))
+    dw = torch.ops.coda.gemm_blockwise(dyt_q, dyt_s.t().contiguous().t(), xt_q, xt_s, torch.float32, "1x128")
+    want = R.block_scaled_gemm_ref(dyt_q, dyt_s, (1, 128), xt_q, xt_s, (1, 128), torch.float64)
+    mag = R.block_scaled_gemm_ref(dyt_q.float().abs(), dyt_s, (1, 128), xt_q.float().abs(), xt_s, (1, 128),
+                                  torch.float64)
+    assert bool(((dw.double() - want).abs() <= 2.0 ** -11 * mag + 2.0 ** -23 * want.abs()).all())

@@ -43,8 +43,9 @@ def evaluate(tree: N.Epilogue, acc: torch.Tensor, inputs: dict, tile_mn=(128, 25
             res = _row_partials(x, s.op, tile_mn[1] // (2 if s.x.domain == N.HALF else 1))
         elif isinstance(s, N.ColReduce):
             res = _col_partials(x, s.op, tile_mn[0])
-        elif isinstance(s, N.Quantize):  # (values (L, M, N), scales (L, M, ceil(N / 128)))
-            parts = [quantize_blocks_ref(xl, (1, N.QUANT_BLOCK), _TORCH[s.dtype], s.pow2) for xl in x]
+        elif isinstance(s, N.Quantize):  # (values (L, M, N), scales (L, M, ceil(N / 128))), or of x^T
+            parts = [quantize_blocks_ref(xl.t() if s.transposed else xl, (1, N.QUANT_BLOCK), _TORCH[s.dtype], s.pow2)
+                     for xl in x]
             res = tuple(torch.stack(p) for p in zip(*parts))
         else:
             idx = ev.value(s.index).long().expand(L, M, 1)[..., 0]

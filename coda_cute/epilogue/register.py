@@ -31,8 +31,7 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
     tensors = [i for i in tree.inputs if i.kind != "scalar"]
     scalars = [i for i in tree.inputs if i.kind == "scalar"]
     args = ["Tensor a", "Tensor b"] + [f"Tensor {i.name}" for i in tensors] + [f"float {i.name}" for i in scalars]
-    n_out = sum(2 if (o.kind == "row_reduce" and o.op == "lse") or o.kind == "quantize" else 1
-                for o in tree.outputs)
+    n_out = sum(2 if (o.kind == "row_reduce" and o.op == "lse") or o.quantizes else 1 for o in tree.outputs)
     lib = torch.library.Library(namespace, "FRAGMENT")
     returns = "Tensor" if n_out == 1 else f"({', '.join(['Tensor'] * n_out)})"
     lib.define(f"{name}({', '.join(args)}) -> {returns}")
@@ -53,7 +52,7 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
 
     def config_for(a, b):
         m, n, k, batch, fp8 = check_operands(a, b, qual)
-        check_quantize(tree, n, None, qual)
+        check_quantize(tree, m, n, None, qual)
         sms = dispatch.num_sms_or_default(a.device)
         return m, n, batch, config_on(a.device, tree, m, n, k, batch, fp8, False, sms)
 

@@ -45,7 +45,7 @@ def fits(tree: N.Epilogue, cfg: GemmConfig, ab_bytes: int) -> bool:
 
 
 def quantizes(tree: N.Epilogue) -> bool:
-    return any(o.kind == "quantize" for o in tree.outputs)
+    return any(o.quantizes for o in tree.outputs)
 
 
 def quantize_config(cfg: GemmConfig) -> bool:
@@ -207,8 +207,8 @@ def _given_output(t, name, shape, dtype, view, kind, op):
                          f"{t.dtype} {tuple(t.shape)}")
     if t.is_contiguous() and not isinstance(view, ValueError):
         return _words(t, kind).as_strided(*view)
-    if kind not in ("store", "wide", "quantize") or t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide", "quantize")
+    if kind not in ("store", "wide", "quantize", "quantize_t") or t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide", "quantize", "quantize_t")
                          else " or row-major (stride 1 along N)") + f", got strides {tuple(t.stride())}")
     return tma_view(mn_view(_words(t, kind)), name, True, ("M", "N", "batch"), op)
 
@@ -226,7 +226,7 @@ def _flat_outputs(outputs: Optional[dict], tree: N.Epilogue) -> Optional[dict]:
         return outputs
     flat = dict(outputs)
     for o in tree.outputs:
-        if o.kind == "quantize" and o.name in flat:
+        if o.quantizes and o.name in flat:
             pair = flat.pop(o.name)
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"quantize output {o.name!r} is preallocated as a (values, scales) pair")
@@ -239,7 +239,7 @@ def _group(result: dict, tree: N.Epilogue) -> dict:
     for o in tree.outputs:
         if o.kind == "row_reduce" and o.op == "lse" and o.name + ".max" in result:
             result[o.name] = (result.pop(o.name + ".max"), result.pop(o.name + ".sumexp"))
-        elif o.kind == "quantize" and o.name + ".scale" in result:
+        elif o.quantizes and o.name + ".scale" in result:
             result[o.name] = (result.pop(o.name), result.pop(o.name + ".scale"))
     return result
 
@@ -297,6 +297,9 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
         elif o.kind == "quantize":  # values, and one scale per row and 128-column block
             out += [(o.name, lead + (m, n), torch_dtype(o.dtype), False),
                     (o.name + ".scale", lead + (m, -(-n // N.QUANT_BLOCK)), torch.float32, False)]
+        elif o.kind == "quantize_t":  # x^T, and one scale per column and 128-row block
+            out += [(o.name, lead + (n, m), torch_dtype(o.dtype), False),
+                    (o.name + ".scale", lead + (n, -(-m // N.QUANT_BLOCK)), torch.float32, False)]
         else:
             out.append((o.name, lead + (m,), torch.float32, True))
     return out
@@ -311,7 +314,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
         _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op, b_rows)
     arch = dispatch.arch_of(a.device)
     _check_half_width(tree, n, op)
-    check_quantize(tree, n, config, op)
+    check_quantize(tree, m, n, config, op)
     plan = Plan()
     plan.tree = tree
     plan.op = op
@@ -370,7 +373,7 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
         product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
                    @ dequantize_blocks_ref(b.t(), block_scales[1], (1, BLOCK) if b_rows else (BLOCK, BLOCK)).t())
     _check_half_width(tree, n, op)
-    check_quantize(tree, n, config, op)
+    check_quantize(tree, m, n, config, op)
     if not _check_extents(m, n, k, batch, op):
         _operand_views(a, b, fp8, op)
     for i in tree.inputs:
@@ -458,14 +461,17 @@ def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b
     check_block_scales(a, b, scales, op, b_rows)
 
 
-def check_quantize(tree, n: int, config, op):
-    """A quantize sink's rules: its rows of N FP8 values start on 16-byte boundaries (TMA), and
-    an explicit config is one it runs on (:func:`quantize_config`)."""
+def check_quantize(tree, m: int, n: int, config, op):
+    """A quantize sink's rules: its rows of N FP8 values (a transposed one's of M) start on
+    16-byte boundaries (TMA), and an explicit config is one it runs on (:func:`quantize_config`)."""
     if not quantizes(tree):
         return
-    if n % 16:
+    if n % 16 and any(o.kind == "quantize" for o in tree.outputs):
         raise ValueError(f"{op}: quantized outputs need N a multiple of 16 (rows of FP8 values start "
                          f"on 16-byte boundaries), got N={n}")
+    if m % 16 and any(o.kind == "quantize_t" for o in tree.outputs):
+        raise ValueError(f"{op}: transposed quantized outputs need M a multiple of 16 (their rows of M "
+                         f"FP8 values start on 16-byte boundaries), got M={m}")
     if config is not None and not quantize_config(config):
         raise ValueError(f"{op}: config {config.name} cannot quantize in its epilogue (it needs the "
                          f"cooperative schedule, tile_m 128 and tile_n a multiple of {N.QUANT_BLOCK})")
@@ -579,8 +585,8 @@ def _out_kind(name: str, tree: N.Epilogue) -> str:
     """An output's kind, "wide" for a double-width store, "quantize" for a quantize sink's values
     and "row_reduce" for its scales (laid out like row partials)."""
     o = next(o for o in tree.outputs if name.split(".")[0] == o.name)
-    if o.kind == "quantize" and name.endswith(".scale"):
-        return "row_reduce"
+    if o.quantizes and name.endswith(".scale"):
+        return "row_reduce" if o.kind == "quantize" else "col_reduce"
     return "wide" if o.kind == "store" and o.wide else o.kind
 
 
@@ -588,7 +594,7 @@ def _out_view(name, shape, dtype, kind, op):
     """(shape, strides) of the kernel's view of a dense output; for a store TMA cannot write
     densely, the ValueError saying why (raised at launch unless a padded output is given)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    if kind in ("store", "wide", "quantize"):
+    if kind in ("store", "wide", "quantize", "quantize_t"):
         try:
             v = tma_view(mn_view(_words(meta, kind)), name, True, ("M", "N", "batch"), op)
         except ValueError as e:

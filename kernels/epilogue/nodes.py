@@ -36,7 +36,10 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
               quantize(x, name, dtype, pow2)  x in FP8 with one fp32 scale per row and aligned
                                               128-column block: (values (M, N) FP8, scales
                                               (M, ceil(N / 128)) fp32), exactly
-                                              ``reference.quantize_blocks_ref(x, (1, 128))``
+                                              ``reference.quantize_blocks_ref(x, (1, 128))``;
+                                              ``transposed=True``: x^T in blocks of 128 rows of x
+                                              (the weight gradients' operand along the tokens):
+                                              (values (N, M), scales (N, ceil(M / 128)))
 
 ``Epilogue(*sinks)`` validates the DAG and gives it a structural key (node kinds, ops, dtypes,
 constants, which input each leaf reads by position in the input order; not names or values of
@@ -498,12 +501,17 @@ class Quantize(Sink):
     of ``precision.Fp8Recipe``): amax over the block, s = the scale of ``quantize_blocks_ref``
     (``pow2``: rounded up to a power of two), q = cast(x / s). Two outputs: the values (M, N) in
     ``dtype`` and the scales (M, ceil(N / 128)) fp32. A GEMM whose output is the next GEMM's
-    operand hands it over quantized without a pass of its own."""
+    operand hands it over quantized without a pass of its own. ``transposed``: x^T (N, M) in
+    blocks of 128 rows of x, scales (N, ceil(M / 128)): a 128-row tile holds whole blocks of each
+    column, so one pass can write both layouts of the tile (two sinks of the same x)."""
 
     kind = "quantize"
 
-    def __init__(self, x, name, dtype="float8_e4m3fn", pow2: bool = False):
+    def __init__(self, x, name, dtype="float8_e4m3fn", pow2: bool = False, transposed: bool = False):
         super().__init__(x, name)
+        self.transposed = bool(transposed)
+        if self.transposed:
+            self.kind = "quantize_t"
         if dtype not in FP8_DTYPES:
             raise EpilogueError(f"quantize {name!r}: dtype must be one of {FP8_DTYPES}, got {dtype!r}")
         if x.domain != FULL:
@@ -513,7 +521,7 @@ class Quantize(Sink):
         self.pow2 = bool(pow2)
 
     def params(self):
-        return (self.dtype, self.pow2)
+        return (self.dtype, self.pow2, self.transposed)
 
 
 # -- traversal and identity ------------------------------------------------------------------------
@@ -581,6 +589,10 @@ class OutputSpec:
         sink's FP8 column pairs as 16-bit ones."""
         return "float32" if self.wide else ("int16" if self.kind == "quantize" else self.dtype)
 
+    @property
+    def quantizes(self) -> bool:
+        return self.kind in ("quantize", "quantize_t")
+
 
 class Epilogue:
     """A validated epilogue: its sinks, named inputs and outputs, and a structural key."""
@@ -645,7 +657,7 @@ def _output_spec(s: Sink) -> OutputSpec:
     if isinstance(s, ColReduce):
         return OutputSpec(s.name, "col_reduce", "float32", False, s.op)
     if isinstance(s, Quantize):
-        return OutputSpec(s.name, "quantize", s.dtype, pow2=s.pow2)
+        return OutputSpec(s.name, s.kind, s.dtype, pow2=s.pow2)
     return OutputSpec(s.name, "gather", "float32")
 
 
@@ -670,8 +682,9 @@ def store(x: Node, name: str, dtype: str = "bfloat16") -> Sink: return Store(x, 
 def row_reduce(x: Node, op: str, name: str) -> Sink: return RowReduce(x, op, name)
 def col_reduce(x: Node, op: str, name: str) -> Sink: return ColReduce(x, op, name)
 def gather(x: Node, index: Node, name: str) -> Sink: return Gather(x, index, name)
-def quantize(x: Node, name: str, dtype: str = "float8_e4m3fn", pow2: bool = False) -> Sink:
-    return Quantize(x, name, dtype, pow2)
+def quantize(x: Node, name: str, dtype: str = "float8_e4m3fn", pow2: bool = False,
+             transposed: bool = False) -> Sink:
+    return Quantize(x, name, dtype, pow2, transposed)
 def row_sum(name: str) -> Node: return RowSum(name)
 def lookup(name: str, row: Node, col: Node) -> Node: return Lookup(name, row, col)
 

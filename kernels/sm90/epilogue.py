@@ -34,7 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.config import GemmConfig, pipeline_stages
 from ..epilogue import nodes as N
 from .acc_vectors import AccVectors
-from .epilogue_folds import SinkFolds, _as_float, _lse_fold
+from .epilogue_folds import FP8_TYPES, SinkFolds, _as_float, _lse_fold
 from ..epilogue.codegen import (Emitter, assumed_walk, lookups_ahead, read_lookups_ahead, split_value,
                                tile_uniform_split)
 
@@ -90,7 +90,8 @@ class Sm90TreeEpilogue(SinkFolds):
         self.row_reds = [s for s in sinks if isinstance(s, N.RowReduce)]
         self.col_reds = [s for s in sinks if isinstance(s, N.ColReduce)]
         self.gathers = [s for s in sinks if isinstance(s, N.Gather)]
-        self.quants = [s for s in sinks if isinstance(s, N.Quantize)]
+        self.quants = [s for s in sinks if isinstance(s, N.Quantize) and not s.transposed]
+        self.quants_t = [s for s in sinks if isinstance(s, N.Quantize) and s.transposed]
         # Gathers keep their row's hit in registers until the tile's end (a select per element)
         # next to stored outputs, else store it at once (a branch per element): the choice
         # ptxas kept spill-free (logits store + lse + gather on ping-pong 128 x 128: 48 bytes
@@ -124,12 +125,13 @@ class Sm90TreeEpilogue(SinkFolds):
         barriers and a TMA store round; on the H200 128-column sub-tiles made cooperative FP8
         128x128 two-level GEMMs 4-7 % faster than 32-column ones (16384 x {6144, 28672} x 4096)."""
         rows, cols = cfg.epi_tile
-        if self.quants:
-            # one 128-column block per row and sub-tile: its amax is the row's quad's
+        if self.quants or self.quants_t:
+            # a sub-tile holds whole blocks: one 128-column block of each row (its amax is the
+            # row's quad's), all 128 rows of each column (a transposed sink's)
             if cfg.schedule != "cooperative" or cfg.tile_m != 128 or cfg.tile_n % N.QUANT_BLOCK:
                 raise ValueError(f"quantize sinks need cooperative 128-row tiles of whole {N.QUANT_BLOCK}-"
                                  f"column blocks, got {cfg.name}")
-            return rows, N.QUANT_BLOCK
+            return rows, N.QUANT_BLOCK if self.quants else cols
         elementwise = not (self.tile_inputs or self.row_reds or self.col_reds or self.gathers
                            or self.half_stores or self.lookups_ahead or self.segment_nodes)
         if self.pingpong or not elementwise:
@@ -175,8 +177,10 @@ class Sm90TreeEpilogue(SinkFolds):
         sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
         sizes += [stages * em * (en // 2) * 2 for _ in self.quants]  # FP8 pairs as 16-bit words
+        sizes += [stages * en * em for _ in self.quants_t]  # x^T's FP8 bytes
         sizes += [ring * em * en * BYTES[_kdt(t)] for t in self.tile_inputs]
         sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
+        sizes += [(self.epi_warps + 1) * en * 4 for _ in self.quants_t]  # column amax partials, 1 / s
         mbarriers = 2 * ring * 8 if self.tile_inputs else 0
         return sum(-(-b // 1024) * 1024 for b in sizes) + mbarriers
 
@@ -202,6 +206,7 @@ class Sm90TreeEpilogue(SinkFolds):
             cute.make_layout((em, en // 2, self.stages), stride=(en // 2, 1, em * en // 2))
             for _ in self.quants
         ]
+        quant_t_layouts = [cute.make_layout((en, em, self.stages), stride=(em, 1, em * en)) for _ in self.quants_t]
         store_atoms = []
         for s, lay in zip(self.full_stores, full_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
@@ -211,13 +216,17 @@ class Sm90TreeEpilogue(SinkFolds):
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
                 cute.slice_(lay, (None, None, 0)), (em, en // 2)))
+        for s, lay in zip(self.quants_t, quant_t_layouts):  # a sub-tile's columns as rows of x^T
+            store_atoms.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
+                cute.slice_(lay, (None, None, 0)), (en, em)))
         load_atoms = []
         for t, lay in zip(self.tile_inputs, tile_layouts):
             load_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), ins[self._in_index(t.name)],
                 cute.slice_(lay, (None, None, 0)), self.epi_tile))
         return tuple(store_atoms), tuple(load_atoms), (tuple(full_layouts), tuple(half_layouts), tuple(tile_layouts),
-                                                       tuple(quant_layouts))
+                                                       tuple(quant_layouts), tuple(quant_t_layouts))
 
     def _in_index(self, name: str) -> int:
         return [i.name for i in self.tensor_inputs].index(name)
@@ -225,7 +234,7 @@ class Sm90TreeEpilogue(SinkFolds):
     # -- device side: shared memory ----------------------------------------------------------------
     def allocate(self, smem, layouts):
         """Carve the epilogue's buffers out of shared memory (after the mainloop's)."""
-        full_layouts, half_layouts, tile_layouts, quant_layouts = layouts
+        full_layouts, half_layouts, tile_layouts, quant_layouts, quant_t_layouts = layouts
         bufs = []
         for s, lay in zip(self.full_stores, full_layouts):
             bufs.append(smem.allocate_tensor(DSL_TYPES[_kdt(s)], lay.outer, 1024, swizzle=lay.inner))
@@ -233,10 +242,15 @@ class Sm90TreeEpilogue(SinkFolds):
             bufs.append(smem.allocate_tensor(DSL_TYPES[s.dtype], lay, 1024))
         for lay in quant_layouts:
             bufs.append(smem.allocate_tensor(cutlass.Int16, lay, 1024))
+        for s, lay in zip(self.quants_t, quant_t_layouts):
+            bufs.append(smem.allocate_tensor(FP8_TYPES[s.dtype], lay, 1024))
         tiles = [smem.allocate_tensor(DSL_TYPES[_kdt(t)], lay.outer, 1024, swizzle=lay.inner)
                  for t, lay in zip(self.tile_inputs, tile_layouts)]
         scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
                    for _ in self.col_reds]
+        scratch += [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps + 1, self.epi_tile[1]),
+                                                                   stride=(self.epi_tile[1], 1)), 1024)
+                    for _ in self.quants_t]
         load_pipe = None
         if const_expr(len(self.tile_inputs) > 0):
             mbar = smem.allocate_array(cutlass.Int64, 2 * self.load_stages, byte_alignment=8)
@@ -356,9 +370,14 @@ class Sm90TreeEpilogue(SinkFolds):
         full_copies = [self._r2s(tiled_mma, _kdt(s), tidx, buf)
                        for s, buf in zip(self.full_stores, bufs[:len(self.full_stores)])]
         store_parts = []
-        for atom, t, buf in zip(store_atoms, store_tensors, bufs):
-            g = cute.local_tile(t, (self.tile_mn[0], cute.size(buf, mode=[1]) * epi_grid[1]), (tm, tn, tl))
-            g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
+        n_plain = len(store_atoms) - len(self.quants_t)
+        for i, (atom, t, buf) in enumerate(zip(store_atoms, store_tensors, bufs)):
+            if const_expr(i < n_plain):
+                g = cute.local_tile(t, (self.tile_mn[0], cute.size(buf, mode=[1]) * epi_grid[1]), (tm, tn, tl))
+                g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
+            else:  # x^T: the tile is (tile_n, tile_m) at (tn, tm), a sub-tile (en, em)
+                g = cute.local_tile(t, (self.tile_mn[1], self.tile_mn[0]), (tn, tm, tl))
+                g_epi = cute.zipped_divide(g, (en, em))
             store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
 
         tile_copies = [self._s2r(tiled_mma, _kdt(t), tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
@@ -392,7 +411,8 @@ class Sm90TreeEpilogue(SinkFolds):
             staged = self._evaluate(emit, ctx, n_frag, [c[2] for c in full_copies], row_acc, found,
                                     scratch, warp_in_epi, bufs, buf, problem_mnl,
                                     [outs[self.out_slots[g.name]] for g in self.gathers],
-                                    [outs[self.out_slots[q.name] + 1] for q in self.quants], tl)
+                                    [outs[self.out_slots[q.name] + 1] for q in self.quants + self.quants_t], tl,
+                                    barrier, tidx, tile_mnl)
             for (tiled_r2s, tRS_sD, _), out in zip(full_copies, staged):
                 cute.copy(tiled_r2s, out, tRS_sD[(None, None, None, buf)])
             if const_expr(len(self.tile_inputs) > 0):
@@ -403,8 +423,11 @@ class Sm90TreeEpilogue(SinkFolds):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 barrier.arrive_and_wait()
                 if is_store_warp:
-                    for atom, (bS, bG) in zip(store_atoms, store_parts):
-                        cute.copy(atom, bS[(None, buf)], bG[(None, (emc, enc))])
+                    for i, (atom, (bS, bG)) in enumerate(zip(store_atoms, store_parts)):
+                        if const_expr(i < n_plain):
+                            cute.copy(atom, bS[(None, buf)], bG[(None, (emc, enc))])
+                        else:
+                            cute.copy(atom, bS[(None, buf)], bG[(None, (enc, emc))])
                     store_pipe.producer_commit()
         for k, r in enumerate(self.row_reds):
             self._row_finish(r, row_acc[k], outs, acc_coords, tn, tl, problem_mnl)
@@ -418,7 +441,7 @@ class Sm90TreeEpilogue(SinkFolds):
         return buffer_base + n_epi, load_state
 
     def _evaluate(self, emit, ctx, n_frag: int, shapes, row_acc, found, scratch, warp_in_epi, bufs,
-                  buf, problem_mnl, outs_g, outs_q, tl):
+                  buf, problem_mnl, outs_g, outs_q, tl, barrier, tidx, tile_mnl):
         """Every sink of the tree over one sub-tile, element after element: each element's
         values are rounded into the store fragments and folded into the row reductions and
         gathers right away, so the intermediates of one element die before the next is computed
@@ -429,9 +452,9 @@ class Sm90TreeEpilogue(SinkFolds):
                  for s, shape in zip(self.full_stores, shapes)]
         lse_items = [{} for _ in self.row_reds]
         # a quantize sink's values wait in fp32 until their rows' block amax is known
-        quant_vals = [cute.make_rmem_tensor(n_frag, Float32) for _ in self.quants]
+        quant_vals = [cute.make_rmem_tensor(n_frag, Float32) for _ in self.quants + self.quants_t]
         for v in range(n_frag):
-            for k, q in enumerate(self.quants):
+            for k, q in enumerate(self.quants + self.quants_t):
                 quant_vals[k][v] = _as_float(emit.value(q.x, v))
             for s, frag in zip(self.full_stores, frags):
                 for h in (0, 1) if s.wide else (None,):
@@ -460,6 +483,11 @@ class Sm90TreeEpilogue(SinkFolds):
         first_quant = len(self.full_stores) + len(self.half_stores)
         for k, q in enumerate(self.quants):
             self._quantize(q, quant_vals[k], ctx, n_frag, bufs[first_quant + k], buf, outs_q[k], problem_mnl, tl)
+        for k, q in enumerate(self.quants_t):
+            j = len(self.quants) + k
+            self._quantize_t(q, quant_vals[j], ctx, n_frag, bufs[first_quant + j], buf,
+                             scratch[len(self.col_reds) + k], outs_q[j], warp_in_epi, tidx, barrier,
+                             problem_mnl, tile_mnl)
         return [cute.make_tensor(cute.recast_ptr(f.iterator, dtype=Float32), cute.make_layout(shape))
                 if s.wide else f for s, f, shape in zip(self.full_stores, frags, shapes)]
 

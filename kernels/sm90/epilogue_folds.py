@@ -215,6 +215,60 @@ class SinkFolds:
             if m < problem_mnl[0] and blk * N.QUANT_BLOCK < problem_mnl[1]:
                 scales[(m, blk, tl)] = scale
 
+    def _quantize_t(self, q, vals, ctx, n_frag: int, sT, buf, scratch, scales, warp_in_epi, tidx, barrier,
+                    problem_mnl, tile_mnl):
+        """A transposed quantize sink over one sub-tile (all 128 rows of each of its columns: one
+        block of x^T's row): per column, amax over the thread's two rows (elements v and v + 2),
+        the warp's 8 row groups (shuffles 4, 8, 16) and the 8 warps (the scratch rows, after a
+        barrier); one thread per column computes s and 1 / s, writes s and leaves 1 / s in the
+        scratch's last row for the others (a second barrier); every value is then cast to FP8
+        and staged at its transposed place for the TMA store of x^T. Rows past M count as 0."""
+        fp8 = FP8_TYPES[q.dtype]
+        for v in range(n_frag):
+            vals[v] = Float32(cutlass.select_(ctx.row_index(v) < problem_mnl[0], vals[v], Float32(0.0)))
+        for j in range(n_frag // 4):
+            for pair in range(2):
+                v = 4 * j + pair
+                a = cute.arch.fmax(cute.math.abs(vals[v]), cute.math.abs(vals[v + 2]), nan=True)
+                for off in (4, 8, 16):
+                    a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=off), nan=True)
+                self._column_partial(scratch, warp_in_epi, ctx.local(v)[1], a)
+        barrier.arrive_and_wait()
+        self._column_scales(q, scratch, scales, tidx, ctx.sub0[1], problem_mnl, tile_mnl)
+        barrier.arrive_and_wait()
+        inv_row = self.epi_warps
+        for v in range(0, n_frag, 2):
+            ml, nl = ctx.local(v)
+            pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            pair[0] = vals[v] * scratch[(inv_row, nl)]
+            pair[1] = vals[v + 1] * scratch[(inv_row, nl + 1)]
+            q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
+            q8.store(pair.load().to(fp8))
+            sT[(nl, ml, buf)] = q8[0]
+            sT[(nl + 1, ml, buf)] = q8[1]
+
+    @cute.jit
+    def _column_partial(self, scratch, warp_in_epi, nl, amax):
+        """The warp's amax of sub-tile column ``nl`` (the lanes of one row group hold them all)."""
+        if cute.arch.lane_idx() < 4:
+            scratch[(warp_in_epi, nl)] = amax
+
+    @cute.jit
+    def _column_scales(self, q, scratch, scales, tidx, sub_n0, problem_mnl, tile_mnl):
+        """Thread ``tidx`` < the sub-tile's width: its column's amax over the warps' partials, the
+        block scale s (written to ``scales`` (N, m tiles) where the column and the tile's rows are
+        inside the problem) and 1 / s (left in the scratch's last row)."""
+        tm, tn, tl = tile_mnl
+        if tidx < self.epi_tile[1]:
+            a = scratch[(0, tidx)]
+            for w in cutlass.range_constexpr(1, self.epi_warps):
+                a = cute.arch.fmax(a, scratch[(w, tidx)], nan=True)
+            s, inv = block_scale(a, Float32(FP8_MAX[q.dtype]), q.pow2)
+            scratch[(self.epi_warps, tidx)] = inv
+            n = tn * self.tile_mn[1] + sub_n0 + tidx
+            if n < problem_mnl[1] and tm * self.tile_mn[0] < problem_mnl[0]:
+                scales[(n, tm, tl)] = s
+
 
 def _combine(is_max: bool, a, b):
     return cutlass.max(a, b) if is_max else a + b
