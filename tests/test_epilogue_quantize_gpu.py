@@ -105,20 +105,20 @@ def test_a_block_scaled_output_quantized_feeds_the_next_block_scaled_gemm():
 
 
 @pytest.mark.parametrize("m, n, k", [(4096, 2048, 512), (1040, 1296, 264), (16, 128, 64)])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_both_layouts_in_one_pass_are_the_references_of_the_stored_value(m, n, k, pow2):
+@pytest.mark.parametrize("dtype, pow2", [("float8_e4m3fn", False), ("float8_e4m3fn", True), ("float8_e5m2", False)])
+def test_both_layouts_in_one_pass_are_the_references_of_the_stored_value(m, n, k, dtype, pow2):
     """The row sink (1 x 128 along N) and the transposed one (x^T, 128-row blocks) of the same value
     in one launch, into NaN-poisoned outputs: each bit for bit the reference quantization of the
     value the launch stores in fp32 (ragged M and N: a partial last row block and column block)."""
     a, b, inputs = _operands(m, n, k)
     y = E.acc() * E.col_vec("c") + E.tile("res")
-    tree = E.Epilogue(E.store(y, "x", "float32"), E.quantize(y, "y_q", pow2=pow2),
-                      E.quantize(y, "y_t", pow2=pow2, transposed=True))
-    q, s = _poisoned(m, n, "float8_e4m3fn")
-    qt, st = _poisoned(n, m, "float8_e4m3fn")
+    tree = E.Epilogue(E.store(y, "x", "float32"), E.quantize(y, "y_q", dtype, pow2),
+                      E.quantize(y, "y_t", dtype, pow2, transposed=True))
+    q, s = _poisoned(m, n, dtype)
+    qt, st = _poisoned(n, m, dtype)
     out = E.run(tree, a, b, inputs, outputs={"y_q": (q, s), "y_t": (qt, st)})
     for (got_q, got_s), x in (((q, s), out["x"]), ((qt, st), out["x"].t())):
-        want_q, want_s = R.quantize_blocks_ref(x, (1, 128), torch.float8_e4m3fn, pow2)
+        want_q, want_s = R.quantize_blocks_ref(x, (1, 128), FP8[dtype], pow2)
         assert torch.equal(got_s, want_s)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -142,3 +142,20 @@ def test_a_transposed_output_is_the_weight_gradient_operand(cfg):
     mag = R.block_scaled_gemm_ref(dyt_q.float().abs(), dyt_s, (1, 128), xt_q.float().abs(), xt_s, (1, 128),
                                   torch.float64)
     assert bool(((dw.double() - want).abs() <= 2.0 ** -11 * mag + 2.0 ** -23 * want.abs()).all())
+
+
+def test_zero_columns_get_scale_one_and_nonfinite_columns_a_nan_scale():
+    """The transposed sink's column blocks: a column of zeros gets scale 1 and zeros, a column
+    holding inf or NaN in one 128-row block a NaN scale there only."""
+    m, n, k = 384, 256, 128
+    a, b, inputs = _operands(m, n, k)
+    b[:, 5] = 0
+    inputs["res"][:, 5] = 0  # column 5 all zeros
+    inputs["res"][200, 17] = float("inf")  # column 17, row block 1
+    inputs["res"][3, 40] = float("nan")  # column 40, row block 0
+    tree = E.Epilogue(E.quantize(E.acc() * E.col_vec("c") + E.tile("res"), "y_t", transposed=True))
+    qt, st = _poisoned(n, m, "float8_e4m3fn")
+    E.run(tree, a, b, inputs, outputs={"y_t": (qt, st)})
+    assert torch.equal(st[5], torch.ones(3, device="cuda")) and not qt[5].float().any()
+    assert st[17, 1].isnan() and st[40, 0].isnan()
+    assert not st[17, 0].isnan() and not st[17, 2].isnan() and not st[40, 1].isnan()

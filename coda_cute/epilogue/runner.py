@@ -209,8 +209,8 @@ def _given_output(t, name, shape, dtype, view, kind, op):
         return _words(t, kind).as_strided(*view)
     if kind not in ("store", "wide", "quantize", "quantize_t") or t.stride(-1) != 1:
         raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide", "quantize", "quantize_t")
-                         else " or row-major (stride 1 along N)") + f", got strides {tuple(t.stride())}")
-    return tma_view(mn_view(_words(t, kind)), name, True, ("M", "N", "batch"), op)
+                         else f" or row-major (stride 1 along {_dims(kind)[1]})") + f", got strides {tuple(t.stride())}")
+    return tma_view(mn_view(_words(t, kind)), name, True, _dims(kind), op)
 
 
 def _padded(t: torch.Tensor, cols: Optional[int]) -> torch.Tensor:
@@ -590,13 +590,18 @@ def _out_kind(name: str, tree: N.Epilogue) -> str:
     return "wide" if o.kind == "store" and o.wide else o.kind
 
 
+def _dims(kind: str) -> tuple:
+    """The names of an output's dimensions, for messages (a transposed quantize sink's are N, M)."""
+    return ("N", "M", "batch") if kind == "quantize_t" else ("M", "N", "batch")
+
+
 def _out_view(name, shape, dtype, kind, op):
     """(shape, strides) of the kernel's view of a dense output; for a store TMA cannot write
     densely, the ValueError saying why (raised at launch unless a padded output is given)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
     if kind in ("store", "wide", "quantize", "quantize_t"):
         try:
-            v = tma_view(mn_view(_words(meta, kind)), name, True, ("M", "N", "batch"), op)
+            v = tma_view(mn_view(_words(meta, kind)), name, True, _dims(kind), op)
         except ValueError as e:
             return e
     elif kind == "gather":
