@@ -107,17 +107,47 @@ def torchao_steps(y, dy2, d, f, console):
     return steps
 
 
-def quantize_bytes(m, d, f):
-    """Bytes our separate quantize passes move per forward + backward of ``coda.mlp_block_fp8``
-    (each reads bf16, writes 1 byte per FP8 value and an fp32 scale per 128 values): y and h
-    along K in the forward; dy2 and dz' both ways in one pass each (``coda.quantize_fp8_dual``);
-    h and y along the tokens for the weight gradients; the two weights in 128 x 128 blocks with
-    their FP8 transposes for the dgrads, in the same pass (read bf16, write both)."""
-    one = 2 + 1 + 4 / 128  # read bf16, write FP8 + scales
-    both = 2 + 2 * (1 + 4 / 128)
-    acts = (m * d + m * f) * one + (m * d + m * 2 * f) * both + (m * f + m * d) * one
-    weights = 3 * f * d
-    return acts + weights * (2 + 1 + 1)
+#: bytes per element: an FP8 value and its share of a 1 x 128 block's fp32 scale
+_FP8 = 1 + 4 / 128
+
+
+def quantize_bytes(m, d, f) -> list[dict]:
+    """What quantization moves per forward + backward of ``coda.mlp_block_fp8``, per tensor:
+    today's separate passes (each reads the bf16 tensor, 2 bytes per element, and writes each
+    layout's FP8 values and scales) against the same quantization in the producing GEMM's epilogue
+    (``E.quantize``: the writes only), and whether the epilogue's sinks take that tensor yet. y
+    and dy2 are full-width outputs of the neighbouring sublayers' GEMMs (their sinks can write
+    them, both layouts in one pass); h is the gate/up GEMM's half-width output, dz' the down dgrad's
+    double-width one (sinks for those widths are still to build); the weights are quantized by
+    their own kernel with their FP8 transposes (read bf16, write both), once per version with
+    ``nn.fold.WeightQuantCache``."""
+    rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM"),
+            ("h (forward, along K)", m * f, 1, "no: half-width"),
+            ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad"),
+            ("dz' (both layouts)", m * 2 * f, 2, "no: double-width"),
+            ("h (along the tokens)", m * f, 1, "no: half-width (transposed sink)"),
+            ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)")]
+    out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink)
+           for name, n, layouts, sink in rows]
+    w = 3 * f * d
+    out.append(dict(tensor="W_gu, W_down (128 x 128, with transposes)", elements=w, separate=w * (2 + 2),
+                    fused=None, sink="own kernel, once per version when cached"))
+    return out
+
+
+def print_quantize_bytes(rows: list, console) -> float:
+    """The table of :func:`quantize_bytes`; returns the separate passes' total GB."""
+    t = Table(title="bytes moved by quantization per MLP forward + backward (GB)")
+    for col in ("tensor", "separate passes", "in the producing epilogue", "sink today"):
+        t.add_column(col, justify="left" if col in ("tensor", "sink today") else "right")
+    for r in rows:
+        t.add_row(r["tensor"], f"{r['separate'] / 1e9:.3f}",
+                  "-" if r["fused"] is None else f"{r['fused'] / 1e9:.3f}", r["sink"])
+    total = sum(r["separate"] for r in rows) / 1e9
+    fused = sum(r["fused"] if r["fused"] is not None else r["separate"] for r in rows) / 1e9
+    t.add_row("total", f"{total:.3f}", f"{fused:.3f}", "")
+    console.print(t)
+    return total
 
 
 def back_to_back_ms(fn, calls: int = 5) -> float:
@@ -191,12 +221,14 @@ def main(argv=None) -> int:
     console.print(t)
     if args.profile and "coda fp8" in fns:
         print_profile(fns["coda fp8"], console)
-    gb = quantize_bytes(m, d, f) / 1e9
+    bytes_rows = quantize_bytes(m, d, f)
+    gb = print_quantize_bytes(bytes_rows, console)
     console.print(f"our separate quantize passes move {gb:.2f} GB per step "
                   f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": alone, "quantize_gb": gb}, fh, indent=1)
+            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": alone, "quantize_gb": gb,
+                       "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0
 
 
