@@ -83,7 +83,7 @@ def test_widths_that_are_no_multiple_of_16_are_refused(path):
     op = E.register_op(f"test_quantize_width_{path}", _tree())
     a, b, inputs = _operands(32, 144, 64, 5)
     mode = coda_cute.reference_on_cpu() if path == "cpu" else FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, pytest.raises(ValueError, match=r"quantized outputs need N a multiple of 16 .*got N=136"):
+    with mode, pytest.raises(ValueError, match=r"quantized outputs need rows of a multiple of 16 FP8 values .*got N=136"):
         op(a[:, :64], b[:, :136], inputs["c"][:136], inputs["res"][:, :136].contiguous())
 
 
@@ -190,3 +190,61 @@ def test_transposed_builds_are_spill_free_with_one_byte_store_per_value(cfg, tre
     # per sub-tile: one column scale (threads < its width), plus two row scales with both layouts
     assert ops["st.global.b32"] == subtiles * (3 if both else 1)
     assert ops["bar.sync"] >= 2 * subtiles  # the column amax's two barriers per sub-tile
+
+
+# -- double-width values (a column pair per output column: the SwiGLU backward's dz') ------------
+
+
+def _pairs():
+    """dz' = interleave(dg, du)-like: (acc * c, acc + res) per output column, rounded to bf16."""
+    dz = E.cast(E.interleave(E.acc() * E.col_vec("c"), E.acc() + E.tile("res")), "bfloat16")
+    return E.Epilogue(E.store(dz, "dz"), E.quantize(dz, "dz_q"))
+
+
+@pytest.mark.parametrize("m, n", [(64, 128), (77, 72), (5, 8)])  # whole blocks, a partial last block
+def test_double_width_reference_path_is_quantize_blocks_ref_of_the_pairs(m, n):
+    a, b, inputs = _operands(m, n, 96, 11 * m + n)
+    with coda_cute.reference_on_cpu():
+        out = E.run(_pairs(), a, b, inputs)
+    q, s = out["dz_q"]
+    want_q, want_s = quantize_blocks_ref(out["dz"].float(), (1, 128))
+    assert q.shape == (m, 2 * n) and s.shape == (m, -(-2 * n // 128))
+    assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
+
+
+def test_double_width_rules():
+    a, b, inputs = _operands(32, 68, 64, 12)
+    with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match=r"rows of a multiple of 16 FP8 values .*got N=68"):
+        E.run(_pairs(), a, b, inputs)
+    mixed = E.Epilogue(E.quantize(E.acc(), "q"), E.quantize(E.interleave(E.acc(), E.acc()), "q2"))
+    a, b, inputs = _operands(32, 64, 64, 13)
+    with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match="either full-width or double-width"):
+        E.run(mixed, a, b, {})
+    with pytest.raises(E.EpilogueError, match="quantize full-width values"):
+        E.quantize(E.interleave(E.acc(), E.acc()), "q", transposed=True)
+
+
+@pytest.mark.parametrize("cfg, fp8", [(GemmConfig(128, 128, 64, "cooperative", 2, 1), False),
+                                      (GemmConfig(128, 256, 64, "cooperative", 2, 1), False),
+                                      (GemmConfig(128, 128, 128, "cooperative", 2, 1), True)],
+                         ids=["bf16-128x128", "bf16-128x256", "block-scaled-fp8"])
+def test_double_width_builds_are_spill_free_in_64_column_sub_tiles(cfg, fp8):
+    """64-column sub-tiles (128 values per row); one conversion per column pair, the pairs staged
+    as 16-bit words (vectorized two at a time), one scale store per row the thread holds and block.
+    The SwiGLU backward with its gradient quantized instead of stored bf16 builds spill-free too."""
+    tree = E.Epilogue(E.quantize(E.interleave(E.acc() * E.col_vec("c"), E.acc()), "dz_q"))
+    dt = "float8_e4m3fn" if fp8 else "bfloat16"
+    k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, block_scaled=fp8), keep_artifacts=True)
+    ops = Counter(re.findall(r"\b(cvt\.rn\.satfinite\.e4m3x2\.f32|st\.global\.b32|st\.shared\.v2\.b16)", k.ptx))
+    subtiles = cfg.tile_n // 64
+    assert spill_bytes(k) == 0
+    assert ops["cvt.rn.satfinite.e4m3x2.f32"] == subtiles * 128 * 64 // 256  # a pair per element
+    assert ops["st.shared.v2.b16"] == subtiles * 128 * 64 // 256 // 2
+    assert ops["st.global.b32"] == subtiles * 2
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    bt = swiglu_backward_tree()
+    fused = E.Epilogue(bt.sinks[1], bt.sinks[2], E.quantize(E.cast(bt.sinks[0].x, "bfloat16"), "dz_q"))
+    if cfg.tile_n == 128:
+        k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, fused, block_scaled=fp8))
+        assert spill_bytes(k) == 0

@@ -159,3 +159,19 @@ def test_zero_columns_get_scale_one_and_nonfinite_columns_a_nan_scale():
     assert torch.equal(st[5], torch.ones(3, device="cuda")) and not qt[5].float().any()
     assert st[17, 1].isnan() and st[40, 0].isnan()
     assert not st[17, 0].isnan() and not st[17, 2].isnan() and not st[40, 1].isnan()
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 1024, 512), (1040, 648, 264)])
+def test_double_width_values_are_the_reference_of_the_stored_pairs(m, n, k):
+    """A double-width value (two per output column, like the SwiGLU backward's dz'), rounded to
+    bf16, stored and quantized in the same launch: values (M, 2N) and scales (M, ceil(2N / 128))
+    bit for bit the reference quantization of the stored pairs (ragged: 2N = 1296 ends in a
+    partial block), into NaN-poisoned outputs."""
+    a, b, inputs = _operands(m, n, k)
+    dz = E.cast(E.interleave(E.acc() * E.col_vec("c"), E.acc() + E.tile("res")), "bfloat16")
+    tree = E.Epilogue(E.store(dz, "dz"), E.quantize(dz, "dz_q"))
+    q, s = _poisoned(m, 2 * n, "float8_e4m3fn")
+    out = E.run(tree, a, b, inputs, outputs={"dz_q": (q, s)})
+    want_q, want_s = R.quantize_blocks_ref(out["dz"].float(), (1, 128))
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -295,8 +295,9 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
         elif o.kind == "col_reduce":
             out.append((o.name, lead + (n, -(-m // config.tile_m)), torch.float32, False))
         elif o.kind == "quantize":  # values, and one scale per row and 128-column block
-            out += [(o.name, lead + (m, n), torch_dtype(o.dtype), False),
-                    (o.name + ".scale", lead + (m, -(-n // N.QUANT_BLOCK)), torch.float32, False)]
+            cols = 2 * n if o.wide else n
+            out += [(o.name, lead + (m, cols), torch_dtype(o.dtype), False),
+                    (o.name + ".scale", lead + (m, -(-cols // N.QUANT_BLOCK)), torch.float32, False)]
         elif o.kind == "quantize_t":  # x^T, and one scale per column and 128-row block
             out += [(o.name, lead + (n, m), torch_dtype(o.dtype), False),
                     (o.name + ".scale", lead + (n, -(-m // N.QUANT_BLOCK)), torch.float32, False)]
@@ -466,9 +467,13 @@ def check_quantize(tree, m: int, n: int, config, op):
     16-byte boundaries (TMA), and an explicit config is one it runs on (:func:`quantize_config`)."""
     if not quantizes(tree):
         return
-    if n % 16 and any(o.kind == "quantize" for o in tree.outputs):
-        raise ValueError(f"{op}: quantized outputs need N a multiple of 16 (rows of FP8 values start "
-                         f"on 16-byte boundaries), got N={n}")
+    if any(o.kind == "quantize" and n * (2 if o.wide else 1) % 16 for o in tree.outputs):
+        raise ValueError(f"{op}: quantized outputs need rows of a multiple of 16 FP8 values (N, or 2N for a "
+                         f"double-width value: rows start on 16-byte boundaries), got N={n}")
+    kinds = {o.wide for o in tree.outputs if o.kind == "quantize"}
+    if len(kinds) > 1:
+        raise ValueError(f"{op}: a tree quantizes either full-width or double-width values, not both "
+                         "(their sub-tiles are 128 and 64 columns wide)")
     if m % 16 and any(o.kind == "quantize_t" for o in tree.outputs):
         raise ValueError(f"{op}: transposed quantized outputs need M a multiple of 16 (their rows of M "
                          f"FP8 values start on 16-byte boundaries), got M={m}")

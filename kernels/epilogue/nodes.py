@@ -35,7 +35,8 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
                                               whose index is outside [0, N) are left at 0
               quantize(x, name, dtype, pow2)  x in FP8 with one fp32 scale per row and aligned
                                               128-column block: (values (M, N) FP8, scales
-                                              (M, ceil(N / 128)) fp32), exactly
+                                              (M, ceil(N / 128)) fp32; a double-width x: (M, 2N)
+                                              and (M, ceil(2N / 128))), exactly
                                               ``reference.quantize_blocks_ref(x, (1, 128))``;
                                               ``transposed=True``: x^T in blocks of 128 rows of x
                                               (the weight gradients' operand along the tokens):
@@ -514,14 +515,20 @@ class Quantize(Sink):
             self.kind = "quantize_t"
         if dtype not in FP8_DTYPES:
             raise EpilogueError(f"quantize {name!r}: dtype must be one of {FP8_DTYPES}, got {dtype!r}")
-        if x.domain != FULL:
-            raise EpilogueError(f"quantize {name!r}: quantize full-width values (one per output column); "
-                                f"got a {x.domain}-width one")
+        if x.domain not in (FULL, DOUBLE) or (self.transposed and x.domain != FULL):
+            raise EpilogueError(f"quantize {name!r}: quantize full-width values (one per output column)"
+                                + ("" if self.transposed else " or double-width ones (a column pair each)")
+                                + f"; got a {x.domain}-width one")
         self.dtype = dtype
         self.pow2 = bool(pow2)
 
+    @property
+    def wide(self) -> bool:
+        """A double-width value: (M, 2N) values, one 16-bit word of two FP8 values per column."""
+        return self.x.domain == DOUBLE
+
     def params(self):
-        return (self.dtype, self.pow2, self.transposed)
+        return (self.dtype, self.pow2, self.transposed, self.wide)
 
 
 # -- traversal and identity ------------------------------------------------------------------------
@@ -587,7 +594,9 @@ class OutputSpec:
     def kernel_dtype(self) -> str:
         """What the kernel writes: a double-width store's column pairs as 32-bit words, a quantize
         sink's FP8 column pairs as 16-bit ones."""
-        return "float32" if self.wide else ("int16" if self.kind == "quantize" else self.dtype)
+        if self.kind == "quantize":
+            return "int16"
+        return "float32" if self.wide else self.dtype
 
     @property
     def quantizes(self) -> bool:
@@ -657,7 +666,7 @@ def _output_spec(s: Sink) -> OutputSpec:
     if isinstance(s, ColReduce):
         return OutputSpec(s.name, "col_reduce", "float32", False, s.op)
     if isinstance(s, Quantize):
-        return OutputSpec(s.name, s.kind, s.dtype, pow2=s.pow2)
+        return OutputSpec(s.name, s.kind, s.dtype, pow2=s.pow2, wide=s.wide)
     return OutputSpec(s.name, "gather", "float32")
 
 

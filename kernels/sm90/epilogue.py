@@ -131,6 +131,8 @@ class Sm90TreeEpilogue(SinkFolds):
             if cfg.schedule != "cooperative" or cfg.tile_m != 128 or cfg.tile_n % N.QUANT_BLOCK:
                 raise ValueError(f"quantize sinks need cooperative 128-row tiles of whole {N.QUANT_BLOCK}-"
                                  f"column blocks, got {cfg.name}")
+            if self.quants and self.quants[0].wide:  # 64 columns of column pairs: one 128-value block
+                return rows, N.QUANT_BLOCK // 2
             return rows, N.QUANT_BLOCK if self.quants else cols
         elementwise = not (self.tile_inputs or self.row_reds or self.col_reds or self.gathers
                            or self.half_stores or self.lookups_ahead or self.segment_nodes)
@@ -176,7 +178,7 @@ class Sm90TreeEpilogue(SinkFolds):
         stages = epi_stage_count(self.tile_mn, (em, en))
         sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
-        sizes += [stages * em * (en // 2) * 2 for _ in self.quants]  # FP8 pairs as 16-bit words
+        sizes += [stages * em * _quant_words(q, en) * 2 for q in self.quants]  # FP8 pairs as 16-bit words
         sizes += [stages * en * em for _ in self.quants_t]  # x^T's FP8 bytes
         sizes += [ring * em * en * BYTES[_kdt(t)] for t in self.tile_inputs]
         sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
@@ -203,8 +205,9 @@ class Sm90TreeEpilogue(SinkFolds):
             for t in self.tile_inputs
         ]
         quant_layouts = [
-            cute.make_layout((em, en // 2, self.stages), stride=(en // 2, 1, em * en // 2))
-            for _ in self.quants
+            cute.make_layout((em, _quant_words(q, en), self.stages),
+                             stride=(_quant_words(q, en), 1, em * _quant_words(q, en)))
+            for q in self.quants
         ]
         quant_t_layouts = [cute.make_layout((en, em, self.stages), stride=(em, 1, em * en)) for _ in self.quants_t]
         store_atoms = []
@@ -215,7 +218,7 @@ class Sm90TreeEpilogue(SinkFolds):
         for s, lay in zip(self.half_stores + self.quants, half_layouts + quant_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
-                cute.slice_(lay, (None, None, 0)), (em, en // 2)))
+                cute.slice_(lay, (None, None, 0)), (em, cute.size(lay, mode=[1]))))
         for s, lay in zip(self.quants_t, quant_t_layouts):  # a sub-tile's columns as rows of x^T
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
@@ -452,10 +455,13 @@ class Sm90TreeEpilogue(SinkFolds):
                  for s, shape in zip(self.full_stores, shapes)]
         lse_items = [{} for _ in self.row_reds]
         # a quantize sink's values wait in fp32 until their rows' block amax is known
-        quant_vals = [cute.make_rmem_tensor(n_frag, Float32) for _ in self.quants + self.quants_t]
+        quant_vals = [cute.make_rmem_tensor(2 * n_frag if q.wide else n_frag, Float32)
+                      for q in self.quants + self.quants_t]
         for v in range(n_frag):
             for k, q in enumerate(self.quants + self.quants_t):
-                quant_vals[k][v] = _as_float(emit.value(q.x, v))
+                for h in (0, 1) if q.wide else (None,):
+                    i = v if h is None else 2 * v + h
+                    quant_vals[k][i] = _as_float(emit.value(q.x, i))
             for s, frag in zip(self.full_stores, frags):
                 for h in (0, 1) if s.wide else (None,):
                     i = v if h is None else 2 * v + h
@@ -648,6 +654,12 @@ class _Ctx:
         i1 = (idx // 2) % 2
         mm = idx // (4 * v_chunks)
         return i1 + 2 * (mm % (self.epi.row_slots // 2))
+
+
+def _quant_words(q, en: int) -> int:
+    """16-bit words per row of a quantize sink's sub-tile staging: a column pair's FP8 values
+    each (half the columns), or a double-width value's pair per column."""
+    return en if q.wide else en // 2
 
 
 def _kdt(x) -> str:

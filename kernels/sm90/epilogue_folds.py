@@ -175,17 +175,20 @@ class SinkFolds:
                     out[(m, tl)] = val
 
     def _quantize(self, q, vals, ctx, n_frag: int, sQ, buf, scales, problem_mnl, tl):
-        """A quantize sink over one sub-tile (one aligned 128-column block of each of its rows):
-        per row, amax over the block (columns past N count as 0), reduced over the row's quad;
-        the block scale s and 1 / s as the quantize kernels compute them (``fp8_math``); each
-        column pair cast to FP8 (``cvt.rn.satfinite``) and staged as one 16-bit word for the TMA
-        store; the quad's first lane writes the row's scale."""
+        """A quantize sink over one sub-tile (one aligned 128-value block of each of its rows: 128
+        columns, or 64 of a double-width value's column pairs): per row, amax over the block
+        (columns past N count as 0), reduced over the row's quad; the block scale s and 1 / s as
+        the quantize kernels compute them (``fp8_math``); each pair of adjacent values cast to FP8
+        (``cvt.rn.satfinite``) and staged as one 16-bit word for the TMA store; the quad's first
+        lane writes the row's scale."""
         fp8 = FP8_TYPES[q.dtype]
+        per = 2 if q.wide else 1  # values per fragment element
         slots = sorted({ctx.row_slot(v) for v in range(n_frag)})
         amax = {slot: Float32(0.0) for slot in slots}
-        for v in range(n_frag):
-            x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], vals[v], Float32(0.0)))
-            vals[v] = x
+        for i in range(per * n_frag):
+            v = i // per
+            x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], vals[i], Float32(0.0)))
+            vals[i] = x
             slot = ctx.row_slot(v)
             amax[slot] = cute.arch.fmax(amax[slot], cute.math.abs(x), nan=True)
         inv = {}
@@ -194,25 +197,28 @@ class SinkFolds:
             for off in (1, 2):
                 a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=off), nan=True)
             amax[slot], inv[slot] = block_scale(a, Float32(FP8_MAX[q.dtype]), q.pow2)
-        for v in range(0, n_frag, 2):
+        # the value pairs: a double-width element's own pair, else elements v and v + 1
+        for i in range(0, per * n_frag, 2):
+            v = i // per
             pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            pair[0] = vals[v] * inv[ctx.row_slot(v)]
-            pair[1] = vals[v + 1] * inv[ctx.row_slot(v)]
+            pair[0] = vals[i] * inv[ctx.row_slot(v)]
+            pair[1] = vals[i + 1] * inv[ctx.row_slot(v)]
             q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
             q8.store(pair.load().to(fp8))
             word = cute.make_tensor(cute.recast_ptr(q8.iterator, dtype=cutlass.Int16), cute.make_layout(1))
             ml, nl = ctx.local(v)
-            sQ[(ml, nl // 2, buf)] = word[0]
+            sQ[(ml, nl if q.wide else nl // 2, buf)] = word[0]
         for slot in slots:
             v = next(v for v in range(n_frag) if ctx.row_slot(v) == slot)
-            self._write_scale(scales, ctx.row_index(v), ctx.col_index(v) // N.QUANT_BLOCK, amax[slot], tl,
-                              problem_mnl)
+            blk = ctx.col_index(v) * per // N.QUANT_BLOCK
+            self._write_scale(scales, ctx.row_index(v), blk, amax[slot], tl, problem_mnl, per)
 
     @cute.jit
-    def _write_scale(self, scales, m, blk, scale, tl, problem_mnl):
-        """The quad's first lane writes its row's block scale (rows and blocks inside the problem)."""
+    def _write_scale(self, scales, m, blk, scale, tl, problem_mnl, per: cutlass.Constexpr):
+        """The quad's first lane writes its row's block scale (rows and blocks inside the problem;
+        ``per`` values per output column)."""
         if cute.arch.lane_idx() % 4 == 0:
-            if m < problem_mnl[0] and blk * N.QUANT_BLOCK < problem_mnl[1]:
+            if m < problem_mnl[0] and blk * N.QUANT_BLOCK < per * problem_mnl[1]:
                 scales[(m, blk, tl)] = scale
 
     def _quantize_t(self, q, vals, ctx, n_frag: int, sT, buf, scratch, scales, warp_in_epi, tidx, barrier,
