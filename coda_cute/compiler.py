@@ -186,9 +186,10 @@ def _fake_signature(spec: KernelSpec):
         elif o.kind == "quantize":  # FP8 column pairs as (M, N / 2) 16-bit words, then the scales
             outs.append(fake("int16", (m, cute.sym_int(), l), (stride16("int16"), 1, stride16("int16"))))
             outs.append(fake("float32", (m, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
-        elif o.kind == "quantize_t":  # x^T (N, M) in FP8, then the scales (N, ceil(M / 128))
-            outs.append(fake(o.dtype, (n, m, l), (stride16(o.dtype), 1, stride16(o.dtype))))
-            outs.append(fake("float32", (n, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
+        elif o.kind == "quantize_t":  # x^T (N, M) in FP8 (N / 2 or 2N rows: half, double), its scales
+            rows = cute.sym_int() if (o.half or o.wide) else n
+            outs.append(fake(o.dtype, (rows, m, l), (stride16(o.dtype), 1, stride16(o.dtype))))
+            outs.append(fake("float32", (rows, cute.sym_int(), l), (cute.sym_int64(), 1, cute.sym_int64()), 4))
         else:  # gather
             outs.append(fake("float32", (m, l), (1, cute.sym_int64()), 4))
     scalars = tuple(cutlass.Float32(0.0) for i in spec.tree.inputs if i.kind == "scalar")

@@ -117,16 +117,16 @@ def quantize_bytes(m, d, f) -> list[dict]:
     layout's FP8 values and scales) against the same quantization in the producing GEMM's epilogue
     (``E.quantize``: the writes only), and whether the epilogue's sinks take that tensor yet. y
     and dy2 are full-width outputs of the neighbouring sublayers' GEMMs (their sinks can write
-    them, both layouts in one pass); h is the gate/up GEMM's half-width output (no sink for that
-    width yet), dz' the down dgrad's double-width one (its row layout has a sink, its transposed
-    one not yet); the weights are quantized by
+    them, both layouts in one pass); h is the gate/up GEMM's half-width output (its transposed
+    layout has a sink; along its columns a block-scaled tile holds half a block of each row), dz'
+    the down dgrad's double-width one (both layouts); the weights are quantized by
     their own kernel with their FP8 transposes (read bf16, write both), once per version with
     ``nn.fold.WeightQuantCache``."""
     rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM"),
-            ("h (forward, along K)", m * f, 1, "no: half-width"),
+            ("h (forward, along K)", m * f, 1, "no: a row of h is half a block per block-scaled tile"),
             ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad"),
-            ("dz' (both layouts)", m * 2 * f, 2, "along N: the down dgrad (double-width); along the tokens: no"),
-            ("h (along the tokens)", m * f, 1, "no: half-width (transposed sink)"),
+            ("dz' (both layouts)", m * 2 * f, 2, "yes: the down dgrad (double-width, both layouts)"),
+            ("h (along the tokens)", m * f, 1, "yes: the gate/up GEMM (half-width, transposed)"),
             ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)")]
     out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink)
            for name, n, layouts, sink in rows]

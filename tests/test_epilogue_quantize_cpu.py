@@ -220,8 +220,8 @@ def test_double_width_rules():
     a, b, inputs = _operands(32, 64, 64, 13)
     with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match="either full-width or double-width"):
         E.run(mixed, a, b, {})
-    with pytest.raises(E.EpilogueError, match="quantize full-width values"):
-        E.quantize(E.interleave(E.acc(), E.acc()), "q", transposed=True)
+    with pytest.raises(E.EpilogueError, match="half-width ones only transposed"):
+        E.quantize(E.pairwise(lambda u, v: u * v, E.acc()), "q")
 
 
 @pytest.mark.parametrize("cfg, fp8", [(GemmConfig(128, 128, 64, "cooperative", 2, 1), False),
@@ -248,3 +248,52 @@ def test_double_width_builds_are_spill_free_in_64_column_sub_tiles(cfg, fp8):
     if cfg.tile_n == 128:
         k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, fused, block_scaled=fp8))
         assert spill_bytes(k) == 0
+
+
+
+# -- transposed half- and double-width values (h^T and dz'^T: the MLP's weight-gradient operands) --
+
+
+def _transposed_widths():
+    """h = g * u per column pair and dz' = (dg, du) per column, each rounded to bf16, stored and
+    quantized transposed."""
+    h = E.cast(E.pairwise(lambda g, u: g * u, E.acc() * E.col_vec("c")), "bfloat16")
+    dz = E.cast(E.interleave(E.acc() * E.col_vec("c"), E.acc() + E.tile("res")), "bfloat16")
+    return E.Epilogue(E.store(h, "h"), E.quantize(h, "h_t", transposed=True),
+                      E.store(dz, "dz"), E.quantize(dz, "dz_t", transposed=True))
+
+
+@pytest.mark.parametrize("m, n", [(256, 128), (144, 272)])
+def test_transposed_half_and_double_width_reference_paths(m, n):
+    a, b, inputs = _operands(m, n, 64, 5 * m + n)
+    with coda_cute.reference_on_cpu():
+        out = E.run(_transposed_widths(), a, b, inputs)
+    for name, stored in (("h_t", out["h"]), ("dz_t", out["dz"])):
+        q, s = out[name]
+        want_q, want_s = quantize_blocks_ref(stored.float().t(), (1, 128))
+        assert q.shape == (stored.shape[1], m) and s.shape == (stored.shape[1], -(-m // 128))
+        assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("cfg, fp8", [(GemmConfig(128, 128, 64, "cooperative", 2, 1), False),
+                                      (GemmConfig(128, 128, 128, "cooperative", 2, 1), True)],
+                         ids=["bf16-128x128", "block-scaled-fp8"])
+def test_transposed_half_and_double_width_builds_are_spill_free(cfg, fp8):
+    """The norm_swiglu tree's h and the SwiGLU backward's dz' quantized transposed in their own
+    GEMMs' epilogues (the down-proj and gate/up weight gradients' operands): spill-free builds with
+    one byte store per value (h: half of the elements; dz': two per element)."""
+    from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree
+
+    dt = "float8_e4m3fn" if fp8 else "bfloat16"
+    fwd = norm_swiglu_tree()
+    h = next(s for s in fwd.sinks if s.name == "h").x
+    bwd = swiglu_backward_tree()
+    dz = E.cast(bwd.sinks[0].x, "bfloat16")
+    per_thread = 128 * cfg.tile_n // 256
+    for tree, stores in ((E.Epilogue(*fwd.sinks, E.quantize(E.cast(h, "bfloat16"), "h_t", transposed=True)),
+                          per_thread // 2),
+                         (E.Epilogue(bwd.sinks[1], bwd.sinks[2], E.quantize(dz, "dz_t", transposed=True)),
+                          2 * per_thread)):
+        k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, block_scaled=fp8), keep_artifacts=True)
+        assert spill_bytes(k) == 0
+        assert Counter(re.findall(r"\bst\.shared\.b8\b", k.ptx))["st.shared.b8"] == stores

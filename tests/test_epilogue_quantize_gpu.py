@@ -175,3 +175,22 @@ def test_double_width_values_are_the_reference_of_the_stored_pairs(m, n, k):
     want_q, want_s = R.quantize_blocks_ref(out["dz"].float(), (1, 128))
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 1024, 512), (1040, 648, 264)])
+def test_transposed_half_and_double_width_values(m, n, k):
+    """h (one value per column pair) and dz' (two per column), rounded to bf16, stored and quantized
+    transposed in the same launch: h^T (N / 2, M) and dz'^T (2N, M) with their scales bit for bit
+    the reference quantization of the stored values' transposes (ragged M: a partial row block)."""
+    a, b, inputs = _operands(m, n, k)
+    h = E.cast(E.pairwise(lambda g, u: g * u, E.acc() * E.col_vec("c")), "bfloat16")
+    dz = E.cast(E.interleave(E.acc() * E.col_vec("c"), E.acc() + E.tile("res")), "bfloat16")
+    tree = E.Epilogue(E.store(h, "h"), E.quantize(h, "h_t", transposed=True),
+                      E.store(dz, "dz"), E.quantize(dz, "dz_t", transposed=True))
+    ht, hs = _poisoned(n // 2, m, "float8_e4m3fn")
+    dzt, dzs = _poisoned(2 * n, m, "float8_e4m3fn")
+    out = E.run(tree, a, b, inputs, outputs={"h_t": (ht, hs), "dz_t": (dzt, dzs)})
+    for (q, s), stored in (((ht, hs), out["h"]), ((dzt, dzs), out["dz"])):
+        want_q, want_s = R.quantize_blocks_ref(stored.float().t(), (1, 128))
+        assert torch.equal(s, want_s)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -299,8 +299,9 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
             out += [(o.name, lead + (m, cols), torch_dtype(o.dtype), False),
                     (o.name + ".scale", lead + (m, -(-cols // N.QUANT_BLOCK)), torch.float32, False)]
         elif o.kind == "quantize_t":  # x^T, and one scale per column and 128-row block
-            out += [(o.name, lead + (n, m), torch_dtype(o.dtype), False),
-                    (o.name + ".scale", lead + (n, -(-m // N.QUANT_BLOCK)), torch.float32, False)]
+            rows = n // 2 if o.half else (2 * n if o.wide else n)
+            out += [(o.name, lead + (rows, m), torch_dtype(o.dtype), False),
+                    (o.name + ".scale", lead + (rows, -(-m // N.QUANT_BLOCK)), torch.float32, False)]
         else:
             out.append((o.name, lead + (m,), torch.float32, True))
     return out
@@ -467,6 +468,8 @@ def check_quantize(tree, m: int, n: int, config, op):
     16-byte boundaries (TMA), and an explicit config is one it runs on (:func:`quantize_config`)."""
     if not quantizes(tree):
         return
+    if n % 2 and any(o.kind == "quantize_t" and o.half for o in tree.outputs):
+        raise ValueError(f"{op}: pairwise (half-width) outputs need an even N, got N={n}")
     if any(o.kind == "quantize" and n * (2 if o.wide else 1) % 16 for o in tree.outputs):
         raise ValueError(f"{op}: quantized outputs need rows of a multiple of 16 FP8 values (N, or 2N for a "
                          f"double-width value: rows start on 16-byte boundaries), got N={n}")

@@ -515,10 +515,10 @@ class Quantize(Sink):
             self.kind = "quantize_t"
         if dtype not in FP8_DTYPES:
             raise EpilogueError(f"quantize {name!r}: dtype must be one of {FP8_DTYPES}, got {dtype!r}")
-        if x.domain not in (FULL, DOUBLE) or (self.transposed and x.domain != FULL):
-            raise EpilogueError(f"quantize {name!r}: quantize full-width values (one per output column)"
-                                + ("" if self.transposed else " or double-width ones (a column pair each)")
-                                + f"; got a {x.domain}-width one")
+        if x.domain not in ((FULL, HALF, DOUBLE) if self.transposed else (FULL, DOUBLE)):
+            raise EpilogueError(f"quantize {name!r}: quantize full-width values (one per output column) "
+                                "or double-width ones (a column pair each); half-width ones only "
+                                f"transposed (their rows' blocks would span two tiles); got a {x.domain}-width one")
         self.dtype = dtype
         self.pow2 = bool(pow2)
 
@@ -527,8 +527,13 @@ class Quantize(Sink):
         """A double-width value: (M, 2N) values, one 16-bit word of two FP8 values per column."""
         return self.x.domain == DOUBLE
 
+    @property
+    def half(self) -> bool:
+        """A half-width value (transposed only): x^T (N / 2, M)."""
+        return self.x.domain == HALF
+
     def params(self):
-        return (self.dtype, self.pow2, self.transposed, self.wide)
+        return (self.dtype, self.pow2, self.transposed, self.x.domain)
 
 
 # -- traversal and identity ------------------------------------------------------------------------
@@ -666,7 +671,7 @@ def _output_spec(s: Sink) -> OutputSpec:
     if isinstance(s, ColReduce):
         return OutputSpec(s.name, "col_reduce", "float32", False, s.op)
     if isinstance(s, Quantize):
-        return OutputSpec(s.name, s.kind, s.dtype, pow2=s.pow2, wide=s.wide)
+        return OutputSpec(s.name, s.kind, s.dtype, s.half, pow2=s.pow2, wide=s.wide)
     return OutputSpec(s.name, "gather", "float32")
 
 

@@ -179,10 +179,10 @@ class Sm90TreeEpilogue(SinkFolds):
         sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
         sizes += [stages * em * _quant_words(q, en) * 2 for q in self.quants]  # FP8 pairs as 16-bit words
-        sizes += [stages * en * em for _ in self.quants_t]  # x^T's FP8 bytes
+        sizes += [stages * _t_rows(q, en) * em for q in self.quants_t]  # x^T's FP8 bytes
         sizes += [ring * em * en * BYTES[_kdt(t)] for t in self.tile_inputs]
         sizes += [self.epi_warps * self.tile_mn[1] * 4 for _ in self.col_reds]
-        sizes += [(self.epi_warps + 1) * en * 4 for _ in self.quants_t]  # column amax partials, 1 / s
+        sizes += [(self.epi_warps + 1) * _t_rows(q, en) * 4 for q in self.quants_t]  # column amax partials, 1 / s
         mbarriers = 2 * ring * 8 if self.tile_inputs else 0
         return sum(-(-b // 1024) * 1024 for b in sizes) + mbarriers
 
@@ -209,7 +209,8 @@ class Sm90TreeEpilogue(SinkFolds):
                              stride=(_quant_words(q, en), 1, em * _quant_words(q, en)))
             for q in self.quants
         ]
-        quant_t_layouts = [cute.make_layout((en, em, self.stages), stride=(em, 1, em * en)) for _ in self.quants_t]
+        quant_t_layouts = [cute.make_layout((_t_rows(q, en), em, self.stages), stride=(em, 1, em * _t_rows(q, en)))
+                           for q in self.quants_t]
         store_atoms = []
         for s, lay in zip(self.full_stores, full_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
@@ -222,7 +223,7 @@ class Sm90TreeEpilogue(SinkFolds):
         for s, lay in zip(self.quants_t, quant_t_layouts):  # a sub-tile's columns as rows of x^T
             store_atoms.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outs[self.out_slots[s.name]],
-                cute.slice_(lay, (None, None, 0)), (en, em)))
+                cute.slice_(lay, (None, None, 0)), (_t_rows(s, en), em)))
         load_atoms = []
         for t, lay in zip(self.tile_inputs, tile_layouts):
             load_atoms.append(cpasync.make_tiled_tma_atom(
@@ -251,9 +252,9 @@ class Sm90TreeEpilogue(SinkFolds):
                  for t, lay in zip(self.tile_inputs, tile_layouts)]
         scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
                    for _ in self.col_reds]
-        scratch += [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps + 1, self.epi_tile[1]),
-                                                                   stride=(self.epi_tile[1], 1)), 1024)
-                    for _ in self.quants_t]
+        scratch += [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps + 1, _t_rows(q, self.epi_tile[1])),
+                                                                   stride=(_t_rows(q, self.epi_tile[1]), 1)), 1024)
+                    for q in self.quants_t]
         load_pipe = None
         if const_expr(len(self.tile_inputs) > 0):
             mbar = smem.allocate_array(cutlass.Int64, 2 * self.load_stages, byte_alignment=8)
@@ -378,9 +379,10 @@ class Sm90TreeEpilogue(SinkFolds):
             if const_expr(i < n_plain):
                 g = cute.local_tile(t, (self.tile_mn[0], cute.size(buf, mode=[1]) * epi_grid[1]), (tm, tn, tl))
                 g_epi = cute.zipped_divide(g, (em, cute.size(buf, mode=[1])))
-            else:  # x^T: the tile is (tile_n, tile_m) at (tn, tm), a sub-tile (en, em)
-                g = cute.local_tile(t, (self.tile_mn[1], self.tile_mn[0]), (tn, tm, tl))
-                g_epi = cute.zipped_divide(g, (en, em))
+            else:  # x^T: the tile is (its rows of x^T, tile_m) at (tn, tm), a sub-tile (its rows, em)
+                rows = cute.size(buf, mode=[0])
+                g = cute.local_tile(t, (rows * epi_grid[1], self.tile_mn[0]), (tn, tm, tl))
+                g_epi = cute.zipped_divide(g, (rows, em))
             store_parts.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(buf, 0, 2), g_epi))
 
         tile_copies = [self._s2r(tiled_mma, _kdt(t), tidx, sm) for t, sm in zip(self.tile_inputs, tiles)]
@@ -459,6 +461,8 @@ class Sm90TreeEpilogue(SinkFolds):
                       for q in self.quants + self.quants_t]
         for v in range(n_frag):
             for k, q in enumerate(self.quants + self.quants_t):
+                if q.half and v % 2:  # a half-width value lives at its pair's even element
+                    continue
                 for h in (0, 1) if q.wide else (None,):
                     i = v if h is None else 2 * v + h
                     quant_vals[k][i] = _as_float(emit.value(q.x, i))
@@ -654,6 +658,12 @@ class _Ctx:
         i1 = (idx // 2) % 2
         mm = idx // (4 * v_chunks)
         return i1 + 2 * (mm % (self.epi.row_slots // 2))
+
+
+def _t_rows(q, en: int) -> int:
+    """Rows of x^T a transposed quantize sink's sub-tile of ``en`` output columns gives: one per
+    column, per column pair (half-width), two per column (double-width)."""
+    return en // 2 if q.half else (2 * en if q.wide else en)
 
 
 def _quant_words(q, en: int) -> int:

@@ -224,56 +224,76 @@ class SinkFolds:
     def _quantize_t(self, q, vals, ctx, n_frag: int, sT, buf, scratch, scales, warp_in_epi, tidx, barrier,
                     problem_mnl, tile_mnl):
         """A transposed quantize sink over one sub-tile (all 128 rows of each of its columns: one
-        block of x^T's row): per column, amax over the thread's two rows (elements v and v + 2),
-        the warp's 8 row groups (shuffles 4, 8, 16) and the 8 warps (the scratch rows, after a
-        barrier); one thread per column computes s and 1 / s, writes s and leaves 1 / s in the
-        scratch's last row for the others (a second barrier); every value is then cast to FP8
-        and staged at its transposed place for the TMA store of x^T. Rows past M count as 0."""
+        block of x^T's row): per column of x, amax over the thread's two rows (elements v and
+        v + 2), the warp's 8 row groups (shuffles 4, 8, 16) and the 8 warps (the scratch rows,
+        after a barrier); one thread per column computes s and 1 / s, writes s and leaves 1 / s
+        in the scratch's last row for the others (a second barrier); every value is then cast to
+        FP8 and staged at its transposed place for the TMA store of x^T. Rows past M count as 0.
+        The columns of x: the output's (full width), its column pairs' (half: the value at the
+        pair's even element), or two per output column (double: value h of element v at 2 v + h)."""
         fp8 = FP8_TYPES[q.dtype]
-        for v in range(n_frag):
-            vals[v] = Float32(cutlass.select_(ctx.row_index(v) < problem_mnl[0], vals[v], Float32(0.0)))
-        for j in range(n_frag // 4):
-            for pair in range(2):
-                v = 4 * j + pair
-                a = cute.arch.fmax(cute.math.abs(vals[v]), cute.math.abs(vals[v + 2]), nan=True)
-                for off in (4, 8, 16):
-                    a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=off), nan=True)
-                self._column_partial(scratch, warp_in_epi, ctx.local(v)[1], a)
+        # (value index, element, sub-tile row of x^T) of each value the thread holds
+        if q.half:
+            items = [(v, v, ctx.local(v)[1] // 2) for v in range(0, n_frag, 2)]
+        elif q.wide:
+            items = [(2 * v + h, v, 2 * ctx.local(v)[1] + h) for v in range(n_frag) for h in (0, 1)]
+        else:
+            items = [(v, v, ctx.local(v)[1]) for v in range(n_frag)]
+        for i, v, _ in items:
+            vals[i] = Float32(cutlass.select_(ctx.row_index(v) < problem_mnl[0], vals[i], Float32(0.0)))
+        # a column's two rows in this thread: elements v and v + 2 (the row halves)
+        column = {}
+        for i, v, row in items:
+            column.setdefault(row, []).append(i)
+        for row, idx in column.items():
+            a = Float32(0.0)
+            for i in idx:
+                a = cute.arch.fmax(a, cute.math.abs(vals[i]), nan=True)
+            for off in (4, 8, 16):
+                a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=off), nan=True)
+            self._column_partial(scratch, warp_in_epi, row, a)
         barrier.arrive_and_wait()
-        self._column_scales(q, scratch, scales, tidx, ctx.sub0[1], problem_mnl, tile_mnl)
+        sub_rows = cute.size(sT, mode=[0])
+        self._column_scales(q, scratch, scales, tidx, ctx.sub0[1], sub_rows, problem_mnl, tile_mnl)
         barrier.arrive_and_wait()
         inv_row = self.epi_warps
-        for v in range(0, n_frag, 2):
-            ml, nl = ctx.local(v)
+        for k in range(0, len(items), 2):
             pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            pair[0] = vals[v] * scratch[(inv_row, nl)]
-            pair[1] = vals[v + 1] * scratch[(inv_row, nl + 1)]
+            for h in (0, 1):
+                i, _, row = items[k + h]
+                pair[h] = vals[i] * scratch[(inv_row, row)]
             q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
             q8.store(pair.load().to(fp8))
-            sT[(nl, ml, buf)] = q8[0]
-            sT[(nl + 1, ml, buf)] = q8[1]
+            for h in (0, 1):
+                _, v, row = items[k + h]
+                sT[(row, ctx.local(v)[0], buf)] = q8[h]
 
     @cute.jit
-    def _column_partial(self, scratch, warp_in_epi, nl, amax):
-        """The warp's amax of sub-tile column ``nl`` (the lanes of one row group hold them all)."""
+    def _column_partial(self, scratch, warp_in_epi, row, amax):
+        """The warp's amax of the sub-tile's column ``row`` of x^T (the lanes of one row group
+        hold them all)."""
         if cute.arch.lane_idx() < 4:
-            scratch[(warp_in_epi, nl)] = amax
+            scratch[(warp_in_epi, row)] = amax
 
     @cute.jit
-    def _column_scales(self, q, scratch, scales, tidx, sub_n0, problem_mnl, tile_mnl):
-        """Thread ``tidx`` < the sub-tile's width: its column's amax over the warps' partials, the
-        block scale s (written to ``scales`` (N, m tiles) where the column and the tile's rows are
-        inside the problem) and 1 / s (left in the scratch's last row)."""
+    def _column_scales(self, q, scratch, scales, tidx, sub_n0, sub_rows: cutlass.Constexpr, problem_mnl,
+                       tile_mnl):
+        """Thread ``tidx`` < the sub-tile's rows of x^T: its row's amax over the warps' partials,
+        the block scale s (written to ``scales`` (rows of x^T, m tiles) where the row and the
+        tile's rows are inside the problem) and 1 / s (left in the scratch's last row)."""
         tm, tn, tl = tile_mnl
-        if tidx < self.epi_tile[1]:
+        if tidx < sub_rows:
             a = scratch[(0, tidx)]
             for w in cutlass.range_constexpr(1, self.epi_warps):
                 a = cute.arch.fmax(a, scratch[(w, tidx)], nan=True)
             s, inv = block_scale(a, Float32(FP8_MAX[q.dtype]), q.pow2)
             scratch[(self.epi_warps, tidx)] = inv
-            n = tn * self.tile_mn[1] + sub_n0 + tidx
-            if n < problem_mnl[1] and tm * self.tile_mn[0] < problem_mnl[0]:
-                scales[(n, tm, tl)] = s
+            # x^T's rows: the output columns, their pairs (half-width) or two each (double-width)
+            first = (tn * self.tile_mn[1] + sub_n0) * sub_rows // self.epi_tile[1]
+            rows = problem_mnl[1] // 2 if const_expr(q.half) else (2 * problem_mnl[1] if const_expr(q.wide)
+                                                                  else problem_mnl[1])
+            if first + tidx < rows and tm * self.tile_mn[0] < problem_mnl[0]:
+                scales[(first + tidx, tm, tl)] = s
 
 
 def _combine(is_max: bool, a, b):
