@@ -181,7 +181,8 @@ def test_transposed_rows_need_m_a_multiple_of_16(path):
 ], ids=["t-128x128", "t-128x256", "both-128x128"])
 def test_transposed_builds_are_spill_free_with_one_byte_store_per_value(cfg, tree, subtiles):
     k = compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree()), keep_artifacts=True)
-    ops = Counter(re.findall(r"\b(cvt\.rn\.satfinite\.e4m3x2\.f32|st\.shared\.b8|st\.global\.b32|bar\.sync)", k.ptx))
+    ops = Counter(re.findall(r"\b(cvt\.rn\.satfinite\.e4m3x2\.f32|st\.shared\.b8|st\.shared\.b32|st\.global\.b32|"
+                             r"bar\.sync)\b", k.ptx))
     assert spill_bytes(k) == 0
     both = subtiles == 1
     per_thread = 128 * cfg.tile_n // 256  # the tile's values per epilogue thread
@@ -190,6 +191,9 @@ def test_transposed_builds_are_spill_free_with_one_byte_store_per_value(cfg, tre
     # per sub-tile: one column scale (threads < its width), plus two row scales with both layouts
     assert ops["st.global.b32"] == subtiles * (3 if both else 1)
     assert ops["bar.sync"] >= 2 * subtiles  # the column amax's two barriers per sub-tile
+    # the warp's amax of each column the thread holds (its two row halves combined first), and
+    # 1 / s of the thread's own column: per sub-tile, half the thread's values + 1
+    assert ops["st.shared.b32"] == subtiles * (per_thread // subtiles // 2 + 1)
 
 
 # -- double-width values (a column pair per output column: the SwiGLU backward's dz') ------------
@@ -297,3 +301,9 @@ def test_transposed_half_and_double_width_builds_are_spill_free(cfg, fp8):
         k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, tree, block_scaled=fp8), keep_artifacts=True)
         assert spill_bytes(k) == 0
         assert Counter(re.findall(r"\bst\.shared\.b8\b", k.ptx))["st.shared.b8"] == stores
+    for x, columns in ((E.pairwise(lambda g, u: g * u, E.acc()), 4), (E.interleave(E.acc(), 2 * E.acc()), 16)):
+        # per 32-column sub-tile: one amax partial per column of x the thread holds (h: a value
+        # per column pair, dz': two per column; each over its two row halves), and a 1 / s
+        k = compile_gemm(KernelSpec.of(dt, dt, "k", "k", cfg, E.Epilogue(E.quantize(x, "x_t", transposed=True)),
+                                       block_scaled=fp8), keep_artifacts=True)
+        assert Counter(re.findall(r"\bst\.shared\.b32\b", k.ptx))["st.shared.b32"] == 4 * (columns + 1)

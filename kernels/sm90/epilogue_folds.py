@@ -232,20 +232,21 @@ class SinkFolds:
         The columns of x: the output's (full width), its column pairs' (half: the value at the
         pair's even element), or two per output column (double: value h of element v at 2 v + h)."""
         fp8 = FP8_TYPES[q.dtype]
-        # (value index, element, sub-tile row of x^T) of each value the thread holds
+        # (value index, element, sub-tile row of x^T (a runtime value), the column's static key)
+        # of each value the thread holds; elements v and v + 2 (the row halves) share a column,
+        # so the key clears bit 1 of v
         if q.half:
-            items = [(v, v, ctx.local(v)[1] // 2) for v in range(0, n_frag, 2)]
+            items = [(v, v, ctx.local(v)[1] // 2, v & ~2) for v in range(0, n_frag, 2)]
         elif q.wide:
-            items = [(2 * v + h, v, 2 * ctx.local(v)[1] + h) for v in range(n_frag) for h in (0, 1)]
+            items = [(2 * v + h, v, 2 * ctx.local(v)[1] + h, (v & ~2, h)) for v in range(n_frag) for h in (0, 1)]
         else:
-            items = [(v, v, ctx.local(v)[1]) for v in range(n_frag)]
-        for i, v, _ in items:
+            items = [(v, v, ctx.local(v)[1], v & ~2) for v in range(n_frag)]
+        for i, v, _, _ in items:
             vals[i] = Float32(cutlass.select_(ctx.row_index(v) < problem_mnl[0], vals[i], Float32(0.0)))
-        # a column's two rows in this thread: elements v and v + 2 (the row halves)
         column = {}
-        for i, v, row in items:
-            column.setdefault(row, []).append(i)
-        for row, idx in column.items():
+        for i, _, row, key in items:
+            column.setdefault(key, (row, []))[1].append(i)
+        for row, idx in column.values():
             a = Float32(0.0)
             for i in idx:
                 a = cute.arch.fmax(a, cute.math.abs(vals[i]), nan=True)
@@ -260,12 +261,12 @@ class SinkFolds:
         for k in range(0, len(items), 2):
             pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
             for h in (0, 1):
-                i, _, row = items[k + h]
+                i, _, row, _ = items[k + h]
                 pair[h] = vals[i] * scratch[(inv_row, row)]
             q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
             q8.store(pair.load().to(fp8))
             for h in (0, 1):
-                _, v, row = items[k + h]
+                _, v, row, _ = items[k + h]
                 sT[(row, ctx.local(v)[0], buf)] = q8[h]
 
     @cute.jit
