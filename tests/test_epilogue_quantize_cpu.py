@@ -17,6 +17,7 @@ from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.epilogue.runner import ranked_configs
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.reference import quantize_blocks_ref
+from helpers import on_path
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -82,8 +83,7 @@ def test_registered_op_fake_and_cpu_outputs_agree():
 def test_widths_that_are_no_multiple_of_16_are_refused(path):
     op = E.register_op(f"test_quantize_width_{path}", _tree())
     a, b, inputs = _operands(32, 144, 64, 5)
-    mode = coda_cute.reference_on_cpu() if path == "cpu" else FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, pytest.raises(ValueError, match=r"quantized outputs need rows of a multiple of 16 FP8 values .*got N=136"):
+    with on_path(path), pytest.raises(ValueError, match=r"quantized outputs need rows of a multiple of 16 FP8 values .*got N=136"):
         op(a[:, :64], b[:, :136], inputs["c"][:136], inputs["res"][:, :136].contiguous())
 
 
@@ -167,8 +167,7 @@ def test_transposed_reference_path_is_quantize_blocks_ref_of_the_transpose(dtype
 def test_transposed_rows_need_m_a_multiple_of_16(path):
     op = E.register_op(f"test_quantize_t_rows_{path}", _both())
     a, b, inputs = _operands(40, 128, 64, 7)
-    mode = coda_cute.reference_on_cpu() if path == "cpu" else FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, pytest.raises(ValueError, match=r"transposed quantized outputs need M a multiple of 16 .*got M=40"):
+    with on_path(path), pytest.raises(ValueError, match=r"transposed quantized outputs need M a multiple of 16 .*got M=40"):
         op(a, b, inputs["c"], inputs["res"])
 
 

@@ -426,6 +426,17 @@ class Sink:
     def params(self) -> tuple:
         return ()
 
+    @property
+    def half(self) -> bool:
+        """A half-width value: one per output column pair."""
+        return self.x.domain == HALF
+
+    @property
+    def wide(self) -> bool:
+        """A double-width value: two per output column (a store or quantize sink writes each pair
+        as one word)."""
+        return self.x.domain == DOUBLE
+
 
 class Store(Sink):
     kind = "store"
@@ -441,14 +452,6 @@ class Store(Sink):
             raise EpilogueError(f"store {name!r}: double-width values are stored as bfloat16 or "
                                 f"float16 (a column pair is written as one 32-bit element), got {dtype!r}")
         self.dtype = dtype
-
-    @property
-    def half(self) -> bool:
-        return self.x.domain == HALF
-
-    @property
-    def wide(self) -> bool:
-        return self.x.domain == DOUBLE
 
     def params(self):
         return (self.dtype, self.half, self.wide)
@@ -521,16 +524,6 @@ class Quantize(Sink):
                                 f"transposed (their rows' blocks would span two tiles); got a {x.domain}-width one")
         self.dtype = dtype
         self.pow2 = bool(pow2)
-
-    @property
-    def wide(self) -> bool:
-        """A double-width value: (M, 2N) values, one 16-bit word of two FP8 values per column."""
-        return self.x.domain == DOUBLE
-
-    @property
-    def half(self) -> bool:
-        """A half-width value (transposed only): x^T (N / 2, M)."""
-        return self.x.domain == HALF
 
     def params(self):
         return (self.dtype, self.pow2, self.transposed, self.x.domain)
