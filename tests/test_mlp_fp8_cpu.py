@@ -47,7 +47,7 @@ def _grads(op, y, ss, w_gu, w_down, dy2, **kw):
 def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
     y, ss, w_gu, w_down, _ = _inputs(m, d, f, 1)
     with coda_cute.reference_on_cpu():
-        y2, ss2, z, gu_qt, gu_s, down_qt, down_s = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+        y2, ss2, z, gu_qt, gu_s, down_qt, down_s, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
     want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f), w_down))
     for got, ref in zip((y2, ss2, z), want):
         assert got.shape == ref.shape and got.dtype == ref.dtype
@@ -181,3 +181,72 @@ def test_attention_op_takes_given_quantized_weights():
     given = _quantized(args[2], args[3])
     got = A._run(lambda *a: torch.ops.coda.attention_block_fp8(*a, False, False, *given), args, dy)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.fixture
+def fused_quant(monkeypatch):
+    from coda_cute.ops import mlp_fp8
+
+    monkeypatch.setattr(mlp_fp8, "FUSED_QUANT", True)
+
+
+@pytest.mark.parametrize("e5m2_grads", [False, True])
+def test_fused_quantization_keeps_the_gradients(fused_quant, e5m2_grads):
+    """``FUSED_QUANT``: h^T quantized in the gate/up GEMM (kept for the down-proj weight gradient)
+    and dz' in the down dgrad's, both layouts. The forward is the unfused one bit for bit; h^T is
+    the reference quantization of the forward's bf16 h; the gradients stay within the unfused op's
+    bound against float64 and close to its (the down-proj weight gradient now reads the forward's
+    h, not the backward's recomputation from the bf16 z)."""
+    from coda_cute.ops import mlp_fp8
+
+    y, ss, w_gu, w_down, dy2 = _inputs(256, 256, 384, 9)
+    with coda_cute.reference_on_cpu():
+        out = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+    from coda_cute.ops.fp8_gemms import FP8, project, weight
+    from coda_cute.ops.quantize import quantize_fp8
+    from coda_cute.ops.rmsnorm import norm_inputs
+
+    with coda_cute.reference_on_cpu():  # the bf16 h the same FP8 forward computes
+        gu_q, gu_s, _ = weight(w_gu)
+        h = project("test", norm_swiglu_tree(), *quantize_fp8(y, "1x128", None, FP8, False), gu_q, gu_s,
+                    norm_inputs(y.shape[1], ss, EPS))["h"]
+    want_q, want_s = R.quantize_blocks_ref(h.float().t(), (1, 128))
+    assert out[7].shape == (384, 256) and torch.equal(out[7].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(out[8], want_s)
+    leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
+    _mlp64(*leaves).backward(dy2.double())
+    fused_out, fused = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, e5m2_grads=e5m2_grads)
+    mlp_fp8.FUSED_QUANT = False
+    plain_out, plain = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, e5m2_grads=e5m2_grads)
+    assert torch.equal(fused_out, plain_out)
+    bound = 0.16 if e5m2_grads else 0.08
+    for name, f, p, leaf in zip(("dy", "dw_gu", "dw_down"), fused, plain, leaves):
+        assert rel_err(f.double(), leaf.grad) < bound, name
+        assert rel_err(f.double(), p.double()) < bound / 2, name
+
+
+def test_fused_quantization_fake_outputs_and_opcheck(fused_quant):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    y, ss, w_gu, w_down, _ = _inputs(64, 128, 128, 10)
+    with coda_cute.reference_on_cpu():
+        real = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    assert real[7].shape == (128, 64)
+    with coda_cute.reference_on_cpu():
+        torch.library.opcheck(torch.ops.coda.mlp_block_fp8.default,
+                              (y.requires_grad_(), ss, w_gu.requires_grad_(), w_down.requires_grad_(), EPS),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("tree", ["forward", "backward"])
+def test_fused_quantization_trees_build_without_spills_on_the_block_scaled_kernel(tree):
+    from coda_cute.ops import mlp_fp8
+
+    t, (n, k) = ((mlp_fp8.norm_swiglu_fp8_tree(False), (28672, 4096)) if tree == "forward"
+                 else (mlp_fp8.swiglu_backward_fp8_tree("float8_e4m3fn", False), (14336, 4096)))
+    cfg = ranked_configs(t, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
+    assert cfg.schedule == "cooperative" and cfg.tile_m == 128
+    assert not spills(t, cfg, True, 132, block_scaled=True)

@@ -85,3 +85,30 @@ def test_model_with_cached_fp8_weights_is_the_uncached_model():
     assert all(torch.equal(a, b) for a, b in zip(losses["plain"], losses["cached"]))
     for (name, p), q in zip(plain.named_parameters(), cached.parameters()):
         assert rel_err(q.grad.float(), p.grad.float()) < 2e-3, name
+
+
+@pytest.mark.parametrize("m", [2048, 1040])
+def test_fused_quantization_keeps_the_gradients(m, monkeypatch):
+    """``mlp_fp8.FUSED_QUANT`` on the GPU: h^T quantized in the gate/up GEMM and dz' in the down
+    dgrad's epilogue (both layouts). The forward bit for bit the unfused one, h^T of shape (f, M),
+    every gradient within the unfused op's bound against float64 and within half of it of the
+    unfused op's (the down-proj weight gradient now reads the forward's h)."""
+    from coda_cute.ops import mlp_fp8
+
+    y, ss, w_gu, w_down, dy2 = _inputs(m, 1024, 2816)
+    leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
+    r = torch.rsqrt(leaves[0].square().mean(-1, keepdim=True) + EPS)
+    zz = r * (leaves[0] @ leaves[1].T)
+    (leaves[0] + (torch.nn.functional.silu(zz[:, 0::2]) * zz[:, 1::2]) @ leaves[2].T).backward(dy2.double())
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(mlp_fp8, "FUSED_QUANT", fused)
+        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS)
+        out[0].backward(dy2)
+        results[fused] = (out, [t.grad for t in ins])
+    (fo, fg), (po, pg) = results[True], results[False]
+    assert torch.equal(fo[0], po[0]) and po[7].numel() == 0 and fo[7].shape == (2816, m)
+    for f, p, leaf in zip(fg, pg, leaves):
+        assert rel_err(f.double(), leaf.grad) < 0.08
+        assert rel_err(f.double(), p.double()) < 0.04

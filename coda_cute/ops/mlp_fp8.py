@@ -20,6 +20,13 @@ The gradients dy2 and dz' are quantized once for both of their GEMMs (``coda.qua
 along K and, transposed, along M); h and y, whose row quantization the forward had, are quantized
 transposed only (``ops.fp8_gemms``).
 
+With ``FUSED_QUANT`` the activation quantizations move into the GEMMs that produce the tensors
+(``E.quantize``, both layouts of a tile in one pass): the gate/up GEMM also writes h^T in FP8 along
+the tokens, which the backward keeps for the down-proj weight gradient instead of recomputing and
+re-quantizing h, and the down-proj dgrad writes dz' in FP8 along its columns and along the tokens
+instead of dz' in bf16 and its dual quantization pass. Off until its kernels have run on the GPU
+(their tests: ``tests/test_epilogue_quantize_gpu.py``); M must be a multiple of 16.
+
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward and kept for the backward. The quantizations are bandwidth-bound
 passes of their own (``coda.quantize_fp8``, ``coda.quantize_fp8_dual``) for now, not yet in the
@@ -30,9 +37,12 @@ products summed in fp32, so the error against an fp32 reference is FP8's roundin
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+
+from .. import epilogue as E
 
 from .. import dispatch
 from .autocast import bf16_under_autocast
@@ -40,13 +50,36 @@ from .checks import F32
 from .eager import direct
 from .fp8_gemms import (FP8, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
                         quantized_weights, wgrad)
+from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from .quantize import quantize_fp8
+from .quantize import quantize_dual_fp8, quantize_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
 
 OP = "coda.mlp_block_fp8"
+#: quantize h^T and dz' in the GEMMs that produce them (module docstring)
+FUSED_QUANT = False
+
+
+@functools.lru_cache(maxsize=None)
+def norm_swiglu_fp8_tree(pow2: bool) -> E.Epilogue:
+    """``norm_swiglu_tree`` plus h^T (the bf16 h, transposed) in E4M3 1 x 128 blocks along the
+    tokens: the down-proj weight gradient's operand."""
+    base = norm_swiglu_tree()
+    h = next(s for s in base.sinks if s.name == "h").x
+    return E.Epilogue(*base.sinks, E.quantize(E.cast(h, "bfloat16"), "h_t", "float8_e4m3fn", pow2, True))
+
+
+@functools.lru_cache(maxsize=None)
+def swiglu_backward_fp8_tree(grad_dtype: str, pow2: bool) -> E.Epilogue:
+    """``swiglu_backward_tree`` with dz' (its bf16 rounding) quantized both ways instead of
+    stored: along its columns for the gate/up dgrad, along the tokens for its weight gradient;
+    zdz as before, h not recomputed (the forward's h^T is kept)."""
+    base = swiglu_backward_tree()
+    dz = E.cast(next(s for s in base.sinks if s.name == "dz").x, "bfloat16")
+    zdz = next(s for s in base.sinks if s.name == "zdz")
+    return E.Epilogue(zdz, E.quantize(dz, "dz_q", grad_dtype, pow2), E.quantize(dz, "dz_t", grad_dtype, pow2, True))
 
 
 def check_mlp_fp8(y, ss, w_gu, w_down, eps):
@@ -61,7 +94,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
                   gu_q: Optional[torch.Tensor] = None, gu_s: Optional[torch.Tensor] = None,
                   gu_qt: Optional[torch.Tensor] = None, down_q: Optional[torch.Tensor] = None,
                   down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
     Arguments as ``coda.mlp_block``'s (y (M, d) bf16, ss its norm statistics, w_gu (2f, d) bf16
@@ -72,7 +106,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``), or none
     of them for the op to quantize. Returns (y2, ss2, z, then the quantized weights kept for the
     backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's; empty when the
-    caller passed them, which the backward then uses); only y2 carries a gradient."""
+    caller passed them, which the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8
+    and its scales (f, ceil(M / 128)), else two empty tensors); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
@@ -80,11 +115,24 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales,
                                                                          w_gu=w_gu, w_down=w_down)
     act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
-    out = project(OP, norm_swiglu_tree(), *act(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
+    fused = _fused(y)
+    tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
+    out = project(OP, tree, *act(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
     res = project(OP, residual_norm_stats_tree(), *act(out["h"]), down_q, down_s, {"residual": y})
+    h_t = out["h_t"] if fused else _no_h_t(y)
     if given[0] is not None:
-        return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True)
-    return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s
+        return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True), *h_t
+    return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s, *h_t
+
+
+def _fused(y) -> bool:
+    """Whether this call quantizes h^T and dz' in their GEMMs: ``FUSED_QUANT`` and M a multiple of
+    16 (the transposed FP8 rows)."""
+    return FUSED_QUANT and y.shape[0] % 16 == 0
+
+
+def _no_h_t(y):
+    return y.new_empty((0,), dtype=FP8), y.new_empty((0,), dtype=F32)
 
 
 @mlp_block_fp8.register_fake
@@ -98,22 +146,34 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
     t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, f, sms, y.device.type, block_scaled=True))
+    h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y)
+           else _no_h_t(y))
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
-            *kept_weights(w_gu, cached), *kept_weights(w_down, cached))
+            *kept_weights(w_gu, cached), *kept_weights(w_down, cached), *h_t)
 
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
-                     needs=(True, True, True), pow2: bool = False):
+                     needs=(True, True, True), pow2: bool = False, h_t=None):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
-    the weights' FP8 transposes and scales; ``pow2``: power-of-two scales."""
+    the weights' FP8 transposes and scales; ``pow2``: power-of-two scales; ``h_t``: the
+    forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too)."""
     d = y.shape[1]
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
-    bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s,
-                  dict(norm_inputs(d, ss, eps), z=z), transposed=True)
-    dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-    dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2)
-    dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2) if needs[2] else None
-    dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2) if needs[1] else None
+    inputs = dict(norm_inputs(d, ss, eps), z=z)
+    if h_t is not None:
+        fmt = str(grad_dtype).removeprefix("torch.")
+        bwd = project(OP, swiglu_backward_fp8_tree(fmt, pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
+                      transposed=True)
+        zdz, (dz_q, dz_s), (dzt_q, dzt_s) = bwd["zdz"], bwd["dz_q"], bwd["dz_t"]
+        _, _, yt_q, yt_s = quantize_dual_fp8(y, FP8, rows=False, pow2_scales=pow2)
+        dw_down = gemm_blockwise(dyt_q, dyt_s, *h_t, dy2.dtype, "1x128") if needs[2] else None
+        dw_gu = gemm_blockwise(dzt_q, dzt_s, yt_q, yt_s, dy2.dtype, "1x128") if needs[1] else None
+    else:
+        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True)
+        dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2)
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
@@ -123,22 +183,23 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
 
 def _setup(ctx, inputs, output):
     y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales, _gu_q, gu_s_in, gu_qt_in, _down_q, down_s_in, down_qt_in = inputs
-    _y2, ss2, z, gu_qt, gu_s, down_qt, down_s = output
+    _y2, ss2, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = output
     if gu_qt_in is not None:  # the caller's copies
         gu_qt, gu_s, down_qt, down_s = gu_qt_in, gu_s_in, down_qt_in, down_s_in
-    ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s)
+    ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts)
     ctx.eps, ctx.grad_dtype, ctx.pow2 = eps, grad_format(e5m2_grads), pow2_scales
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy2, *_):
-    y, ss, z, gu_qt, gu_s, down_qt, down_s = ctx.saved_tensors
+    y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = ctx.saved_tensors
     if dy2 is None:
         return (None,) * 13
     n = ctx.needs_input_grad
+    h_t = (h_tq, h_ts) if h_tq.numel() else None
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
-                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2)
+                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t)
     return (dy, None, dw_gu, dw_down) + (None,) * 9
 
 

@@ -460,15 +460,21 @@ class Sm90TreeEpilogue(SinkFolds):
                  for s, shape in zip(self.full_stores, shapes)]
         lse_items = [{} for _ in self.row_reds]
         # a quantize sink's values wait in fp32 until their rows' block amax is known
-        quant_vals = [cute.make_rmem_tensor(2 * n_frag if q.wide else n_frag, Float32)
-                      for q in self.quants + self.quants_t]
+        # (one register tensor per distinct value: both layouts of one x share it; the row sink
+        # zeroes columns past N, the transposed one rows past M, which neither writes)
+        quants = self.quants + self.quants_t
+        shared = {}
+        for q in quants:
+            if id(q.x) not in shared:
+                shared[id(q.x)] = (q, cute.make_rmem_tensor(2 * n_frag if q.wide else n_frag, Float32))
+        quant_vals = [shared[id(q.x)][1] for q in quants]
         for v in range(n_frag):
-            for k, q in enumerate(self.quants + self.quants_t):
+            for q, vals in shared.values():
                 if q.half and v % 2:  # a half-width value lives at its pair's even element
                     continue
                 for h in (0, 1) if q.wide else (None,):
                     i = v if h is None else 2 * v + h
-                    quant_vals[k][i] = _as_float(emit.value(q.x, i))
+                    vals[i] = _as_float(emit.value(q.x, i))
             for s, frag in zip(self.full_stores, frags):
                 for h in (0, 1) if s.wide else (None,):
                     i = v if h is None else 2 * v + h
