@@ -473,10 +473,6 @@ def check_quantize(tree, m: int, n: int, config, op):
     if any(o.kind == "quantize" and n * (2 if o.wide else 1) % 16 for o in tree.outputs):
         raise ValueError(f"{op}: quantized outputs need rows of a multiple of 16 FP8 values (N, or 2N for a "
                          f"double-width value: rows start on 16-byte boundaries), got N={n}")
-    kinds = {o.wide for o in tree.outputs if o.kind == "quantize"}
-    if len(kinds) > 1:
-        raise ValueError(f"{op}: a tree quantizes either full-width or double-width values, not both "
-                         "(their sub-tiles are 128 and 64 columns wide)")
     if m % 16 and any(o.kind == "quantize_t" for o in tree.outputs):
         raise ValueError(f"{op}: transposed quantized outputs need M a multiple of 16 (their rows of M "
                          f"FP8 values start on 16-byte boundaries), got M={m}")

@@ -28,10 +28,10 @@ instead of dz' in bf16 and its dual quantization pass. Off until its kernels hav
 (their tests: ``tests/test_epilogue_quantize_gpu.py``); M must be a multiple of 16.
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
-quantized once per forward and kept for the backward. The quantizations are bandwidth-bound
-passes of their own (``coda.quantize_fp8``, ``coda.quantize_fp8_dual``) for now, not yet in the
-producing GEMMs' epilogues. Numerics: the dequantized operands'
-products summed in fp32, so the error against an fp32 reference is FP8's rounding of each operand
+quantized once per forward (or given by the caller) and kept for the backward. Without
+``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
+``coda.quantize_fp8_dual``); y, h along K and dy2 stay so with it. Numerics: the dequantized
+operands' products summed in fp32, so the error against an fp32 reference is FP8's rounding of each operand
 (about 2^-4 relative per element for E4M3), not the GEMM's.
 """
 
@@ -42,9 +42,9 @@ from typing import Optional
 
 import torch
 
-from .. import epilogue as E
-
 from .. import dispatch
+from .. import epilogue as E
+from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
@@ -161,8 +161,7 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
     inputs = dict(norm_inputs(d, ss, eps), z=z)
     if h_t is not None:
-        fmt = str(grad_dtype).removeprefix("torch.")
-        bwd = project(OP, swiglu_backward_fp8_tree(fmt, pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
+        bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
                       transposed=True)
         zdz, (dz_q, dz_s), (dzt_q, dzt_s) = bwd["zdz"], bwd["dz_q"], bwd["dz_t"]
         _, _, yt_q, yt_s = quantize_dual_fp8(y, FP8, rows=False, pow2_scales=pow2)

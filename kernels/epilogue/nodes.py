@@ -612,6 +612,9 @@ class Epilogue:
                 raise EpilogueError(f"Epilogue takes outputs (store, row_reduce, col_reduce, gather, quantize), "
                                     f"got {s!r}")
         self.sinks = tuple(sinks)
+        if len({s.wide for s in sinks if isinstance(s, Quantize) and not s.transposed}) > 1:
+            raise EpilogueError("a tree quantizes either full-width or double-width values, not both "
+                                "(their sub-tiles are 128 and 64 columns wide)")
         names = [s.name for s in sinks]
         if len(set(names)) != len(names):
             raise EpilogueError(f"output names must be distinct, got {names}")

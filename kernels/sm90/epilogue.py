@@ -92,9 +92,6 @@ class Sm90TreeEpilogue(SinkFolds):
         self.gathers = [s for s in sinks if isinstance(s, N.Gather)]
         self.quants = [s for s in sinks if isinstance(s, N.Quantize) and not s.transposed]
         self.quants_t = [s for s in sinks if isinstance(s, N.Quantize) and s.transposed]
-        if len({q.wide for q in self.quants}) > 1:
-            raise ValueError("a tree quantizes either full-width or double-width values, not both "
-                             "(their sub-tiles are 128 and 64 columns wide)")
         # Gathers keep their row's hit in registers until the tile's end (a select per element)
         # next to stored outputs, else store it at once (a branch per element): the choice
         # ptxas kept spill-free (logits store + lse + gather on ping-pong 128 x 128: 48 bytes

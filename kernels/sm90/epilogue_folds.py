@@ -200,11 +200,7 @@ class SinkFolds:
         # the value pairs: a double-width element's own pair, else elements v and v + 1
         for i in range(0, per * n_frag, 2):
             v = i // per
-            pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            pair[0] = vals[i] * inv[ctx.row_slot(v)]
-            pair[1] = vals[i + 1] * inv[ctx.row_slot(v)]
-            q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
-            q8.store(pair.load().to(fp8))
+            q8 = _fp8_pair(fp8, vals[i] * inv[ctx.row_slot(v)], vals[i + 1] * inv[ctx.row_slot(v)])
             word = cute.make_tensor(cute.recast_ptr(q8.iterator, dtype=cutlass.Int16), cute.make_layout(1))
             ml, nl = ctx.local(v)
             sQ[(ml, nl if q.wide else nl // 2, buf)] = word[0]
@@ -259,12 +255,7 @@ class SinkFolds:
         barrier.arrive_and_wait()
         inv_row = self.epi_warps
         for k in range(0, len(items), 2):
-            pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            for h in (0, 1):
-                i, _, row, _ = items[k + h]
-                pair[h] = vals[i] * scratch[(inv_row, row)]
-            q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
-            q8.store(pair.load().to(fp8))
+            q8 = _fp8_pair(fp8, *(vals[items[k + h][0]] * scratch[(inv_row, items[k + h][2])] for h in (0, 1)))
             for h in (0, 1):
                 _, v, row, _ = items[k + h]
                 sT[(row, ctx.local(v)[0], buf)] = q8[h]
@@ -295,6 +286,16 @@ class SinkFolds:
                                                                   else problem_mnl[1])
             if first + tidx < rows and tm * self.tile_mn[0] < problem_mnl[0]:
                 scales[(first + tidx, tm, tl)] = s
+
+
+def _fp8_pair(fp8, a, b):
+    """(a, b) cast to FP8 together (one ``cvt.rn.satfinite ...x2.f32``): a 2-element register
+    tensor, a in the low byte."""
+    pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    pair[0], pair[1] = a, b
+    q8 = cute.make_rmem_tensor(cute.make_layout(2), fp8)
+    q8.store(pair.load().to(fp8))
+    return q8
 
 
 def _combine(is_max: bool, a, b):
