@@ -1,6 +1,9 @@
 """Benchmark the MLP sublayer in FP8, forward + backward (the FP8 training issue's first table):
 ``coda.mlp_block_fp8`` against its FP8 GEMM shadow, our bf16 ``coda.mlp_block``, and torchao's
-float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, where torchao imports).
+float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, and the prototype
+block-wise one, which is ours, where torchao imports).
+``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
+with it on (h^T and dz' quantized in the GEMMs that produce them), timed in the same turns.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -11,10 +14,11 @@ All variants timed in turns (``coda_cute.sol.timing.interleaved_medians``, L2 fl
 medians). Also printed: the bytes our separate quantization passes move per step.
 
     python scripts/bench_fp8.py [--tokens 16384] [--dim 4096] [--ffn 14336] [--rounds 20] [--json out.json]
-        [--profile]                                  # also the kernels of one coda fp8 step
+        [--profile]                                  # also the kernels of one coda fp8 step (both variants)
     python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
 
-Each variant is also timed alone, five calls back to back (the table's last column).
+Each variant is also timed alone, five calls back to back, with the host time to issue them (the
+table's last two columns).
 ``--baselines-only`` is for a machine call that carries torchao instead of the DSL (the two do not
 fit in one call's 64 MiB): the shadow is timed in both runs, so each run's ratios to it compare.
 """
@@ -25,6 +29,7 @@ import argparse
 import json
 import re
 import sys
+import time
 
 import torch
 from rich.console import Console
@@ -46,6 +51,20 @@ def coda_step(op, y, ss, w_gu, w_down, dy2):
             t.grad = None
         op(leaves[0], ss, leaves[1], leaves[2], EPS)[0].backward(dy2)
     return step
+
+
+def with_fused_quant(step):
+    """``step`` with ``mlp_fp8.FUSED_QUANT`` on while it runs (the forward decides; the backward
+    follows what the forward saved)."""
+    from coda_cute.ops import mlp_fp8
+
+    def run():
+        before, mlp_fp8.FUSED_QUANT = mlp_fp8.FUSED_QUANT, True
+        try:
+            step()
+        finally:
+            mlp_fp8.FUSED_QUANT = before
+    return run
 
 
 def rowwise(x):
@@ -104,7 +123,31 @@ def torchao_steps(y, dy2, d, f, console):
             module.zero_grad(set_to_none=True)
             compiled(leaf).backward(dy2)
         steps[f"torchao {recipe} + compile"] = step
+    steps.update(torchao_blockwise_step(y, dy2, d, f, console))
     return steps
+
+
+def torchao_blockwise_step(y, dy2, d, f, console) -> dict:
+    """torchao's prototype block-wise FP8 training (``Float8BlockwiseLinear``: our recipe, 1 x 128
+    activation and gradient blocks, 128 x 128 weight blocks, the weight gradient from 1 x 128 x 128
+    x 1 operands; Triton quantizers, ``torch._scaled_mm``'s block-wise GEMMs) under torch.compile:
+    the same recipe as ``coda.mlp_block_fp8`` (empty where it does not import)."""
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except ImportError as e:
+        console.print(f"torchao's block-wise training not importable ({e}); its row is left out")
+        return {}
+    module = Mlp(d, f).cuda().to(torch.bfloat16)
+    for name in ("gate", "up", "down"):
+        setattr(module, name, Float8BlockwiseLinear.from_float(getattr(module, name)))
+    compiled = torch.compile(module)
+    leaf = y.clone().requires_grad_()
+
+    def step():
+        leaf.grad = None
+        module.zero_grad(set_to_none=True)
+        compiled(leaf).backward(dy2)
+    return {"torchao blockwise (prototype) + compile": step}
 
 
 #: bytes per element: an FP8 value and its share of a 1 x 128 block's fp32 scale
@@ -151,20 +194,25 @@ def print_quantize_bytes(rows: list, console) -> float:
     return total
 
 
-def back_to_back_ms(fn, calls: int = 5) -> float:
-    """Milliseconds per call of ``calls`` calls in a row (no flush between), CUDA events: next to
-    the interleaved median, it shows whether a variant's time depends on what ran before it."""
+def back_to_back_ms(fn, calls: int = 5) -> tuple[float, float]:
+    """(GPU ms, host ms) per call of ``calls`` calls in a row (no flush between): CUDA events, and
+    the host's own time to issue them (perf_counter, no sync inside). Next to the interleaved
+    median, the first shows whether a variant's time depends on what ran before it; a host time
+    near or above the GPU time says the launches, not the kernels, set the pace."""
     fn()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
+    return start.elapsed_time(end) / calls, host
 
 
-def print_profile(fn, console) -> None:
+def print_profile(fn, console, label: str = "coda fp8") -> None:
     """The kernels of one call of ``fn`` in launch order with their GPU times (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -175,7 +223,7 @@ def print_profile(fn, console) -> None:
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    t = Table(title=f"one coda fp8 step: {len(kernels)} kernels, "
+    t = Table(title=f"one {label} step: {len(kernels)} kernels, "
                     f"{sum(e.device_time for e in kernels) / 1e3:.3f} ms GPU time")
     t.add_column("ms", justify="right")
     t.add_column("kernel", overflow="fold")
@@ -208,27 +256,39 @@ def main(argv=None) -> int:
     fns = {"fp8 shadow (6 row-wise _scaled_mm)": shadow_step(m, d, f)}
     if not args.baselines_only:
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
+        fns["coda fp8, quantize fused"] = with_fused_quant(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
+                                                                     w_down, dy2))
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     fns.update(torchao_steps(y, dy2, d, f, console))
+    for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            console.print(f"[red]{name} failed, left out: {type(e).__name__}: {e}[/]")
+            del fns[name]
     ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=2000)
     alone = {name: back_to_back_ms(fn) for name, fn in fns.items()}
     shadow = ms["fp8 shadow (6 row-wise _scaled_mm)"]
     ao = [v for k, v in ms.items() if k.startswith("torchao")]
     t = Table(title=f"MLP sublayer forward + backward, M {m}, d {d}, ffn {f} (median ms)")
-    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms"):
+    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms", "host ms"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in ms.items():
-        t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name]:.3f}")
+        t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name][0]:.3f}",
+                  f"{alone[name][1]:.3f}")
     console.print(t)
-    if args.profile and "coda fp8" in fns:
-        print_profile(fns["coda fp8"], console)
+    if args.profile:
+        for name in ("coda fp8", "coda fp8, quantize fused"):
+            if name in fns:
+                print_profile(fns[name], console, name)
     bytes_rows = quantize_bytes(m, d, f)
     gb = print_quantize_bytes(bytes_rows, console)
     console.print(f"our separate quantize passes move {gb:.2f} GB per step "
                   f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": alone, "quantize_gb": gb,
+            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": {k: v[0] for k, v in alone.items()},
+                       "host_ms": {k: v[1] for k, v in alone.items()}, "quantize_gb": gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0
 

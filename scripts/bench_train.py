@@ -359,6 +359,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-liger", action="store_true", help="skip the Liger-Kernel baseline")
     ap.add_argument("--fp8", action="store_true", help="also time CodaLlama with precision='fp8' (coda_fp8)")
+    ap.add_argument("--fused-quant", action="store_true",
+                    help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
     ap.add_argument("--smoke", action="store_true",
                     help="run every variant once on a tiny config on CPU (no timing, compile, Liger)")
@@ -400,7 +402,11 @@ def main(argv=None) -> int:
             sys.exit("bench_train needs a CUDA GPU (or --smoke)")
         device = "cuda"
         ctx = contextlib.nullcontext()
+    if args.fused_quant:
+        from coda_cute.ops import mlp_fp8
+        mlp_fp8.FUSED_QUANT = True
     env = environment(device)
+    env["fused_quant"] = args.fused_quant
     say(f"torch {env['torch']}, transformers {env['transformers']}, {env.get('gpu', device)}")
     if CODA_IMPORT_ERROR:
         say(f"[bold red]{CODA_IMPORT_ERROR}[/]: the coda variant is recorded as null")

@@ -1,4 +1,4 @@
-"""Experiment: what the SwiGLU backward's epilogue costs its GEMM, per config and load depth.
+"""Experiment: what the SwiGLU backward's epilogue costs its GEMM, per config and per store.
 
 ``coda.swiglu_backward`` is the down-proj dgrad dh = dy @ W_down with the SwiGLU backward in its
 epilogue: per output column it reads the saved pre-activation pair (g, u) (a wide tile: twice
@@ -7,10 +7,12 @@ plain output's bytes. ``bench_step_gemms.py`` (H200, 2026-12-02) measured it at 
 16384 x 8192 x 2048) and 1.054x (8b: 16384 x 14336 x 4096) cuBLAS's time for the plain product,
 where our plain GEMM of the shape runs at 0.895 / 0.950. This times, in turns with cuBLAS and
 our plain GEMM, the op's tree on each config the heuristic ranks (the first ``--configs``, those
-whose build does not spill) and, on the heuristic's pick, the tile-input ring at other depths
-(``kernels.sm90.epilogue.LOAD_STAGES``, compiled afresh).
+whose build does not spill) and the tree with some of its sinks left out (``subtrees``: what each
+store costs). A 2- or 6-deep tile-input ring measured no different from the default (2026-12-02).
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_backward.py [--rounds 10] [--configs 6]
+
+The FP8 form, on the block-scaled configs: ``scripts/exp_block_scaled_trees.py``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from coda_cute import compiler, dispatch  # noqa: E402
+from coda_cute import dispatch  # noqa: E402
 from coda_cute import epilogue as E  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
-from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
@@ -35,7 +36,6 @@ from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 #: (label, tokens, d, ffn)
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
-DEPTHS = (2, 6)
 
 
 def _operands(m, d, f):
@@ -45,6 +45,13 @@ def _operands(m, d, f):
     z = torch.randn(m, 2 * f, device="cuda", generator=g).bfloat16()
     ss = torch.rand(m, 4, device="cuda", generator=g) * d
     return dy, w, dict(norm_inputs(d, ss, 1e-5), z=z)
+
+
+def subtrees(tree) -> dict:
+    """The op's tree with some of its sinks left out, to see what each costs: without h (what
+    keeping the forward's h would leave: dz' and zdz) and dz' alone."""
+    keep = lambda *names: E.Epilogue(*[s for s in tree.sinks if s.name in names])  # noqa: E731
+    return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
 def main():
@@ -66,20 +73,10 @@ def main():
         fns = {"cublas": lambda: torch.mm(dy, w), "plain": lambda: gemm_impl(dy, w)}
         for c in ranked:
             fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: E.run(tree, dy, w, inputs, config=c)
-        want = E.run(tree, dy, w, inputs, config=pick)
-        depth0 = EPI.LOAD_STAGES
-        try:
-            for depth in DEPTHS:
-                EPI.LOAD_STAGES = depth
-                compiler._cache.clear()
-                runner._plans.clear()
-                plan = runner._make_plan(tree, dy, w, inputs, pick, False, "exp")
-                got = plan.launch(dy, w, inputs)
-                same = all(torch.equal(got[k], want[k]) for k in want)
-                console.log(f"{label} load depth {depth}: outputs equal to the pick's: {same}")
-                fns[f"{pick.name} load {depth}"] = lambda p=plan: p.launch(dy, w, inputs)
-        finally:
-            EPI.LOAD_STAGES = depth0
+        for name, variant in subtrees(tree).items():
+            own = runner.choose_config(variant, m, f, d, 1, False, False, sms)
+            for c in dict.fromkeys([own, pick]):  # its own pick, and the full tree's
+                fns[f"{name} ({c.name})"] = lambda v=variant, c=c: E.run(v, dy, w, inputs, config=c)
         t = interleaved_medians(fns, rounds=args.rounds, settle_ms=300)
         for name, ms in t.items():
             table.add_row(f"{label} {m}x{f}x{d}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")

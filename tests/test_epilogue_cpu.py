@@ -822,6 +822,23 @@ def test_run_on_cpu_in_reference_mode_is_evaluate(which, monkeypatch):
             E.run(tree, args[0][:, :16], args[1], inputs)
 
 
+def test_reference_path_applies_the_launchs_output_layout_rules():
+    """The CPU reference path refuses what the launch refuses about outputs: a store whose dense
+    rows TMA cannot write (a half-width h of 20 bf16 columns: 40-byte rows) without a padded
+    preallocated output, and a given output that is not row-major; a padded one it fills."""
+    a, b = torch.randn(96, 64).bfloat16(), torch.randn(64, 40).bfloat16()
+    tree = E.Epilogue(E.store(E.pairwise(lambda g, u: g * u, E.acc()), "h", "bfloat16"))
+    with coda_cute.reference_on_cpu():
+        with pytest.raises(ValueError, match=r"h's strides must be multiples of 16 bytes"):
+            E.run(tree, a, b, {})
+        padded = torch.full((96, 24), float("nan"), dtype=BF16)
+        out = E.run(tree, a, b, {}, outputs={"h": padded[:, :20]})
+        want = E.evaluate(tree, a.float() @ b.float(), {}, (128, 128))["h"]
+        assert out["h"].data_ptr() == padded.data_ptr() and out["h"].equal(want)
+        with pytest.raises(ValueError, match=r"h must be contiguous or row-major"):
+            E.run(tree, a, b, {}, outputs={"h": torch.empty(20, 96, dtype=BF16).t()})
+
+
 def test_reference_on_cpu_compiles_no_kernel(monkeypatch):
     """The CPU reference path runs no kernel, so it never compiles one to ask about spills."""
     def no_build(*a, **k):

@@ -7,8 +7,9 @@ import pytest
 from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, _epilogue_factor, choose_config,
-                                       ranked_configs, spills, tree_smem_bytes)
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED,
+                                       _epilogue_factor, choose_config, ranked_configs, spills,
+                                       tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue import nodes as N
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
@@ -116,6 +117,27 @@ def test_heuristic_charges_cooperative_configs_for_tile_inputs():
     shape = (16384, 28672, 4096, 1, False, False, 132)
     for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
         assert choose_config(tree, *shape).schedule == "pingpong"
+
+
+@pytest.mark.parametrize("m, d, f", [(16384, 2048, 8192), (16384, 4096, 14336), (8192, 8192, 28672)])
+def test_block_scaled_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f):
+    """On the block-scaled FP8 kernel a double-width tile input (the SwiGLU backward's z) costs a
+    cooperative config its measured extra and moves the tree to ping-pong 64 x 128; the trees
+    with plain tile inputs (the residual, the norm backward) stay cooperative, where they ran
+    faster; the bf16 factors do not change."""
+    from coda_cute.ops.rmsnorm import norm_backward_tree
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
+    swiglu = swiglu_backward_tree()
+    assert _epilogue_factor(swiglu, coop, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED
+    assert _epilogue_factor(swiglu, coop) == 1.0 + COOP_TILE_INPUT_COST
+    assert _epilogue_factor(norm_backward_tree(True), coop, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
+    picks = {name: choose_config(tree, *shape, 1, True, False, 132, True)
+             for name, tree, shape in (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
+                                       ("residual", residual_norm_stats_tree(), (m, d, f)))}
+    assert (picks["swiglu"].schedule, picks["swiglu"].tile_m) == ("pingpong", 64)
+    assert picks["norm"].schedule == picks["residual"].schedule == "cooperative"
 
 
 def test_choose_config_takes_the_first_candidate_that_does_not_spill(monkeypatch):

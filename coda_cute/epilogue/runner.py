@@ -66,12 +66,23 @@ def segment_widths(tree: N.Epilogue) -> set:
 #: ping-pong 128x128 2x1: the plain GEMM +5 % (the rates in ``dispatch`` carry that), trees
 #: without a tile input the same (+4 to +7 %), the four trees with one +10 to +17 %.
 COOP_TILE_INPUT_COST = 0.07
+#: The extra a double-width tile input costs on the block-scaled FP8 kernel's cooperative
+#: configs, whose mainloop runs twice as fast. Measured on the H200 (``scripts/exp_block_scaled_
+#: trees.py``, in turns): the SwiGLU backward (a double-width z, heavy arithmetic) ran on
+#: cooperative 128x128 2x1 at 1.17x / 1.11x / 1.04x the time of ping-pong 64x128 2x1 (16384 x 8192
+#: x 2048 / 16384 x 14336 x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x
+#: its predicted time. Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST``
+#: ranks them: the residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at
+#: 0.77x (8b).
+COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED = 0.6
 
 
-def _epilogue_factor(tree, cfg: GemmConfig) -> float:
+def _epilogue_factor(tree, cfg: GemmConfig, block_scaled: bool = False) -> float:
     if cfg.schedule != "cooperative":
         return 1.0
-    return 1.0 + COOP_TILE_INPUT_COST * sum(i.kind == "tile" for i in tree.inputs)
+    tiles = [i for i in tree.inputs if i.kind == "tile"]
+    wide = COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED if block_scaled else COOP_TILE_INPUT_COST
+    return 1.0 + sum(wide if i.wide else COOP_TILE_INPUT_COST for i in tiles)
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
@@ -92,7 +103,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
-                  * _epilogue_factor(tree, c))
+                  * _epilogue_factor(tree, c, block_scaled))
 
 
 def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False,
@@ -363,8 +374,8 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
 
 
 def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b_rows=False) -> dict:
-    """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules,
-    then the torch evaluator on the fp32 product (block-scaled: of the dequantized operands; no
+    """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules (the
+    outputs' layouts included, given or allocated), then the torch evaluator on the fp32 product (block-scaled: of the dequantized operands; no
     kernel); preallocated outputs are filled."""
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
@@ -385,15 +396,19 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
     if config is None:
         config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device),
                            block_scales is not None)
+    given = _flat_outputs(outputs, tree) or {}
+    for name, shape, dtype, _fill in output_shapes(tree, m, n, batch, batched, config):
+        kind = _out_kind(name, tree)
+        view = _out_view(name, shape, dtype, kind, op)
+        if name in given:
+            _given_output(given[name], name, shape, dtype, view, kind, op)
+        elif isinstance(view, ValueError):  # what the launch raises without a padded output
+            raise view
     if product is None:
         product = torch.matmul(a.float(), b.float())
     out = _flat_outputs(evaluate(tree, product, inputs, (config.tile_m, config.tile_n)), tree)
-    for name, t in (_flat_outputs(outputs, tree) or {}).items():
-        want = out[name]
-        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-            raise ValueError(f"{op}: {name} must be a {want.dtype} tensor of shape {tuple(want.shape)}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-        out[name] = t.copy_(want)
+    for name, t in given.items():
+        out[name] = t.copy_(out[name])
     return _group(out, tree)
 
 

@@ -37,8 +37,10 @@ VEC = 8
 LANES = BLOCK // VEC
 #: rows per thread in the rows phase
 ROWS = BLOCK // (THREADS // LANES)
-#: rows per thread in the columns phase (two halves of the tile)
-HALF = BLOCK // 2
+#: column pairs of a tile, one per thread of a quarter of the CTA in the columns phase
+PAIRS = BLOCK // 2
+#: rows per thread in the columns phase (four quarters of the tile)
+QUARTER = BLOCK // (THREADS // PAIRS)
 #: FP8 values per store of qt
 OUT_VEC = 16
 #: padding of the shared tile's rows (16 bytes), so the rows phase's 16-byte stores of two
@@ -76,7 +78,7 @@ class QuantizeDual:
         _, groups = gx.shape[1]
         smem = cutlass.memory.SmemAllocator()
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + PAD, 1)), 16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((2, BLOCK)), 16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((THREADS // PAIRS, BLOCK)), 16)
         fmax = Float32(self.fp8_max)
 
         # rows phase
@@ -104,22 +106,35 @@ class QuantizeDual:
                         s[(row, bx)] = scale
         cute.arch.sync_threads()
 
-        # columns phase
-        c, half = tidx % BLOCK, tidx // BLOCK
-        # laid out as the four 16-value stores of qt take them
-        vals = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), Float32)
-        for e in cutlass.range_constexpr(HALF):
-            vals[e] = tile[(half * HALF + e, c)].to(Float32)
-        red[(half, c)] = abs_max(Float32(0.0), vals.load(), HALF)
+        # columns phase: thread t owns the column pair 2 (t % 64) + {0, 1} of rows 32 (t // 64) ..,
+        # read as 32-bit words (a warp's lanes on consecutive pairs of one row: no bank
+        # conflicts; one 16-bit column per thread took twice the shared loads)
+        p, quarter = tidx % PAIRS, tidx // PAIRS
+        tile_p = cute.zipped_divide(tile, (1, 2))  # ((1, 2), (rows, column pairs))
+        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), self.dtype)
+        # per column, laid out as the two 16-value stores of qt take them
+        cols = [cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), QUARTER // OUT_VEC)), Float32)
+                for _ in range(2)]
+        for e in cutlass.range_constexpr(QUARTER):
+            pair.store(tile_p[(None, (quarter * QUARTER + e, p))].load())
+            for i in cutlass.range_constexpr(2):
+                cols[i][e] = pair[i].to(Float32)
+        for i in cutlass.range_constexpr(2):
+            red[(quarter, 2 * p + i)] = abs_max(Float32(0.0), cols[i].load(), QUARTER)
         cute.arch.sync_threads()
-        scale, inv = block_scale(cute.arch.fmax(red[(0, c)], red[(1, c)], nan=True), fmax, self.pow2)
-        kk = bx * BLOCK + c
-        if kk < k:
-            out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), HALF // OUT_VEC)), self.out_dtype)
-            out.store(quantize(vals.load(), inv, HALF).to(self.out_dtype))
-            for u in cutlass.range_constexpr(HALF // OUT_VEC):
-                m0 = by * BLOCK + half * HALF + u * OUT_VEC
-                if m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out
-                    gqt[(None, (kk, m0 // OUT_VEC))].store(out[(None, u)].load())
-            if half == 0:
-                st[(kk, by)] = scale
+        for i in cutlass.range_constexpr(2):
+            c = 2 * p + i
+            amax = red[(0, c)]
+            for o in cutlass.range_constexpr(1, THREADS // PAIRS):
+                amax = cute.arch.fmax(amax, red[(o, c)], nan=True)
+            scale, inv = block_scale(amax, fmax, self.pow2)
+            kk = bx * BLOCK + c
+            if kk < k:
+                out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), QUARTER // OUT_VEC)), self.out_dtype)
+                out.store(quantize(cols[i].load(), inv, QUARTER).to(self.out_dtype))
+                for u in cutlass.range_constexpr(QUARTER // OUT_VEC):
+                    m0 = by * BLOCK + quarter * QUARTER + u * OUT_VEC
+                    if m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out
+                        gqt[(None, (kk, m0 // OUT_VEC))].store(out[(None, u)].load())
+                if quarter == 0:
+                    st[(kk, by)] = scale

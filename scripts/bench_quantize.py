@@ -1,0 +1,79 @@
+"""Benchmark the bandwidth-bound FP8 quantize kernels against the device's copy bandwidth.
+
+The FP8 training issue asks every quantize pass of ours that no GEMM epilogue absorbs to run at
+>= 85 % of copy bandwidth. For each kernel and shape: its median time, the bytes it moves (the
+16-bit input read once; each layout's FP8 values and fp32 1 x 128 scales written), the
+bandwidth that makes, and that bandwidth over a ``torch.Tensor.copy_`` of the same input's bytes
+timed in the same turns (CUDA-event medians, L2 flushed, ``sol.timing.interleaved_medians``).
+
+Kernels: ``quantize_rows`` (1 x 128 along the rows: y, h, the attention output for the forward),
+``quantize_dual`` (both layouts: the gradients dy2 and dz'), ``quantize_dual(rows=False)`` (the
+transposed layout alone: h, y along the tokens for the weight gradients). Shapes: the Llama-3-8B
+MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
+
+    python scripts/bench_quantize.py [--rounds 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coda_cute.elementwise import quantize_dual, quantize_rows
+from coda_cute.sol.timing import interleaved_medians
+
+FP8 = torch.float8_e4m3fn
+SHAPES = [(16384, 4096), (16384, 14336), (16384, 28672), (12304, 5000)]
+TARGET = 0.85
+
+
+def moved_bytes(m: int, k: int, rows: bool, cols: bool) -> int:
+    """The input read once (2 bytes an element), then per layout its FP8 values and fp32 scales:
+    along the rows m x ceil(k / 128) of them, along the columns k x ceil(m / 128)."""
+    return (2 * m * k + rows * (m * k + 4 * m * -(-k // 128))
+            + cols * (m * k + 4 * k * -(-m // 128)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    console = Console(width=140)
+    if not torch.cuda.is_available():
+        console.print("[red]bench_quantize needs a CUDA GPU[/]")
+        return 2
+    t = Table(title=f"FP8 quantize kernels against copy bandwidth (target {TARGET:.0%}; median of {args.rounds})")
+    for col in ("kernel", "M x K", "ms", "GB moved", "TB/s", "copy TB/s", "/ copy"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    records = []
+    for m, k in SHAPES:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        dst = torch.empty_like(x)
+        kernels = {"quantize_rows": (lambda: quantize_rows(x, FP8), (True, False)),
+                   "quantize_dual": (lambda: quantize_dual(x, FP8), (True, True)),
+                   "quantize_dual(rows=False)": (lambda: quantize_dual(x, FP8, rows=False), (False, True))}
+        fns = {"copy": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in kernels.items()}}
+        ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
+        copy_tbs = 2 * 2 * m * k / ms["copy"] / 1e9
+        for name, (_, layouts) in kernels.items():
+            gb = moved_bytes(m, k, *layouts) / 1e9
+            tbs = gb / ms[name]
+            records.append(dict(kernel=name, m=m, k=k, ms=ms[name], gb=gb, tbs=tbs, copy_tbs=copy_tbs,
+                                ratio=tbs / copy_tbs))
+            t.add_row(name, f"{m} x {k}", f"{ms[name]:.3f}", f"{gb:.3f}", f"{tbs:.2f}", f"{copy_tbs:.2f}",
+                      f"{tbs / copy_tbs:.3f}")
+    console.print(t)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
