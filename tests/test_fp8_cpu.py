@@ -268,8 +268,10 @@ def test_quantize_op_bad_input_raises_on_every_path(case, path):
 @pytest.mark.parametrize("rows", [True, False])
 def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
     """x read once with 16-byte loads; the rows' FP8 values (8-byte stores) and the transposed
-    copy's (16-byte stores, 64 values down a shared-memory column per thread); IEEE scales; no
-    spills. ``rows=False`` stores no row values."""
+    copy's: 32 column pairs read down the shared tile per thread as 32-bit words, the quantized
+    columns staged as rows of qt's tile (16-byte shared stores) and written from there with
+    16-byte stores, after three barriers; IEEE scales; no spills. ``rows=False`` stores no row
+    values."""
     from coda_cute.elementwise import QuantizeDualSpec
 
     k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows), keep_artifacts=True)
@@ -277,7 +279,11 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "min.NaN.f32" not in ptx  # the cast clamps
     assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("st.global.v4.b32") == 4
     assert ptx.count("st.global.v2.b32") == (8 if rows else 0)
-    assert "div.rn.f32" in ptx and "div.approx" not in ptx and "bar.sync" in ptx
+    assert ptx.count("ld.shared.v2.b16") == 32 and ptx.count("ld.shared.u16") == 0
+    # 8 rows of x and 4 of qt's staged groups stored, those 4 and the column amaxes (2) loaded
+    assert ptx.count("st.shared.v4.b32") == 12 and ptx.count("ld.shared.v4.b32") == 6
+    assert ptx.count("bar.sync") == 3
+    assert "div.rn.f32" in ptx and "div.approx" not in ptx
     assert spill_bytes(k) == 0
 
 

@@ -10,8 +10,8 @@ gradient needs the second quantization; reading x once for both moves 2 bytes in
 element where a bf16 transpose plus two quantizations move 10. ``rows=False`` writes only qt, st
 (an operand whose row quantization exists already).
 
-Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in two phases around one
-barrier. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
+Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in three phases around two
+barriers. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
 the 8 columns ``8 j ..`` (one 16-byte load per row, zeros past the matrix, which add nothing to an
 amax); per row a butterfly over the half-warp gives the block's amax, then the 8 quantized values
 and (lane 0) the scale; the 16-bit values go to shared memory. Columns phase: thread ``t`` owns
@@ -43,6 +43,10 @@ PAIRS = BLOCK // 2
 QUARTER = BLOCK // (THREADS // PAIRS)
 #: FP8 values per store of qt
 OUT_VEC = 16
+#: 16-value groups per 128-value row of qt's tile
+GROUPS = BLOCK // OUT_VEC
+#: padding of the staged qt tile's rows (16 bytes): consecutive columns' rows start 4 banks apart
+QPAD = 16
 #: padding of the shared tile's rows (16 bytes), so the rows phase's 16-byte stores of two
 #: half-warps do not share banks
 PAD = 8
@@ -79,6 +83,7 @@ class QuantizeDual:
         smem = cutlass.memory.SmemAllocator()
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + PAD, 1)), 16)
         red = smem.allocate_tensor(Float32, cute.make_layout((THREADS // PAIRS, BLOCK)), 16)
+        qbuf = smem.allocate_tensor(self.out_dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + QPAD, 1)), 16)
         fmax = Float32(self.fp8_max)
 
         # rows phase
@@ -122,19 +127,31 @@ class QuantizeDual:
         for i in cutlass.range_constexpr(2):
             red[(quarter, 2 * p + i)] = abs_max(Float32(0.0), cols[i].load(), QUARTER)
         cute.arch.sync_threads()
+        # the quantized columns go to shared memory as rows of qt's tile (each thread's 32 bytes
+        # of a column contiguous): written from there, a warp's 16-byte stores cover whole
+        # 128-byte rows of qt, where stored from the registers each lane's 16 bytes were half a
+        # sector of a row of their own
+        qtile = cute.zipped_divide(qbuf, (1, OUT_VEC))  # ((1, 16), (columns of x, 16-value groups))
         for i in cutlass.range_constexpr(2):
             c = 2 * p + i
             amax = red[(0, c)]
             for o in cutlass.range_constexpr(1, THREADS // PAIRS):
                 amax = cute.arch.fmax(amax, red[(o, c)], nan=True)
             scale, inv = block_scale(amax, fmax, self.pow2)
+            out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), QUARTER // OUT_VEC)), self.out_dtype)
+            out.store(quantize(cols[i].load(), inv, QUARTER).to(self.out_dtype))
+            for u in cutlass.range_constexpr(QUARTER // OUT_VEC):
+                qtile[(None, (c, quarter * (QUARTER // OUT_VEC) + u))].store(out[(None, u)].load())
             kk = bx * BLOCK + c
-            if kk < k:
-                out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), QUARTER // OUT_VEC)), self.out_dtype)
-                out.store(quantize(cols[i].load(), inv, QUARTER).to(self.out_dtype))
-                for u in cutlass.range_constexpr(QUARTER // OUT_VEC):
-                    m0 = by * BLOCK + quarter * QUARTER + u * OUT_VEC
-                    if m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out
-                        gqt[(None, (kk, m0 // OUT_VEC))].store(out[(None, u)].load())
-                if quarter == 0:
-                    st[(kk, by)] = scale
+            if quarter == 0 and kk < k:
+                st[(kk, by)] = scale
+        cute.arch.sync_threads()
+
+        # copy-out: thread t writes the 16-value group t % 8 of qt's tile rows t // 8 + 32 i
+        g = tidx % GROUPS
+        for i in cutlass.range_constexpr(BLOCK * GROUPS // THREADS):
+            r = tidx // GROUPS + (THREADS // GROUPS) * i
+            kk = bx * BLOCK + r
+            m0 = by * BLOCK + g * OUT_VEC
+            if kk < k and m0 < m:  # M is a multiple of 16: a 16-value store is wholly in or out
+                gqt[(None, (kk, m0 // OUT_VEC))].store(qtile[(None, (r, g))].load())
