@@ -13,6 +13,7 @@ from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPU
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue import nodes as N
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
+from coda_cute.kernels.epilogue.edges import zero_past_edge
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
 from coda_cute.ops.qkv import norm_rope_qkv_tree
 from coda_cute.ops.residual import residual_norm_stats_tree
@@ -75,12 +76,36 @@ def test_qkv_tree_splits_q_k_tiles_from_v_tiles_and_prunes_each_side():
 @pytest.mark.parametrize("x, zero", [
     (E.acc(), True), (E.row_vec("r") * E.acc() - E.acc(), True), (E.acc() * E.rsqrt(E.row_sum("s")), True),
     (E.square(-E.acc()), True), (E.acc() + E.col_vec("b"), False), (E.exp(E.acc()), False),
-    (E.tile("t"), False),
+    # tile inputs are zero-filled past N by their TMA loads
+    (E.tile("t"), True), (E.cast(E.acc() + E.tile("t"), "bfloat16"), True),
     # column vectors are zero-padded past N: rsqrt(0) * 0 would be NaN there
-    (E.acc() * E.col_vec("w"), False), (E.acc() * E.rsqrt(E.col_vec("v")), False)])
+    (E.acc() * E.col_vec("w"), False), (E.acc() * E.rsqrt(E.col_vec("v")), False),
+    # f(0) worked out: sigmoid(0) = 0.5, silu(0) = 0, 1 / 0 * 0 = NaN
+    (E.sigmoid(E.acc()), False), (E.silu(E.acc()), True), (E.acc() * E.sigmoid(E.acc()) * (1 - E.acc()), True),
+    (E.recip(E.acc()) * E.acc(), False), (E.acc() * E.exp(E.row_vec("lse")), True),
+    (E.acc() / E.row_vec("r"), False), (E.where(E.col_index() < 64, E.acc(), 1.0), False),
+    (E.pairwise(lambda g, u: E.silu(g) * u, E.acc()), True), (E.pairwise(lambda g, u: g + 1, E.acc()), False)])
 def test_zero_past_edge(x, zero):
-    # segment sums skip the bounds mask exactly for these summands
-    assert N.zero_past_edge(x) is zero
+    # row and segment sums skip the bounds mask exactly for these summands
+    assert zero_past_edge(x) is zero
+
+
+def test_row_sums_of_values_zero_past_n_build_without_the_column_mask():
+    """The residual stream's sum of squares and the SwiGLU backward's zdz add the columns past N
+    unmasked (no select left in their builds); the LM head's dlogits statistic, whose softmax
+    factor is exp(-lse) past N, keeps its mask (a select per element)."""
+    from coda_cute.compiler import KernelSpec, compile_gemm
+    from coda_cute.ops.lm_head_ce import dlogits_tree
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    sums = [s.x for t in (residual_norm_stats_tree(), swiglu_backward_tree()) for s in t.sinks
+            if s.kind == "row_reduce"]
+    assert all(zero_past_edge(x) for x in sums)
+    assert not zero_past_edge(next(s.x for s in dlogits_tree().sinks if s.kind == "row_reduce"))
+    for tree, selects in ((residual_norm_stats_tree(), 0), (swiglu_backward_tree(), 0), (dlogits_tree(), 256)):
+        k = compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", PP, tree, "sm_90a", 132), keep_artifacts=True)
+        # dlogits: the target's where and the mask, per element of the tile (128 per thread)
+        assert k.ptx.count("selp.f32") == selects
 
 
 def test_residual_tree_keeps_four_ab_stages_on_128x256():

@@ -725,22 +725,6 @@ def is_row_uniform(node: Node) -> bool:
                or not isinstance(n, (Leaf, Pairwise, SegmentReduce)) for n in walk(node))
 
 
-def zero_past_edge(node: Node) -> bool:
-    """Whether ``node`` is 0 in the accumulator's columns past the problem edge: the accumulator
-    is (TMA fills out-of-bounds B elements with zeros), and so are its products with row-uniform
-    values (the same past the edge as inside it, so 0 * inf only where the row is inf anyway; a
-    column-dependent factor such as rsqrt of a zero-padded column vector is not), sums of such
-    values and their negation or square."""
-    if isinstance(node, Acc):
-        return True
-    if isinstance(node, Binary) and node.op == "mul":
-        a, b = node.children
-        return (zero_past_edge(a) and is_row_uniform(b)) or (zero_past_edge(b) and is_row_uniform(a))
-    if isinstance(node, Binary) and node.op in ("add", "sub"):
-        return all(zero_past_edge(c) for c in node.children)
-    return isinstance(node, Unary) and node.op in ("neg", "square") and zero_past_edge(node.children[0])
-
-
 def _row_factors(x: Node):
     """x = rest * f_1 * ... * f_k with each f_i row-uniform: (rest or None, [f_1, ..., f_k])."""
     if isinstance(x, Binary) and x.op == "mul":

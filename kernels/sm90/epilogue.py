@@ -33,6 +33,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.config import GemmConfig, pipeline_stages
 from ..epilogue import nodes as N
+from ..epilogue.edges import zero_past_edge
 from .acc_vectors import AccVectors
 from .epilogue_folds import FP8_TYPES, SinkFolds, _as_float, _lse_fold
 from ..epilogue.codegen import (Emitter, assumed_walk, lookups_ahead, read_lookups_ahead, split_value,
@@ -523,7 +524,7 @@ class Sm90TreeEpilogue(SinkFolds):
         for each row this thread holds and each ``width``-column segment of the tile, the sum (of
         squares) over the segment, computed in a first pass over the accumulator (before anything
         is stored) and completed across the 4 threads that share a row. Columns past the problem
-        edge are masked out unless the summand is zero there anyway (``N.zero_past_edge``)."""
+        edge are masked out unless the summand is zero there anyway (``edges.zero_past_edge``)."""
         used = {id(n) for n in assumed_walk([s.x for s in self.tree.sinks], assume)}
         nodes = [n for n in self.segment_nodes if id(n) in used]
         if not nodes:
@@ -543,7 +544,7 @@ class Sm90TreeEpilogue(SinkFolds):
                     x = _as_float(emit.value(node.children[0], v))
                     if node.op == "sumsq":
                         x = x * x
-                    if not N.zero_past_edge(node.children[0]):
+                    if not zero_past_edge(node.children[0]):
                         x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x, Float32(0.0)))
                     key = (id(node), ctx.row_slot(v), ctx.segment(node, v))
                     sums[key] = sums[key] + x if key in sums else x

@@ -19,6 +19,7 @@ from cutlass import Float32, Int32, const_expr
 from ..common.fastmath import fast_exp
 from ..common.fp8_math import block_scale
 from ..epilogue import nodes as N
+from ..epilogue.edges import zero_past_edge
 
 _NEG_INF = -math.inf
 #: the largest finite value of each quantize sink dtype
@@ -44,16 +45,22 @@ class SinkFolds:
 
     def _row_step(self, r, accum, lse_items: dict, emit, ctx, v: int, problem_mnl):
         """Fold element v into a row reduction: sum / sumsq / max at once; an lse collects a
-        quad's values per row first (its rescale costs an exp per quad, not per value)."""
+        quad's values per row first (its rescale costs an exp per quad, not per value). Columns
+        past N are masked out, except in a sum of a value that is zero there
+        (``edges.zero_past_edge``: the residual stream's sum of squares, the SwiGLU backward's
+        zdz), which saves a compare and a select per element."""
         x = _as_float(emit.value(r.x, v))
         if r.op == "sumsq":
             x = x * x
-        valid = ctx.col_index(v) < problem_mnl[1]
         slot = ctx.row_slot(v)
+        out = list(accum)
+        if r.op in ("sum", "sumsq") and zero_past_edge(r.x):  # the columns past N add zero
+            out[slot] = out[slot] + Float32(x)
+            return out
+        valid = ctx.col_index(v) < problem_mnl[1]
         if r.op == "lse":
             lse_items.setdefault(slot, []).append((valid, x))
             return accum
-        out = list(accum)
         if r.op == "max":
             out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
         else:
