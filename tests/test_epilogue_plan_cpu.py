@@ -84,7 +84,14 @@ def test_qkv_tree_splits_q_k_tiles_from_v_tiles_and_prunes_each_side():
     (E.sigmoid(E.acc()), False), (E.silu(E.acc()), True), (E.acc() * E.sigmoid(E.acc()) * (1 - E.acc()), True),
     (E.recip(E.acc()) * E.acc(), False), (E.acc() * E.exp(E.row_vec("lse")), True),
     (E.acc() / E.row_vec("r"), False), (E.where(E.col_index() < 64, E.acc(), 1.0), False),
-    (E.pairwise(lambda g, u: E.silu(g) * u, E.acc()), True), (E.pairwise(lambda g, u: g + 1, E.acc()), False)])
+    (E.pairwise(lambda g, u: E.silu(g) * u, E.acc()), True), (E.pairwise(lambda g, u: g + 1, E.acc()), False),
+    # with N odd, column N pairs with column N - 1 (inside the problem)
+    (E.pairwise(lambda a, b: (b, a), E.acc()), False),
+    # a column-dependent expression of a row's number is no row number: 0 * (1 / (0 + r)) is NaN at r = 0
+    (E.acc() * E.recip(E.acc() + E.row_vec("r")), False), (E.acc() * E.exp(E.row_vec("r") - E.acc()), False),
+    # numbers are trusted for exact zeros and finiteness only (the kernel: fp32, fast approximations)
+    (E.cast(E.acc() + 0.1, "bfloat16") - 0.1, False), (E.acc() * E.exp(E.acc() + 100.0), False),
+    (E.cos(E.acc()) - 1.0, False), (E.acc() * E.exp(E.acc() + 10.0), True)])
 def test_zero_past_edge(x, zero):
     # row and segment sums skip the bounds mask exactly for these summands
     assert zero_past_edge(x) is zero
@@ -93,7 +100,8 @@ def test_zero_past_edge(x, zero):
 def test_row_sums_of_values_zero_past_n_build_without_the_column_mask():
     """The residual stream's sum of squares and the SwiGLU backward's zdz add the columns past N
     unmasked (no select left in their builds); the LM head's dlogits statistic, whose softmax
-    factor is exp(-lse) past N, keeps its mask (a select per element)."""
+    factor exp(logits - lse) is a column-dependent expression of a row's number, keeps its mask
+    (a select per element)."""
     from coda_cute.compiler import KernelSpec, compile_gemm
     from coda_cute.ops.lm_head_ce import dlogits_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree

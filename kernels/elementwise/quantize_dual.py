@@ -10,15 +10,17 @@ gradient needs the second quantization; reading x once for both moves 2 bytes in
 element where a bf16 transpose plus two quantizations move 10. ``rows=False`` writes only qt, st
 (an operand whose row quantization exists already).
 
-Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in three phases around two
+Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in three phases and three
 barriers. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
 the 8 columns ``8 j ..`` (one 16-byte load per row, zeros past the matrix, which add nothing to an
 amax); per row a butterfly over the half-warp gives the block's amax, then the 8 quantized values
 and (lane 0) the scale; the 16-bit values go to shared memory. Columns phase: thread ``t`` owns
-column ``t % 128`` of rows ``64 (t // 128) ..`` (64 values read down the column, a warp's lanes on
-consecutive columns: no bank conflicts), the two halves' amaxes meet in shared memory, and each
-thread writes its 64 quantized values of row ``t % 128`` of qt as four 16-byte stores. K must be a
-multiple of 8 (16-byte rows of x) and M of 16 (16-byte rows of qt).
+the columns ``2 (t % 64)`` and ``2 (t % 64) + 1`` of rows ``32 (t // 64) ..`` (32 words read down
+the column pair, a warp's lanes on consecutive pairs: no bank conflicts), the four quarters'
+amaxes meet in shared memory, and each thread stages its 32 quantized values of each of its two
+rows of qt's 128 x 128 tile in shared memory. Copy-out phase: the CTA writes that tile, eight
+lanes per 128-byte row of qt. K must be a multiple of 8 (16-byte rows of x) and M of 16 (16-byte
+rows of qt).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ QUARTER = BLOCK // (THREADS // PAIRS)
 OUT_VEC = 16
 #: 16-value groups per 128-value row of qt's tile
 GROUPS = BLOCK // OUT_VEC
-#: padding of the staged qt tile's rows (16 bytes): consecutive columns' rows start 4 banks apart
+#: padding of the staged qt tile's rows (16 bytes, keeping them 16-byte aligned; a warp's lanes
+#: write columns two apart, 288 bytes, so its staging stores conflict 2-way, 4 per thread)
 QPAD = 16
 #: padding of the shared tile's rows (16 bytes), so the rows phase's 16-byte stores of two
 #: half-warps do not share banks

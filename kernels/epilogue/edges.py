@@ -10,20 +10,30 @@ kernel's scales with them) and so are tile inputs (their TMA loads fill the same
 vectors are zero-padded too, but rsqrt or 1 / x of one is inf there, so they count as unknown;
 so do indices, lookups and segment sums. Row-uniform values (row vectors, scalars, row sums) are
 unknown numbers, the same past the edge as inside it: a product of one with a value that is zero
-past N is taken as zero (0 * inf only where that row is inf inside the problem as well).
+past N is taken as zero (0 * inf only where that row is inf inside the problem as well); a
+column-dependent expression of them (acc + r) is unknown. Known numbers are worked out in double
+and trusted only for exact zeros (ops that keep a zero, products of a zero with a finite number)
+and finiteness (with a margin for fp32 and the fast approximations). With N odd, a two-output
+pairwise of a full-width value pairs column N with column N - 1: unknown. (In the block-scaled
+kernel a tile straddling N reads its in-range block's scale, times a zero partial product; with
+an inf or NaN in a row's operands, the unmasked sum can be NaN where the masked one is inf.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Union
 
 from . import nodes as N
 
 #: an unknown row-uniform number (:func:`edge_value`)
 ROW = "row"
-
-_ROW_LEAVES = (N.RowVec, N.Scalar, N.ScalarTensor, N.RowSum, N.RowIndex)
+#: magnitudes treated as possibly infinite: the kernel computes in fp32 (max 3.4e38) with fast
+#: approximations, this analysis in double
+_HUGE = 1e30
+#: unary ops with f(+-0) = +-0 exactly in the kernel (``codegen._unary``: silu and gelu multiply
+#: by x, the approximate sqrt keeps zero)
+_ZERO_KEEPING = ("neg", "abs", "relu", "square", "to_float", "silu", "gelu", "sqrt")
 
 
 def _exp(x: float) -> float:
@@ -63,10 +73,31 @@ _UNARY = {
 _BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": _div,
            "max": max, "min": min}
 
-Edge = Union[float, str, None]
+
+class Known(tuple):
+    """A value past N as (an approximation of the kernel's number, whether it is exactly zero):
+    only exact zeros and finiteness are relied on."""
+
+    def __new__(cls, value: float, zero: bool = False):
+        return super().__new__(cls, (value, zero))
+
+    @property
+    def value(self) -> float:
+        return self[0]
+
+    @property
+    def zero(self) -> bool:
+        return self[1]
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.value) and abs(self.value) < _HUGE
 
 
-def _finite_math(fn, *args) -> float:
+Edge = Union[Known, str, None]
+
+
+def _ieee(fn, *args) -> float:
     """fn on floats with IEEE results instead of Python's exceptions (inf - inf, inf * 0: NaN)."""
     if any(math.isnan(a) for a in args):
         return math.nan
@@ -76,47 +107,66 @@ def _finite_math(fn, *args) -> float:
         return math.nan
 
 
-def edge_value(x: N.Node, pair: tuple = (0.0, 0.0)) -> Edge:
-    """``x``'s value past N: a float where it follows from the zeros there and constants,
-    :data:`ROW` where it is an unknown row-uniform number, None where unknown. ``pair``: the
-    values of a pairwise body's (even, odd) arguments."""
-    if isinstance(x, (N.Acc, N.Tile)):
-        return 0.0
+def _binary(op: str, a: Edge, b: Edge) -> Edge:
+    if op == "mul":
+        for z, other in ((a, b), (b, a)):
+            # zero times a finite number, or times a row's number (see the module docstring)
+            if isinstance(z, Known) and z.zero and (other == ROW or (isinstance(other, Known) and other.finite)):
+                return Known(0.0, True)
+    if not (isinstance(a, Known) and isinstance(b, Known)):
+        return None
+    zero = (op in ("add", "sub", "max", "min") and a.zero and b.zero) or (
+        op == "div" and a.zero and b.finite and abs(b.value) > 1 / _HUGE)
+    return Known(0.0 if zero else _ieee(_BINARY[op], a.value, b.value), zero)
+
+
+def edge_value(x: N.Node, pair: Optional[tuple] = None) -> Edge:
+    """``x``'s value past N: :class:`Known` where it follows from the zeros there and constants,
+    :data:`ROW` where ``x`` is row-uniform (an unknown number per row), None where unknown.
+    ``pair``: the edges of a pairwise body's (even, odd) arguments."""
     if isinstance(x, N.Const):
-        return float(x.value)
-    if isinstance(x, N.PairArg):
-        return pair[x.which]
-    if isinstance(x, _ROW_LEAVES):
+        return Known(float(x.value), float(x.value) == 0.0)
+    if N.is_row_uniform(x):
         return ROW
-    if isinstance(x, N.Cast):
-        return edge_value(x.children[0], pair)
+    if isinstance(x, (N.Acc, N.Tile)):
+        return Known(0.0, True)
+    if isinstance(x, N.PairArg):
+        return pair[x.which] if pair is not None else None
+    if isinstance(x, N.Cast):  # rounding keeps zeros and infinities
+        v = edge_value(x.children[0], pair)
+        return v if isinstance(v, Known) else None
     if isinstance(x, N.Unary):
         v = edge_value(x.children[0], pair)
-        return _finite_math(_UNARY[x.op], v) if isinstance(v, float) else v
+        if not isinstance(v, Known):
+            return None
+        return Known(_ieee(_UNARY[x.op], v.value), v.zero and x.op in _ZERO_KEEPING)
     if isinstance(x, N.Binary) and x.op in _BINARY:
-        a, b = (edge_value(c, pair) for c in x.children)
-        if isinstance(a, float) and isinstance(b, float):
-            return _finite_math(_BINARY[x.op], a, b)
-        if x.op == "mul" and ROW in (a, b) and 0.0 in (a, b):
-            return 0.0  # zero times a row's number (see the module docstring)
-        return ROW if None not in (a, b) else None
+        return _binary(x.op, *(edge_value(c, pair) for c in x.children))
     if isinstance(x, N.Select):
         a, b = (edge_value(c, pair) for c in x.children[1:])
-        return a if isinstance(a, float) and a == b else None
+        both = isinstance(a, Known) and isinstance(b, Known)
+        return Known(0.0, True) if both and a.zero and b.zero else None
     if isinstance(x, N.Pairwise):
-        v = edge_value(x.children[0], pair)
-        if not isinstance(v, float):
-            return None
-        outs = [edge_value(b, (v, v)) for b in x.body]
-        return outs[0] if all(isinstance(o, float) and o == outs[0] for o in outs) else None
+        src = x.children[0]
+        if src.domain == N.FULL and len(x.body) == 2:
+            return None  # with N odd, column N pairs with column N - 1, inside the problem
+        if isinstance(src, N.Interleave):
+            args = tuple(edge_value(c, pair) for c in src.children)
+        else:
+            v = edge_value(src, pair)
+            args = (v, v)
+        outs = [edge_value(b, args) for b in x.body]
+        if all(isinstance(o, Known) and o.zero for o in outs):
+            return Known(0.0, True)
+        return outs[0] if len(outs) == 1 else None
     if isinstance(x, N.Interleave):
         a, b = (edge_value(c, pair) for c in x.children)
-        return a if isinstance(a, float) and a == b else None
+        return Known(0.0, True) if isinstance(a, Known) and isinstance(b, Known) and a.zero and b.zero else None
     return None
 
 
 def zero_past_edge(x: N.Node) -> bool:
-    """Whether ``x`` is zero in every column past N (:func:`edge_value`), so that a row sum or
-    sum of squares over a tile may add those columns unmasked."""
+    """Whether ``x`` is exactly zero in every column past N (:func:`edge_value`), so that a row
+    sum or sum of squares over a tile may add those columns unmasked."""
     v = edge_value(x)
-    return isinstance(v, float) and v == 0.0
+    return isinstance(v, Known) and v.zero
