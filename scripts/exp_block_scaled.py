@@ -21,7 +21,9 @@ operands:
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
 them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
-bf16 on the same product and our row-wise FP8 GEMM.
+bf16 on the same product, our row-wise FP8 GEMM and torch's block-wise 1x128 x 128x1 (the kernel
+torchao's block-wise training uses for dW; bf16 out) where torch takes it, and every other
+block-scaled config (a log line per shape).
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages]
 """
@@ -38,6 +40,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from coda_cute import compiler, dispatch  # noqa: E402
+from coda_cute import epilogue as E  # noqa: E402
 from coda_cute import reference as R  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import block_scale_stage_bytes, pipeline_stages  # noqa: E402
@@ -84,7 +87,8 @@ def wgrad(console, rounds, stages=False):
     max_acc = G.MAX_ACC_REGISTERS
     names = list(VARIANTS) + (["paired 64x1"] if stages else [])
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
-    for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", *names, "best / bf16"]:
+    for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", "torch block", *names, "best / bf16",
+                "best / torch block"]:
         table.add_column(col, justify="right")
     for m, n, k in WGRAD_SHAPES:
         dy, x = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
@@ -96,6 +100,15 @@ def wgrad(console, rounds, stages=False):
         rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
         fns = {"cuBLAS bf16": lambda: torch.mm(a16, b16),  # bf16 out
                "ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb, torch.float32)}
+        # torch's block-wise 1x128 x 128x1 (what torchao's block-wise training calls for dW): A's
+        # scales M-major, B's (K / 128, N) row-major; bf16 out (its block-wise path has no fp32)
+        ta, tb = sa.t().contiguous().t(), sb.t().contiguous()
+        try:
+            torch._scaled_mm(a_q, b_q.t(), scale_a=ta, scale_b=tb, out_dtype=torch.bfloat16)
+            fns["torch block"] = lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ta, scale_b=tb,
+                                                          out_dtype=torch.bfloat16)
+        except (RuntimeError, ValueError) as e:
+            console.log(f"wgrad {m}x{n}x{k}: torch's block-wise 1x128 x 128x1 refused: {e}")
         base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True, True)
         want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (1, 128), torch.float64)
         for name in names:
@@ -105,6 +118,11 @@ def wgrad(console, rounds, stages=False):
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
         G.MAX_ACC_REGISTERS = max_acc
+        others = [c for c in dispatch.block_scaled_config_space() if c.tile_m == 128 or c.tile_n == 128]
+        for c in others:  # the other schedules and clusters: ping-pong overlaps one warpgroup's
+            if c == base:  # promotion arithmetic with the other's WGMMAs
+                continue
+            fns[c.name] = lambda c=c: E.run(tree, a_q, b_q.t(), {}, config=c, block_scales=scales, b_block="1x128")
         if stages:
             plan, n_stages = one_buffer_plan(tree, a_q, b_q.t(), base, scales, True)
             fns["paired 64x1"] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
@@ -113,8 +131,12 @@ def wgrad(console, rounds, stages=False):
         ms = interleaved_medians(fns, rounds=rounds, settle_ms=500)
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)
+        tb_tf = tf.get("torch block")
+        console.log(f"wgrad {m}x{n}x{k} every config: " + ", ".join(
+            f"{c.name} {tf[c.name]:.0f}" for c in others if c.name in tf) + f"; {base.name} (pick) {tf['paired']:.0f}")
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['cuBLAS bf16']:.0f}", f"{tf['ours row']:.0f}",
-                      *(f"{tf[name]:.0f}" for name in names), f"{best / tf['cuBLAS bf16']:.3f}")
+                      "-" if tb_tf is None else f"{tb_tf:.0f}", *(f"{tf[name]:.0f}" for name in names),
+                      f"{best / tf['cuBLAS bf16']:.3f}", "-" if tb_tf is None else f"{best / tb_tf:.3f}")
     console.print(table)
 
 
