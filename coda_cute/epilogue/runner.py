@@ -375,8 +375,8 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
 
 def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b_rows=False) -> dict:
     """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules (the
-    outputs' layouts included, given or allocated), then the torch evaluator on the fp32 product (block-scaled: of the dequantized operands; no
-    kernel); preallocated outputs are filled."""
+    outputs' layouts included, given or allocated), then the torch evaluator on the fp32 product
+    (block-scaled: of the dequantized operands; no kernel); preallocated outputs are filled."""
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)

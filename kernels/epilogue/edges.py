@@ -21,6 +21,7 @@ an inf or NaN in a row's operands, the unmasked sum can be NaN where the masked 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -165,8 +166,10 @@ def edge_value(x: N.Node, pair: Optional[tuple] = None) -> Edge:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def zero_past_edge(x: N.Node) -> bool:
     """Whether ``x`` is exactly zero in every column past N (:func:`edge_value`), so that a row
-    sum or sum of squares over a tile may add those columns unmasked."""
+    sum or sum of squares over a tile may add those columns unmasked. Cached per node: the
+    epilogue asks once per element while it traces a kernel."""
     v = edge_value(x)
     return isinstance(v, Known) and v.zero
