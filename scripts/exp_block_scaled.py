@@ -52,8 +52,10 @@ from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
-#: (N_out, N_in, tokens) of the weight gradients: QKV, gate/up, down
-WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384)]
+#: (N_out, N_in, tokens) of the weight gradients: QKV, gate/up, down at the 8B-like widths, then
+#: at the 1B-like ones (d 2048, ffn 8192), where no config was tuned
+WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
+                (3072, 2048, 16384), (16384, 2048, 16384), (2048, 8192, 16384)]
 
 
 #: {name: whether a second temporary may pair k-tiles}
@@ -123,6 +125,8 @@ def wgrad(console, rounds, stages=False):
             if c == base:  # promotion arithmetic with the other's WGMMAs
                 continue
             fns[c.name] = lambda c=c: E.run(tree, a_q, b_q.t(), {}, config=c, block_scales=scales, b_block="1x128")
+            err = (fns[c.name]()["out"][:256].double() - want).norm() / want.norm()
+            console.log(f"wgrad {m}x{n}x{k} {c.name}: rel err {float(err):.2e} (first 256 rows)")
         if stages:
             plan, n_stages = one_buffer_plan(tree, a_q, b_q.t(), base, scales, True)
             fns["paired 64x1"] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)

@@ -9,6 +9,11 @@ where our plain GEMM of the shape runs at 0.895 / 0.950. This times, in turns wi
 our plain GEMM, the op's tree on each config the heuristic ranks (the first ``--configs``, those
 whose build does not spill) and the tree with some of its sinks left out (``subtrees``: what each
 store costs). A 2- or 6-deep tile-input ring measured no different from the default (2026-12-02).
+The h store's sub-tile buffers take the picked ping-pong 128 x 128 config from six A/B stages to
+five (its epilogue needs 41 KB at the shallowest load ring, 34 KB leave six): ``one store
+buffer`` times the op's tree with one buffer per stored output (``kernels.sm90.epilogue``'s
+``SUBTILE_BUFFERS``), which keeps six stages at the price of each sub-tile's staging waiting for
+the previous sub-tile's TMA store to have read its buffer.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_backward.py [--rounds 10] [--configs 6]
 
@@ -26,9 +31,11 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from coda_cute import dispatch  # noqa: E402
+from coda_cute import compiler, dispatch  # noqa: E402
 from coda_cute import epilogue as E  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.common.config import pipeline_stages  # noqa: E402
+from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
@@ -54,6 +61,22 @@ def subtrees(tree) -> dict:
     return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
+def one_buffer_plan(tree, dy, w, inputs, config):
+    """(plan of ``tree`` on ``config`` with one store buffer per output, compiled afresh, its A/B
+    stages)."""
+    EPI.SUBTILE_BUFFERS = 1
+    try:
+        compiler._cache.clear()
+        runner._plans.clear()
+        plan = runner._make_plan(tree, dy, w, inputs, config, False, "exp")
+        stages = pipeline_stages(config, 2, EPI.Sm90TreeEpilogue(tree, config, 2).smem_bytes())
+    finally:
+        EPI.SUBTILE_BUFFERS = None
+        compiler._cache.clear()
+        runner._plans.clear()
+    return plan, stages
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
@@ -73,6 +96,11 @@ def main():
         fns = {"cublas": lambda: torch.mm(dy, w), "plain": lambda: gemm_impl(dy, w)}
         for c in ranked:
             fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: E.run(tree, dy, w, inputs, config=c)
+        plan, stages = one_buffer_plan(tree, dy, w, inputs, pick)
+        fns[f"one store buffer, {stages} stages ({pick.name})"] = lambda p=plan: p.launch(dy, w, inputs)
+        got, want = plan.launch(dy, w, inputs), E.run(tree, dy, w, inputs, config=pick)
+        same = all(torch.equal(got[name], want[name]) for name in want)
+        console.log(f"{label} one store buffer: outputs {'bit-identical to' if same else 'DIFFER from'} the op's")
         for name, variant in subtrees(tree).items():
             own = runner.choose_config(variant, m, f, d, 1, False, False, sms)
             for c in dict.fromkeys([own, pick]):  # its own pick, and the full tree's
