@@ -174,6 +174,17 @@ _RATES_FP8 = {
     ("pingpong", 64, 192, 1, 1): 686, ("pingpong", 64, 64, 2, 1): 611,
     ("pingpong", 64, 64, 1, 1): 587,
 }
+# The block-scaled kernel's weight-gradient form (both operands 1 x 128 blocks along the tokens,
+# fp32 out): medians over six Llama wgrad shapes (6144, 28672, 4096 x 4096 / 14336 and the 1B-like
+# 3072, 16384, 2048 x 2048 / 8192, over 16384 tokens), scripts/exp_block_scaled.py --wgrad,
+# 2026-12-02, in turns: the 1x1 cluster beat the 2x1 on every shape (by 1.2-1.9 %), unlike the
+# forward form. Configs not timed in this form take their forward rate times the measured
+# cooperative 128 x 128 2x1 ratio (845 / 1204).
+_RATES_FP8_WGRAD = {
+    ("cooperative", 128, 128, 1, 1): 860, ("cooperative", 128, 128, 2, 1): 845,
+    ("pingpong", 64, 128, 2, 1): 610, ("pingpong", 64, 128, 1, 1): 589,
+}
+_WGRAD_UNTIMED_SCALE = 845 / 1204
 _RATES_FP8_FAST = {
     ("pingpong", 128, 128, 2, 1): 1317, ("cooperative", 128, 256, 1, 2): 1247,
     ("cooperative", 128, 256, 2, 1): 1245, ("cooperative", 128, 256, 1, 1): 1241,
@@ -186,9 +197,11 @@ _RATES_FP8_FAST = {
 }
 
 
-def _rate(cfg: GemmConfig, fp8: bool) -> float:
-    table = (_RATES_FP8_FAST if cfg.fp8_fast_accum else _RATES_FP8) if fp8 else _RATES_16
+def _rate(cfg: GemmConfig, fp8: bool, wgrad_form: bool = False) -> float:
     key = (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n)
+    if fp8 and wgrad_form:
+        return _RATES_FP8_WGRAD.get(key, _RATES_FP8.get(key, 0.0) * _WGRAD_UNTIMED_SCALE)
+    table = (_RATES_FP8_FAST if cfg.fp8_fast_accum else _RATES_FP8) if fp8 else _RATES_16
     return table.get(key, 0.0)
 
 
@@ -214,8 +227,10 @@ def _large_operands(m: int, n: int, k: int, batch: int, fp8: bool) -> bool:
     return not fp8 and min(m, n) >= 1024 and 2 * batch * k * (m + n) > LARGE_OPERAND_BYTES
 
 
-def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int, fp8: bool) -> float:
-    """Wave-quantization model of a config's run time (arbitrary units).
+def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int, fp8: bool,
+                   wgrad_form: bool = False) -> float:
+    """Wave-quantization model of a config's run time (arbitrary units); ``wgrad_form``: the
+    block-scaled kernel's weight-gradient form (its own rates).
 
     Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
     the busiest CTA's tile count x the tile's work / the per-SM rate. Partial tiles at the edges
@@ -223,7 +238,7 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     ``LARGE_OPERAND_BYTES`` the rate is scaled by the config's L2 intensity over the densest
     config's (the measured ratios there follow it).
     """
-    rate = _rate(cfg, fp8)
+    rate = _rate(cfg, fp8, wgrad_form)
     if _large_operands(m, n, k, batch, fp8):
         rate *= l2_intensity(cfg) / max(l2_intensity(c) for c in config_space(False))
     tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)

@@ -8,10 +8,16 @@ through ``apply_coda``, from the same initialization and data order.
     torchrun --nproc_per_node 2 -m coda_cute.train --fsdp    # FSDP2 (or --ddp) over 2 GPUs
 
 Data: the Python standard library's own source files (``*.py`` under ``sysconfig``'s stdlib
-path, sorted), read at run time, as byte tokens (vocabulary 256); the last ``val_fraction`` of
-the bytes are the validation split. Each optimizer step draws ``micro_batch x accum`` windows of
-``seq + 1`` bytes at offsets from a generator seeded with ``data_seed``, so runs with one seed
-see the same data in the same order. Under torchrun (``--fsdp`` / ``--ddp``, :mod:`coda_cute.parallel`)
+path, sorted), read at run time, as byte tokens (vocabulary 256). Every ``1 / val_fraction``-th
+file is held out for validation, so both splits sample the whole library (the last bytes in
+path order, ``unittest`` to ``zoneinfo``, made a validation set unlike the training data, on
+which runs that differed only in the GPU's nondeterminism ended up to 3 % apart). Each
+optimizer step draws ``micro_batch x accum`` windows of ``seq + 1`` bytes at offsets from a
+generator seeded with ``data_seed``, so runs with one seed see the same data in the same order.
+The validation loss is the mean over ``eval_batches`` fixed windows every ``eval_every`` steps;
+the last one covers the whole validation split in consecutive windows (at most
+``final_eval_tokens``) and is the run's ``final_val_loss``. Under torchrun (``--fsdp`` /
+``--ddp``, :mod:`coda_cute.parallel`)
 ``--micro-batch`` is per rank and each rank trains on its rows of every micro-batch.
 
 Training: an HF ``LlamaForCausalLM`` in fp32 master weights, ``torch.autocast`` to bf16,
@@ -76,6 +82,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     eval_every: int = 100
     eval_batches: int = 8
+    final_eval_tokens: int = 4_000_000
     val_fraction: float = 0.05
     seed: int = 0
     data_seed: int = 0
@@ -90,7 +97,8 @@ class TrainConfig:
 
 
 TINY = TrainConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=64, micro_batch=2, accum=2,
-                   steps=6, warmup=2, eval_every=3, eval_batches=2, lr=3e-3)
+                   steps=6, warmup=2, eval_every=3, eval_batches=2, final_eval_tokens=2048, val_fraction=0.25,
+                   lr=3e-3)
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -101,30 +109,39 @@ def corpus_files(root: str | None = None) -> list[Path]:
     return sorted(p for p in base.rglob("*.py") if not skip & set(p.relative_to(base).parts[:-1]))
 
 
-def corpus_bytes(root: str | None = None, limit: int | None = None) -> torch.Tensor:
-    """All corpus bytes (uint8), files joined by a newline; ``limit``: at most this many."""
-    chunks, total = [], 0
-    for path in corpus_files(root):
-        data = path.read_bytes() + b"\n"
-        chunks.append(data)
+def corpus_split(val_fraction: float, root: str | None = None,
+                 limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) byte tokens (uint8): the corpus files in order, each followed by a
+    newline, every ``round(1 / val_fraction)``-th of them (the last of each run of that many) in
+    validation and the others in train; ``limit``: read files until this many bytes (both
+    splits together), the last file cut there."""
+    every = max(2, round(1 / val_fraction))
+    parts: tuple[list, list] = ([], [])
+    total = 0
+    for i, path in enumerate(corpus_files(root)):
+        data = (path.read_bytes() + b"\n")[: None if limit is None else limit - total]
+        parts[i % every == every - 1].append(data)
         total += len(data)
         if limit is not None and total >= limit:
             break
-    raw = b"".join(chunks)[:limit]
-    if not raw:
-        raise RuntimeError("coda-cute train: found no Python source files under the standard library")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cut = int(len(data) * (1 - val_fraction))
-    return data[:cut], data[cut:]
+    train, val = (b"".join(p) for p in parts)
+    if not train or not val:
+        raise RuntimeError("coda-cute train: found too few Python source files under the standard library "
+                           f"for a train and a validation split ({total} bytes)")
+    return tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (train, val))
 
 
 def windows(data: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     """n windows of seq + 1 tokens at random offsets (int64, (n, seq + 1))."""
     starts = torch.randint(0, len(data) - seq - 1, (n,), generator=gen)
     return torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
+
+
+def consecutive_windows(data: torch.Tensor, seq: int, limit_tokens: int) -> torch.Tensor:
+    """The windows of seq + 1 tokens that tile ``data`` from its start, seq apart (every token
+    but the first predicted once), at most ``limit_tokens // seq`` of them (int64)."""
+    n = min((len(data) - 1) // seq, max(1, limit_tokens // seq))
+    return data[: n * seq + 1].long().unfold(0, seq + 1, seq)
 
 
 def step_windows(data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
@@ -177,8 +194,11 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
     val_gen = torch.Generator().manual_seed(12345)  # one validation set for every run
     val_batches = [ranks.rows(windows(val, cfg.micro_batch * cfg.world, cfg.seq, val_gen))
                    for _ in range(cfg.eval_batches)]
+    rows = cfg.micro_batch * cfg.world  # the whole split, for the last evaluation (rows per rank alike)
+    whole = consecutive_windows(val, cfg.seq, cfg.final_eval_tokens)
+    whole_batches = [ranks.rows(b) for b in whole[: len(whole) // rows * rows].split(rows)] or val_batches
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    steps, evals, losses = [], [], []
+    steps, evals, losses, norms = [], [], [], []
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -193,13 +213,16 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
         clock.start()
         batches = ranks.rows(step_windows(train, cfg, gen), dim=1)
         step_loss = ranks.mean(grads(batches.to(device, non_blocking=True)))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         grads.zero_grad()
         clock.stop()
         losses.append(step_loss)
         steps.append({"step": step, "lr": lr_at(step, cfg)})
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        if step + 1 == cfg.steps:
+            evals.append({"step": step, "val_loss": evaluate(forward, whole_batches, device, autocast, ranks),
+                          "tokens": sum(b.numel() - len(b) for b in whole_batches) * cfg.world})
+        elif (step + 1) % cfg.eval_every == 0:
             evals.append({"step": step, "val_loss": evaluate(forward, val_batches, device, autocast, ranks)})
         if progress:  # the description reads a device value (a sync): every PROGRESS_EVERY steps
             text = None
@@ -209,8 +232,8 @@ def train_run(label: str, model, forward, cfg: TrainConfig, data_seed: int, trai
                 text = f"{label}: loss {value:.3f}, {rate:,.0f} tok/s (wall, with evaluation)"
             progress.update(task, advance=1, **({"description": text} if text else {}))
     ms = clock.milliseconds()
-    for row, loss, t in zip(steps, losses, ms):
-        row["loss"], row["ms"] = float(loss), t
+    for row, loss, norm, t in zip(steps, losses, norms, ms):
+        row["loss"], row["grad_norm"], row["ms"] = float(loss), float(norm), t
     timed = ms[WARM_STEPS:] if len(ms) > WARM_STEPS else ms[-1:]
     return {"label": label, "steps": steps, "evals": evals,
             "tokens_per_s": cfg.tokens_per_step * len(timed) / sum(timed) * 1e3,
@@ -411,11 +434,11 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     from . import reference_on_cpu
     from .nn import apply_coda
 
-    data = corpus_bytes(limit=200_000 if args.tiny else None)
-    train, val = split(data, cfg.val_fraction)
+    train, val = corpus_split(cfg.val_fraction, limit=200_000 if args.tiny else None)
     spread = "" if ranks.mode is None else f", {ranks.mode} over {ranks.world} ranks"
-    console.print(f"corpus: {len(corpus_files())} stdlib files, {len(data) / 1e6:.2f} M byte tokens "
-                  f"({len(train) / 1e6:.2f} M train, {len(val) / 1e6:.2f} M validation); {cfg.steps} steps "
+    console.print(f"corpus: {len(corpus_files())} stdlib files, {(len(train) + len(val)) / 1e6:.2f} M byte tokens "
+                  f"({len(train) / 1e6:.2f} M train, {len(val) / 1e6:.2f} M validation: every "
+                  f"{max(2, round(1 / cfg.val_fraction))}th file); {cfg.steps} steps "
                   f"of {cfg.tokens_per_step:,} tokens, model d {cfg.dim} x {cfg.layers} layers{spread}")
     base = build_model(cfg)
     runs = [("hf", cfg.data_seed, None)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, None)])

@@ -201,3 +201,26 @@ def test_scales_reach_the_kernel_in_layouts_its_tma_reads():
     one = block_scales_m_major(1, 100, "cpu").fill_(2.0)  # one row, one k-block
     view = _scale_view(tma_block_scales(one, True), True)
     assert view.stride()[:2] == (1, 4) or view.stride(0) == 1 and view.stride(1) % 4 == 0
+
+
+def test_stage_ring_ends_where_the_epilogue_buffers_start():
+    """The stages' scale arrays sit after A's and B's; the epilogue's first buffer starts at the
+    next 1024-byte boundary. Thirteen stages of ping-pong 64 x 64 scales end 128 bytes short of
+    one: with a 13344-byte epilogue (the LM head's norm backward with gamma, one store buffer)
+    that launch asked for 232480 bytes on the H200, 32 past the limit. The count now leaves
+    room for the padding."""
+    from coda_cute import dispatch
+    from coda_cute.kernels.common.config import (SM90_SMEM_CAPACITY, ab_stage_bytes, block_scale_stage_bytes,
+                                                 pipeline_stages, smem_bytes, stage_ring_bytes)
+
+    cfg = GemmConfig(64, 64, 128, "pingpong", 2, 1)
+    extra = block_scale_stage_bytes(cfg, False)
+    assert (13 * extra) % 1024 == 1024 - 128
+    assert pipeline_stages(cfg, 1, 13344, extra) == 12
+    assert smem_bytes(cfg, 1, 13344, extra) <= SM90_SMEM_CAPACITY
+    for c in dispatch.block_scaled_config_space():
+        for b_rows in (False, True):
+            e = block_scale_stage_bytes(c, b_rows)
+            for st in range(1, 16):
+                ring = stage_ring_bytes(c, 1, st, e)
+                assert ring % 1024 == 0 and st * (ab_stage_bytes(c, 1) + e) <= ring < st * (ab_stage_bytes(c, 1) + e) + 1024

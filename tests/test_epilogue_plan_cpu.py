@@ -201,6 +201,28 @@ def test_lm_head_and_qk_norm_picks_build_without_spills():
         assert cfg in ranked_configs(tree, *shape, 1, False, False, 132)[:runner.SPILL_CHECKS]
 
 
+def test_pingpong_takes_one_store_buffer_where_two_cost_an_ab_stage():
+    """The SwiGLU backward (dz' twice the output's width, h, zdz) on ping-pong 128 x 128: two
+    store buffers per output leave five A/B stages, one leaves six, so it takes one, claimed
+    after each sub-tile's math, and its build stays spill-free. Where the second buffer costs
+    no stage (the residual tree), or on cooperative configs, nothing changes."""
+    from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
+    from coda_cute.kernels.sm90 import epilogue as EPI
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    tree = swiglu_backward_tree()
+    epi = Sm90TreeEpilogue(tree, PP, 2)
+    assert (epi.stages, epi.late_claim) == (1, True) and pipeline_stages(PP, 2, epi.smem_bytes()) == 6
+    EPI.SUBTILE_BUFFERS = 2
+    try:
+        assert pipeline_stages(PP, 2, Sm90TreeEpilogue(tree, PP, 2).smem_bytes()) == 5
+    finally:
+        EPI.SUBTILE_BUFFERS = None
+    assert spill_bytes(compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", PP, tree, "sm_90a", 132))) == 0
+    assert Sm90TreeEpilogue(residual_norm_stats_tree(), PP, 2).stages == 2
+    assert Sm90TreeEpilogue(tree, COOP, 2).stages == 2
+
+
 def test_cooperative_elementwise_trees_get_wider_sub_tiles():
     from coda_cute.kernels.epilogue.plain import gemm_tree
 

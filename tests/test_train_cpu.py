@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from coda_cute import train as T
 from coda_cute.cli import main as cli_main
@@ -14,14 +15,23 @@ from coda_cute.cli import main as cli_main
 pytest.importorskip("transformers")
 
 
-def test_corpus_is_the_stdlib_sources_split_in_order():
+def test_corpus_is_the_stdlib_sources_every_twentieth_file_held_out():
     files = T.corpus_files()
     assert files == sorted(files) and all(p.suffix == ".py" for p in files)
     assert not any("site-packages" in p.parts for p in files)
-    data = T.corpus_bytes(limit=50_000)
-    assert len(data) == 50_000
-    train, val = T.split(data, 0.1)
-    assert len(train) == 45_000 and train[-1] == data[44_999] and val[0] == data[45_000]
+    joined = [p.read_bytes() + b"\n" for p in files[:40]]
+    train, val = T.corpus_split(0.05, limit=sum(map(len, joined)))
+    assert bytes(val.numpy()) == joined[19] + joined[39]
+    assert bytes(train.numpy()) == b"".join(joined[:19] + joined[20:39])
+    train, val = T.corpus_split(0.25, limit=50_000)
+    assert len(train) + len(val) == 50_000 and len(val) > 0
+
+
+def test_last_evaluation_covers_the_split_once():
+    data = torch.arange(1, 1002) % 256
+    w = T.consecutive_windows(data, 100, 10**6)
+    assert w.shape == (10, 101) and torch.equal(w[:, 1:].flatten(), data[1:1001].long())
+    assert T.consecutive_windows(data, 100, 300).shape == (3, 101)
 
 
 def test_schedule_warms_up_then_decays_to_its_floor():
@@ -42,6 +52,7 @@ def test_tiny_run_trains_hf_and_coda_alike(tmp_path):
     for a, b in zip(hf["steps"], coda["steps"]):  # same weights, same data: the same losses
         assert abs(a["loss"] - b["loss"]) < 1e-2 * a["loss"]
     assert abs(hf["final_val_loss"] - coda["final_val_loss"]) < 1e-2 * hf["final_val_loss"]
+    assert hf["evals"][-1]["tokens"] == 2048 and all(s["grad_norm"] > 0 for s in hf["steps"])
     assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
 
 

@@ -22,7 +22,7 @@ CFG = T.TrainConfig(dim=256, layers=2, heads=4, kv_heads=2, ffn=512, seq=128, mi
 @pytest.mark.parametrize("coda", [False, True], ids=["hf", "coda"])
 def test_graphed_gradients_are_the_eager_ones(coda):
     device = torch.device("cuda")
-    train, _ = T.split(T.corpus_bytes(limit=300_000), 0.1)
+    train, _ = T.corpus_split(0.1, limit=300_000)
     model = T.build_model(CFG).to(device)
     if coda:
         apply_coda(model)

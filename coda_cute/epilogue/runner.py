@@ -92,17 +92,18 @@ B_BLOCKS = ("128x128", "1x128")
 SPILL_CHECKS = 8
 
 
-def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> list:
+def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
+                   b_rows: bool = False) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
     predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's tile
     inputs (``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
-    :func:`dispatch.block_scaled_config_space`."""
+    :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
     cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)
              and (not quantizes(tree) or quantize_config(c))]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
-    return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8)
+    return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows)
                   * _epilogue_factor(tree, c, block_scaled))
 
 
@@ -124,22 +125,23 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     shapes and not on larger ones), so the builds themselves are asked. Deterministic for a given
     build of the kernels, which the fake implementations rely on: they call this to size per-tile
     outputs."""
-    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)
+    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
     for c in ranked[:SPILL_CHECKS]:
         if not spills(tree, c, fp8, sms, block_scaled, b_rows):
             return c
     return ranked[0]
 
 
-def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False) -> GemmConfig:
+def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
+              b_rows: bool = False) -> GemmConfig:
     """The config whose tile sizes an op's outputs take on ``device``: :func:`choose_config` for
     CUDA tensors, real or fake (tracing must size per-tile partials exactly as the launch will);
     on the CPU reference path, which runs no kernel, the first of :func:`ranked_configs`, so
     that no build is compiled to ask ptxas about spills (about 2 s per op and process on a
     machine without a GPU). The two differ only where that first candidate spills."""
     if getattr(device, "type", device) == "cpu":
-        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)[0]
-    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled)
+        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)[0]
+    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
 
 
 class Plan:
@@ -395,7 +397,7 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
     _check_scalars(tree, inputs, op)
     if config is None:
         config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device),
-                           block_scales is not None)
+                           block_scales is not None, b_rows)
     given = _flat_outputs(outputs, tree) or {}
     for name, shape, dtype, _fill in output_shapes(tree, m, n, batch, batched, config):
         kind = _out_kind(name, tree)

@@ -57,22 +57,27 @@ LSE_FOLD = 4
 GATHER_SELECT = False
 #: the widths a cooperative element-wise tree's sub-tile may take, widest first (``_sub_tile``)
 WIDE_SUB_TILES = (128, 64)
-#: store-ring buffers of a sub-tile narrower than its tile (None: :func:`epi_stage_count`'s
-#: rule). One makes each sub-tile's staging wait for the previous one's TMA store to have read
-#: its buffer, for shared memory that may buy an A/B stage; a switch for
-#: ``scripts/exp_block_scaled.py --stages``.
+#: a ping-pong epilogue whose two store buffers per output leave fewer A/B stages than this
+#: takes one where that buys a stage (``Sm90TreeEpilogue._store_ring_depth``)
+ONE_STORE_BUFFER_BELOW_STAGES = 6
+#: store-ring buffers of a sub-tile narrower than its tile, forced for every epilogue (None:
+#: :func:`epi_stage_count`'s rule and :meth:`Sm90TreeEpilogue._store_ring_depth`'s); a switch
+#: for ``scripts/exp_block_scaled.py --stages`` and ``scripts/exp_swiglu_backward.py``.
 SUBTILE_BUFFERS = None
 
 
-def epi_stage_count(tile_mn, epi_tile) -> int:
+def epi_stage_count(tile_mn, epi_tile, buffers: int | None = None) -> int:
     """Store-ring buffers. A sub-tile's buffer is claimed just before it is written (the store
     warp waits for the TMA store that last read it), so a tile stored as one sub-tile needs one
     buffer: its previous store was a whole mainloop ago. That frees 32 KB for a sixth A/B stage
-    of a cooperative 128 x 128 FP8 tile."""
+    of a cooperative 128 x 128 FP8 tile. ``buffers``: the epilogue's own choice for a sub-tiled
+    tile (:meth:`Sm90TreeEpilogue._store_ring_depth`)."""
     if tuple(epi_tile) == tuple(tile_mn):
         return 1
     if SUBTILE_BUFFERS is not None:
         return SUBTILE_BUFFERS
+    if buffers is not None:
+        return buffers
     return 2 if tile_mn[1] >= 128 else 4
 
 
@@ -110,10 +115,17 @@ class Sm90TreeEpilogue(SinkFolds):
         self.lookups_ahead = lookups_ahead(tree)
         # Tile inputs advance the load ring inside the pass: their trees are not split.
         self.split = None if self.tile_inputs else tile_uniform_split(tree, tile_mn[1])
+        self.store_buffers = None
         self.epi_tile = epi_tile = self._sub_tile(cfg, ab_bytes)
-        self.stages = epi_stage_count(tile_mn, epi_tile)
         self.subtiles = (tile_mn[0] // epi_tile[0]) * (tile_mn[1] // epi_tile[1])
         self.load_stages = self._load_ring_depth(cfg, ab_bytes)
+        self._store_ring_depth(cfg, ab_bytes)
+        self.stages = epi_stage_count(tile_mn, epi_tile, self.store_buffers)
+        # One buffer per sub-tiled output is claimed after the sub-tile's math, which then
+        # covers the previous sub-tile's TMA store; only where the math writes no store buffer
+        # itself (half-width and quantize sinks stage as they go).
+        self.late_claim = (self.stages == 1 and tuple(epi_tile) != tuple(tile_mn)
+                           and not (self.half_stores or self.quants or self.quants_t))
 
     # -- host side (pure Python) -------------------------------------------------------------------
     def _sub_tile(self, cfg: GemmConfig, ab_bytes: int) -> tuple[int, int]:
@@ -163,6 +175,29 @@ class Sm90TreeEpilogue(SinkFolds):
         ab_stages = {d: pipeline_stages(cfg, ab_bytes, self.smem_bytes(d)) for d in depths}
         return next(d for d in depths if ab_stages[d] == ab_stages[depths[-1]])
 
+    def _store_ring_depth(self, cfg: GemmConfig, ab_bytes: int) -> None:
+        """One store buffer per output (``store_buffers``, with the load ring re-fitted) where
+        a ping-pong epilogue's two would cost the mainloop an A/B stage and leave it fewer than
+        ``ONE_STORE_BUFFER_BELOW_STAGES`` (the case measured; deeper rings gain little from
+        one more stage). A ping-pong
+        warpgroup's epilogue runs under the other's mainloop, so one buffer's wait (each
+        sub-tile's staging waits for the previous sub-tile's TMA store to have read it) mostly
+        hides there, while the stage feeds every k-step. Measured on the H200 (2026-12-02, the
+        SwiGLU backward's dz' + h + zdz tree on ping-pong 128 x 128, in turns with cuBLAS's
+        plain product, bit-identical outputs): 1.082 -> 1.067 at 16384 x 8192 x 2048 and
+        1.045 -> 1.012 at 16384 x 14336 x 4096 (five A/B stages -> six)."""
+        if not self.pingpong or cfg.stages or tuple(self.epi_tile) == tuple(self.tile_mn):
+            return
+        two = pipeline_stages(cfg, ab_bytes, self.smem_bytes())
+        if two >= ONE_STORE_BUFFER_BELOW_STAGES:
+            return
+        self.store_buffers = 1
+        ring = self._load_ring_depth(cfg, ab_bytes)
+        if pipeline_stages(cfg, ab_bytes, self.smem_bytes(ring)) > two:
+            self.load_stages = ring
+        else:
+            self.store_buffers = None
+
     def _fits(self, cfg: GemmConfig, ab_bytes: int, depth: int) -> bool:
         try:
             pipeline_stages(cfg, ab_bytes, self.smem_bytes(depth))
@@ -176,7 +211,7 @@ class Sm90TreeEpilogue(SinkFolds):
         ``load_stages`` and ``epi_tile`` default to this epilogue's."""
         em, en = epi_tile or self.epi_tile
         ring = self.load_stages if load_stages is None else load_stages
-        stages = epi_stage_count(self.tile_mn, (em, en))
+        stages = epi_stage_count(self.tile_mn, (em, en), self.store_buffers)
         sizes = [stages * em * en * BYTES[_kdt(s)] for s in self.full_stores]
         sizes += [stages * em * (en // 2) * BYTES[s.dtype] for s in self.half_stores]
         sizes += [stages * em * _quant_words(q, en) * 2 for q in self.quants]  # FP8 pairs as 16-bit words
@@ -409,7 +444,7 @@ class Sm90TreeEpilogue(SinkFolds):
                        emc * em, enc * en, segments, current)
             emit = Emitter(ctx, assume=assume)
             buf = (buffer_base + e) % self.stages
-            if const_expr(len(store_parts) > 0):
+            if const_expr(len(store_parts) > 0 and not self.late_claim):
                 # Claim the buffer: the TMA store that last read it must be done reading.
                 if is_store_warp:
                     store_pipe.producer_acquire()
@@ -419,6 +454,10 @@ class Sm90TreeEpilogue(SinkFolds):
                                     [outs[self.out_slots[g.name]] for g in self.gathers],
                                     [outs[self.out_slots[q.name] + 1] for q in self.quants + self.quants_t], tl,
                                     barrier, tidx, tile_mnl)
+            if const_expr(len(store_parts) > 0 and self.late_claim):
+                if is_store_warp:
+                    store_pipe.producer_acquire()
+                barrier.arrive_and_wait()
             for (tiled_r2s, tRS_sD, _), out in zip(full_copies, staged):
                 cute.copy(tiled_r2s, out, tRS_sD[(None, None, None, buf)])
             if const_expr(len(self.tile_inputs) > 0):
