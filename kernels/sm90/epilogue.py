@@ -178,14 +178,15 @@ class Sm90TreeEpilogue(SinkFolds):
     def _store_ring_depth(self, cfg: GemmConfig, ab_bytes: int) -> None:
         """One store buffer per output (``store_buffers``, with the load ring re-fitted) where
         a ping-pong epilogue's two would cost the mainloop an A/B stage and leave it fewer than
-        ``ONE_STORE_BUFFER_BELOW_STAGES`` (the case measured; deeper rings gain little from
-        one more stage). A ping-pong
-        warpgroup's epilogue runs under the other's mainloop, so one buffer's wait (each
-        sub-tile's staging waits for the previous sub-tile's TMA store to have read it) mostly
+        ``ONE_STORE_BUFFER_BELOW_STAGES`` (the case measured; deeper rings gain little from one
+        more stage). A ping-pong warpgroup's epilogue runs under the other's mainloop, so the
+        wait one buffer adds (each sub-tile's staging waits for the previous sub-tile's TMA
+        store to have read it; ``late_claim`` puts that wait after the sub-tile's math) mostly
         hides there, while the stage feeds every k-step. Measured on the H200 (2026-12-02, the
-        SwiGLU backward's dz' + h + zdz tree on ping-pong 128 x 128, in turns with cuBLAS's
-        plain product, bit-identical outputs): 1.082 -> 1.067 at 16384 x 8192 x 2048 and
-        1.045 -> 1.012 at 16384 x 14336 x 4096 (five A/B stages -> six)."""
+        SwiGLU backward's dz' + h + zdz tree on ping-pong 128 x 128, five A/B stages -> six, in
+        turns with cuBLAS's plain product, outputs bit-identical): 1.069 -> 1.019 at 16384 x
+        8192 x 2048 and 1.039 -> 1.013 at 16384 x 14336 x 4096 (claimed before the math, the
+        build spilled 120 bytes and ran at 1.067 / 1.012)."""
         if not self.pingpong or cfg.stages or tuple(self.epi_tile) == tuple(self.tile_mn):
             return
         two = pipeline_stages(cfg, ab_bytes, self.smem_bytes())
