@@ -64,15 +64,15 @@ def subtrees(tree) -> dict:
     return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
-def forced_buffers_plan(tree, dy, w, inputs, config, buffers: int, block_scales=None):
+def forced_buffers_plan(tree, dy, w, inputs, config, buffers: int):
     """(plan of ``tree`` on ``config`` with ``buffers`` store buffers per output, compiled
     afresh, its A/B stages)."""
     EPI.SUBTILE_BUFFERS = buffers
     try:
         compiler._cache.clear()
         runner._plans.clear()
-        plan = runner._make_plan(tree, dy, w, inputs, config, False, "exp", block_scales)
-        stages = pipeline_stages(config, dy.element_size(), EPI.Sm90TreeEpilogue(tree, config, dy.element_size()).smem_bytes())
+        plan = runner._make_plan(tree, dy, w, inputs, config, False, "exp")
+        stages = pipeline_stages(config, 2, EPI.Sm90TreeEpilogue(tree, config, 2).smem_bytes())
     finally:
         EPI.SUBTILE_BUFFERS = None
         compiler._cache.clear()
