@@ -105,6 +105,46 @@ def train_step(plain_hf: bool):
     return step
 
 
+def timed_alone(step, rounds: int = 10) -> dict:
+    """The step timed as ``bench_train`` times it (events, L2 flushed, the host free to run ahead
+    into the next step), once back to back and once with the GPU drained before each step (then
+    the host's launch latency at the step's start counts), and with only the host's time: which
+    of GPU work, queueing and host work the timed median holds beyond the profiler's busy time.
+    Then the clocks' share: the step after a second of idle GPU (clocks up, as for the profiled
+    step, which follows the profiler's set-up) against the step after 5 s of steps back to back
+    (the clocks a sustained run settles at)."""
+    import time
+
+    from coda_cute.sol.timing import interleaved_medians
+
+    out = {"in turns": interleaved_medians({"step": step}, rounds=rounds, warmup=2)["step"]}
+
+    def drained():
+        torch.cuda.synchronize()
+        step()
+    out["drained first"] = interleaved_medians({"step": drained}, rounds=rounds, warmup=1)["step"]
+    host = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    out["host only"] = sorted(host)[len(host) // 2]
+    cool = []
+    for _ in range(5):
+        time.sleep(1.0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        cool.append(start.elapsed_time(end))
+    out["after 1 s idle"] = sorted(cool)[len(cool) // 2]
+    out["settled 5 s"] = interleaved_medians({"step": step}, rounds=rounds, warmup=1, settle_ms=5000)["step"]
+    return out
+
+
 def host_profile(step, steps: int = 5):
     import cProfile
     import pstats
@@ -161,10 +201,13 @@ def main(argv=None):
     console.print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
     if args.cprofile:
         host_profile(step)
+    alone = timed_alone(step)
     console.print(f"kernels {summary['kernels']}, first kernel to last {summary['span_ms']:.2f} ms, busy "
                   f"{summary['busy_ms']:.2f} ms, idle gaps {summary['gaps_ms']:.2f} ms "
                   f"({len(rows)} of them >= {args.min_gap_us:.0f} us); the step's host code ran "
                   f"{summary['cpu_ms']:.2f} ms and launched its first kernel after {summary['lead_ms']:.2f} ms")
+    console.print("CUDA-event medians of the step without the profiler: "
+                  + ", ".join(f"{k} {v:.2f} ms" for k, v in alone.items()))
 
 
 if __name__ == "__main__":

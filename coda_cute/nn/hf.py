@@ -114,10 +114,10 @@ def rope_inv_freq(model) -> torch.Tensor:
     rope_type = getattr(rotary, "rope_type", "default")
     init = ROPE_INIT_FUNCTIONS.get(rope_type) if rope_type != "default" else None
     init = init or type(rotary).compute_default_rope_parameters
-    inv_freq, scaling = init(model.config, device=torch.device("cpu"))
+    inv_freq, scaling = init(model.config)  # newer transformers deprecate its device argument
     if scaling != 1.0:
         _refuse("rope_parameters", rope_parameters(model.config), f"its attention scaling {scaling} != 1")
-    return inv_freq.float()
+    return inv_freq.float().cpu()
 
 
 def apply_coda(model, precision="bf16"):
