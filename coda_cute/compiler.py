@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 
 from .kernels.common.config import GemmConfig
@@ -283,7 +284,11 @@ def _cute_compile(spec, kernel, args, keep_artifacts: bool) -> CompiledKernel:
         if keep_artifacts:
             opts += f" --keep-ptx --keep-cubin --dump-dir {tmp}"
         t0 = time.perf_counter()
-        with _without_source_locations():
+        with _without_source_locations(), warnings.catch_warnings():
+            # Our 64-step constexpr loops use the step as a Python int (register positions, trace-
+            # time branches), which the DSL's suggested dynamic loop is not; their cost is measured
+            # (compile_seconds), so the warning only repeats on every first call.
+            warnings.filterwarnings("ignore", message=r"This static loop has \d+ iterations")
             fn = cute.compile(kernel, *args, stream, options=opts)
         seconds = time.perf_counter() - t0
         out = CompiledKernel(spec, fn, seconds)

@@ -11,9 +11,10 @@ outermost and the innermost op whose span holds that launch). The sum of all gap
 time the GPU spends waiting for the host.
 
 The top kernels by device time and the top CPU ops by self time follow; ``--cprofile`` adds the
-Python functions with the most cumulative host time over five steps.
+Python functions with the most cumulative host time over five steps; ``--shapes`` lists torch's
+own kernels in the step by the op (and its input shapes) that launched each.
 
-    python scripts/trace_step.py [--config 8b] [--min-gap-us 20] [--trace out.json]
+    python scripts/trace_step.py [--config 8b] [--min-gap-us 20] [--trace out.json] [--shapes]
     python scripts/trace_step.py --model train [--hf] [--cprofile]
 """
 
@@ -75,6 +76,32 @@ def gaps_of(trace: dict, min_gap_us: float) -> tuple[list, dict]:
     busy = sum(k["dur"] for k in kernels)
     return rows, dict(span_ms=span / 1e3, busy_ms=busy / 1e3, gaps_ms=total / 1e3, kernels=len(kernels),
                       lead_ms=lead, cpu_ms=cpu, syncs=syncs)
+
+
+def launchers_of(trace: dict, ours: str = "coda") -> list[dict]:
+    """Every kernel of the trace that is neither ours (``ours`` in its name) nor cuDNN's, grouped
+    by kernel, the innermost CPU op whose span holds its launch, and that op's input shapes
+    (the profile needs ``record_shapes``): total device ms and launches of each group."""
+    ev = trace["traceEvents"]
+    launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    starts = [o["ts"] for o in ops]
+    groups: dict = {}
+    for k in (e for e in ev if e.get("cat") == "kernel"):
+        if ours in k["name"] or "cudnn" in k["name"]:
+            continue
+        launch = launches.get(k["args"].get("correlation"))
+        op, dims = "?", ""
+        if launch is not None:
+            i = bisect.bisect_right(starts, launch["ts"])
+            around = [o for o in ops[:i] if o["ts"] + o["dur"] >= launch["ts"]]
+            if around:
+                op, dims = around[-1]["name"], str(around[-1]["args"].get("Input Dims", ""))
+        g = groups.setdefault((k["name"][:60], op, dims), dict(kernel=k["name"][:60], op=op, dims=dims, ms=0.0, n=0))
+        g["ms"] += k["dur"] / 1e3
+        g["n"] += 1
+    return sorted(groups.values(), key=lambda g: -g["ms"])
 
 
 def bench_step(config: str, layers: int):
@@ -168,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--model", choices=("bench", "train"), default="bench")
     ap.add_argument("--hf", action="store_true", help="--model train without apply_coda")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--shapes", action="store_true",
+                    help="record op input shapes and list the kernels outside ours and cuDNN's by the op "
+                         "and shapes that launched them (the recording adds host time to the gaps)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("trace_step needs a CUDA GPU")
@@ -177,14 +207,22 @@ def main(argv=None):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.shapes) as prof:
         with torch.profiler.record_function("step"):
             step()
         torch.cuda.synchronize()
     path = args.trace or tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
-    rows, summary = gaps_of(json.load(open(path)), args.min_gap_us)
+    trace = json.load(open(path))
+    rows, summary = gaps_of(trace, args.min_gap_us)
     console = Console(width=200)
+    if args.shapes:
+        lt = Table(title="kernels outside ours and cuDNN's, by the op that launched them")
+        for col in ("ms", "launches", "kernel", "innermost CPU op", "its input shapes"):
+            lt.add_column(col, justify="right" if col in ("ms", "launches") else "left", overflow="fold")
+        for g in launchers_of(trace)[:30]:
+            lt.add_row(f"{g['ms']:.3f}", str(g["n"]), g["kernel"], g["op"], g["dims"][:90])
+        console.print(lt)
     t = Table(title=f"{args.config}: GPU idle gaps >= {args.min_gap_us:.0f} us in one step")
     for col in ("gap us", "next kernel", "outermost CPU op", "innermost CPU op"):
         t.add_column(col, justify="right" if col == "gap us" else "left", overflow="fold")
