@@ -287,7 +287,7 @@ def _cute_compile(spec, kernel, args, keep_artifacts: bool) -> CompiledKernel:
         with _without_source_locations(), warnings.catch_warnings():
             # Our 64-step constexpr loops use the step as a Python int (register positions, trace-
             # time branches), which the DSL's suggested dynamic loop is not; their cost is measured
-            # (compile_seconds), so the warning only repeats on every first call.
+            # (compile_seconds), so the warning would only repeat on every kernel's first call.
             warnings.filterwarnings("ignore", message=r"This static loop has \d+ iterations")
             fn = cute.compile(kernel, *args, stream, options=opts)
         seconds = time.perf_counter() - t0

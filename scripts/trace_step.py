@@ -37,14 +37,32 @@ import train_models as TM  # noqa: E402  (the benchmark models of scripts/bench_
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 
 
+class HostIndex:
+    """The trace's CPU ops by time and its runtime calls by correlation id: which ops were open
+    when the host launched a kernel or made a call."""
+
+    def __init__(self, ev: list):
+        self.launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"
+                         and "correlation" in e.get("args", {})}
+        self.ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+        self.starts = [o["ts"] for o in self.ops]
+
+    def ops_at(self, ts: float) -> list:
+        """The CPU ops whose span holds ``ts``, outermost first."""
+        i = bisect.bisect_right(self.starts, ts)
+        return [o for o in self.ops[:i] if o["ts"] + o["dur"] >= ts]
+
+    def launching_ops(self, kernel: dict) -> list:
+        """The CPU ops open at ``kernel``'s launch, outermost first ([] without its launch)."""
+        launch = self.launches.get(kernel["args"].get("correlation"))
+        return self.ops_at(launch["ts"]) if launch is not None else []
+
+
 def gaps_of(trace: dict, min_gap_us: float) -> tuple[list, dict]:
     ev = trace["traceEvents"]
     kernels = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"
-                and "correlation" in e.get("args", {})}
-    ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    starts = [o["ts"] for o in ops]
+    host = HostIndex(ev)
     rows, total = [], 0.0
     for prev, nxt in zip(kernels, kernels[1:]):
         gap = nxt["ts"] - (prev["ts"] + prev["dur"])
@@ -53,19 +71,13 @@ def gaps_of(trace: dict, min_gap_us: float) -> tuple[list, dict]:
         total += gap
         if gap < min_gap_us:
             continue
-        launch = launches.get(nxt["args"].get("correlation"))
-        around = []
-        if launch is not None:
-            t = launch["ts"]
-            i = bisect.bisect_right(starts, t)
-            around = [o["name"] for o in ops[:i] if o["ts"] + o["dur"] >= t]
+        around = [o["name"] for o in host.launching_ops(nxt)]
         rows.append(dict(gap_us=gap, kernel=nxt["name"][:80], outer=around[0] if around else "?",
                          inner=around[-1] if around else "?"))
     syncs = []
     for e in ev:
         if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in ("Synchronize", "Memcpy", "Malloc", "Free")):
-            i = bisect.bisect_right(starts, e["ts"])
-            around = [o["name"] for o in ops[:i] if o["ts"] + o["dur"] >= e["ts"]]
+            around = [o["name"] for o in host.ops_at(e["ts"])]
             syncs.append(dict(call=e["name"], us=e["dur"], outer=around[0] if around else "?",
                               inner=" < ".join(around[-3:][::-1]) if around else "?"))
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
@@ -83,21 +95,14 @@ def launchers_of(trace: dict, ours: str = "coda") -> list[dict]:
     by kernel, the innermost CPU op whose span holds its launch, and that op's input shapes
     (the profile needs ``record_shapes``): total device ms and launches of each group."""
     ev = trace["traceEvents"]
-    launches = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"
-                and "correlation" in e.get("args", {})}
-    ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    starts = [o["ts"] for o in ops]
+    host = HostIndex(ev)
     groups: dict = {}
     for k in (e for e in ev if e.get("cat") == "kernel"):
         if ours in k["name"] or "cudnn" in k["name"]:
             continue
-        launch = launches.get(k["args"].get("correlation"))
-        op, dims = "?", ""
-        if launch is not None:
-            i = bisect.bisect_right(starts, launch["ts"])
-            around = [o for o in ops[:i] if o["ts"] + o["dur"] >= launch["ts"]]
-            if around:
-                op, dims = around[-1]["name"], str(around[-1]["args"].get("Input Dims", ""))
+        around = host.launching_ops(k)
+        op = around[-1]["name"] if around else "?"
+        dims = str(around[-1]["args"].get("Input Dims", "")) if around else ""
         g = groups.setdefault((k["name"][:60], op, dims), dict(kernel=k["name"][:60], op=op, dims=dims, ms=0.0, n=0))
         g["ms"] += k["dur"] / 1e3
         g["n"] += 1
