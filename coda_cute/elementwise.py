@@ -15,10 +15,10 @@ import torch
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 from .precision import block_scales_m_major
 
-__all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "RopeBackwardSpec",
+__all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseCombineSpec", "RopeBackwardSpec",
            "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
-           "cross_entropy_grad_", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual"]
+           "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -42,15 +42,17 @@ def _rows16(dtype: str, n, k):
 
 @dataclass(frozen=True)
 class ScaleColumnsSpec:
-    """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype.
-    The kernel uses no architecture-specific instruction; it is built per target like the GEMMs."""
+    """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype;
+    ``scalar``: ``out = w * s`` with ``s`` a (1,) fp32 tensor. The kernel uses no
+    architecture-specific instruction; it is built per target like the GEMMs."""
 
     dtype: str
     arch: str = "sm_90a"
+    scalar: bool = False
 
     @property
     def name(self) -> str:
-        return f"scale_columns_{self.arch}_{short_dtype(self.dtype)}"
+        return f"scale_{'scalar' if self.scalar else 'columns'}_{self.arch}_{short_dtype(self.dtype)}"
 
     def build(self):
         import cutlass.cute as cute
@@ -58,9 +60,9 @@ class ScaleColumnsSpec:
         from .kernels.elementwise.scale_columns import ScaleColumns
 
         n, k = cute.sym_int(), cute.sym_int()
-        gamma = _fake(self.dtype, (k,), (1,), 16)
+        gamma = _fake("float32", (1,), (1,)) if self.scalar else _fake(self.dtype, (k,), (1,), 16)
         w, out = (_rows16(self.dtype, n, k) for _ in range(2))
-        return ScaleColumns(cutlass_dtype(self.dtype)), (w, gamma, out)
+        return ScaleColumns(cutlass_dtype(self.dtype), self.scalar), (w, gamma, out)
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,37 @@ def cross_entropy_grad_(logits: torch.Tensor, lse, rstd, coef, targets) -> torch
     get_kernel(CrossEntropyGradSpec(dispatch.arch_of(logits.device))).fn(
         logits, lse, rstd, coef, targets, partials)
     return partials
+
+
+@dataclass(frozen=True)
+class LseCombineSpec:
+    """A row's log-sum-exp from its per-tile (max, sum exp) partials (``kernels.elementwise.lse_combine``)."""
+
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"lse_combine_{self.arch}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.lse_combine import LseCombine
+
+        m, t = cute.sym_int(), cute.sym_int()
+        parts = [_fake("float32", (m, t), (cute.sym_int64(), 1)) for _ in range(2)]
+        return LseCombine(), (*parts, _fake("float32", (m,), (1,)))
+
+
+def lse_combine(mx: torch.Tensor, se: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``epilogue.finalize_lse(mx, se)`` in one launch: mx, se (M, T) fp32 with unit stride along
+    T (an ``lse`` reduction's partials), into ``out`` (M,) fp32 contiguous (allocated if None)."""
+    from . import dispatch
+
+    if out is None:
+        out = torch.empty(mx.shape[0], dtype=torch.float32, device=mx.device)
+    get_kernel(LseCombineSpec(dispatch.arch_of(mx.device))).fn(mx, se, out)
+    return out
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_backward.py
 
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
-the cross-entropy gradient and the deferred LM-head wgrad (several chunks, a vocabulary that is
-no multiple of 8), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
+the cross-entropy gradient, the LSE of its partials and the deferred LM-head wgrad (several
+chunks, a vocabulary that is no multiple of 8), the gradient times dloss (``coda.scale``, also on
+its own at 333 x 40), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
 row; and the model's own, bf16), and the two sublayer ops forward and backward.
 """
 
@@ -43,6 +44,7 @@ def main():
     t = torch.randint(0, v_, (m,), device="cuda")
     t[::7] = -100
     LH.cross_entropy(yy, w, ss, eps, t, gamma=1 + rand(d, scale=0.1)).backward()
+    torch.ops.coda.scale(rand(m, 40), torch.rand((), device="cuda"))
     torch.ops.coda.embedding_backward(rand(b * s, 40, dtype=torch.float32),
                                       torch.randint(0, 77, (b * s,), device="cuda"), 77, 5)
     from coda_cute.nn import CodaLlama, LlamaConfig

@@ -160,3 +160,16 @@ def test_sass_moves_16_bytes_per_access(built):
     assert sum(op.startswith("STG") for op in wide) >= ce_grad.ROWS * ce_grad.VPT, ops
     # the rest: 32-bit row scalars and partials, 16-bit elements of a ragged row end
     assert all(op.endswith((".128", ".E", ".U16")) for op in ops), ops
+
+
+# -- the LSE of the logits GEMM's per-tile partials (kernels/elementwise/lse_combine.py) ----------
+def test_lse_combine_builds_spill_free_with_a_fixed_order_warp_reduction():
+    from coda_cute.elementwise import LseCombineSpec
+
+    k = compile_elementwise(LseCombineSpec(), keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx
+    assert k.stats.get("spill_stores", 0) == 0 and k.stats.get("spill_loads", 0) == 0, k.stats
+    # max, then sum: two butterflies of five steps each; no atomics; the result stored once per row
+    assert k.ptx.count("shfl.sync.bfly") == 10
+    assert not re.search(r"\b(atom|red)\.", k.ptx)
+    assert k.ptx.count("st.global") == 1

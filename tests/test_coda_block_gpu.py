@@ -450,3 +450,29 @@ def test_lm_head_config_choices_do_not_spill():
     for tree, mnk in ((LH.logits_tree(), (4096, 128256, 2048)),):
         cfg = choose_config(tree, *mnk, 1, False, False, sms)
         assert spill_bytes(get_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", sms))) == 0
+
+
+# rows: one CTA's four and a ragged count; tiles: one, the 128- and 256-wide tile counts at V 128256
+@pytest.mark.parametrize("m, t", [(4, 1), (4133, 1002), (1000, 501)])
+def test_lse_combine_kernel_matches_the_reference(m, t):
+    """The LM head's LSE from its partials: the torch reference's value (within fp32 rounding of a
+    float64 evaluation), every row written (NaN-poisoned output), and the reference's rules for
+    rows of -inf (-inf), +inf (inf) and NaN partials (NaN)."""
+    from coda_cute.elementwise import lse_combine
+    from coda_cute.epilogue import finalize_lse
+
+    mx = 20 * torch.randn(m, t, device="cuda")
+    se = torch.rand(m, t, device="cuda") * 100 + 1
+    mx[1] = float("-inf")
+    se[1] = 0.0
+    mx[2, t // 2] = float("inf")
+    mx[3, 0] = float("nan")
+    out = torch.full((m,), float("nan"), device="cuda")
+    lse_combine(mx, se, out)
+    want = finalize_lse(mx.double(), se.double())
+    assert torch.isneginf(out[1]) and torch.isinf(out[2]) and out[2] > 0 and torch.isnan(out[3])
+    keep = torch.ones(m, dtype=torch.bool, device="cuda")
+    keep[1:4] = False
+    assert torch.isfinite(out[keep]).all()
+    assert ((out[keep].double() - want[keep]).abs() <= 2e-6 * want[keep].abs() + 1e-6).all()
+    torch.testing.assert_close(out[keep], finalize_lse(mx, se)[keep], rtol=2e-6, atol=1e-5)

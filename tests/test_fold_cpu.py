@@ -197,6 +197,53 @@ def test_fold_op_rejects_bad_input(w_shape, g_shape, dtypes, match):
         fold_gamma_impl(torch.ones(w_shape, dtype=dtypes[0]), torch.ones(g_shape, dtype=dtypes[1]))
 
 
+# -- coda.scale: x times one device number ---------------------------------------------------------
+def test_scale_kernel_builds_with_16_byte_accesses_and_no_spills():
+    """The scalar form reads its factor once (one 32-bit load) and x, out 16 bytes per access."""
+    k = compile_elementwise(ScaleColumnsSpec("bfloat16", scalar=True), keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx and spill_bytes(k) == 0
+    assert k.ptx.count("ld.global.b32") == 1
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = [line.split()[1] for line in disassemble(k.cubin).splitlines() if " LDG." in line or " STG." in line]
+    wide = [op for op in ops if op.endswith(".128")]
+    assert len(ops) - len(wide) == 1 and sum(op.startswith("LDG") for op in wide) >= 8, ops
+
+
+def test_scale_op_on_cpu_rounds_the_fp32_product_once_and_passes_opcheck():
+    from coda_cute.ops.fold import scale
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 24, generator=g).to(torch.bfloat16)
+    s = torch.tensor(1 / 3)  # not a bf16 number: the factor must stay fp32
+    torch.testing.assert_close(scale(x, s), (x.float() * (1 / 3)).to(torch.bfloat16), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.coda.scale.default, (x, s))
+    torch.library.opcheck(torch.ops.coda.scale.default, (x.float(), s.reshape(1)))
+
+
+@pytest.mark.parametrize("x, s, exc, match", [
+    (torch.ones(4, 8, dtype=torch.int32), torch.tensor(1.0), TypeError, "x must be a floating-point"),
+    (torch.ones(4, 8), torch.tensor([1.0, 2.0]), ValueError, "s must be a float32 tensor of one element"),
+    (torch.ones(4, 8), torch.tensor(1.0, dtype=torch.float64), ValueError, "s must be a float32"),
+    (torch.ones(4, 8), 2.0, ValueError, "s must be a float32 tensor"),
+])
+def test_scale_op_rejects_bad_input(x, s, exc, match):
+    from coda_cute.ops.fold import check_scale
+
+    with pytest.raises(exc, match=match):
+        check_scale(x, s)
+
+
+def test_scale_op_rejects_a_factor_on_another_device_while_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(8, 16, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="x is on cuda.* but s is on cpu"):
+            torch.ops.coda.scale(x, torch.empty((), device="cpu"))
+        assert torch.ops.coda.scale(x, torch.empty((), device="cuda")).shape == (8, 16)
+
+
 # -- nn.fold.WeightQuantCache: the FP8 weights once per version ---------------------------------------
 
 

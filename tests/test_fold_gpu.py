@@ -1,6 +1,6 @@
 """GPU tests of ``torch.ops.coda.fold_gamma``: the kernel's W * gamma equals torch's bit for bit
 (the product in fp32, rounded once) on ragged and strided weights, writes every element, and the
-op's gradients are autograd's for W * gamma."""
+op's gradients are autograd's for W * gamma; ``coda.scale``'s scalar form likewise."""
 
 import pytest
 import torch
@@ -85,3 +85,25 @@ def test_fold_backward_kernel_is_torch_dw_and_an_fp32_dgamma(n, k, dtype):
     ours(w2, g2).backward(dw)
     torch.testing.assert_close(w2.grad, out, rtol=0, atol=0)
     torch.testing.assert_close(g2.grad, got.to(dtype), rtol=0, atol=0)
+
+
+# rows: one, a partial band of 8, many with a ragged last band; K/8 under and over one CTA's 128
+@pytest.mark.parametrize("shape", [(1, 8), (17, 4104), (2, 2047, 1000), (16384, 2048)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_kernel_is_the_fp32_product_rounded_once(shape, dtype):
+    """x * s with s an fp32 device number that no 16-bit type holds, every element written
+    (NaN-poisoned output), and the op's torch fallback gives the same values."""
+    from coda_cute.ops.fold import _scale_kernel_applies, scale
+
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    s = torch.rand((), device="cuda") + 1 / 3
+    assert _scale_kernel_applies(x)
+    rows = x.view(-1, shape[-1])
+    out = torch.full_like(rows, float("nan"))
+    get_kernel(ScaleColumnsSpec(str(dtype)[6:], scalar=True)).fn(rows, s.reshape(1), out)
+    want = (x.float() * s).to(dtype)
+    torch.testing.assert_close(out.view(shape), want, rtol=0, atol=0)
+    torch.testing.assert_close(scale(x, s), want, rtol=0, atol=0)
+    strided = x.transpose(-1, -2)  # not contiguous: torch's path
+    assert not _scale_kernel_applies(strided)
+    torch.testing.assert_close(scale(strided, s), (strided.float() * s).to(dtype), rtol=0, atol=0)

@@ -48,12 +48,13 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
+from ..elementwise import cross_entropy_grad_, lse_combine
 from ..kernels.epilogue.plain import gemm_tree
 from ..reference import (ce_coef, ce_dlogits_ref, lm_head_ce_grad_ref, lm_head_ce_ref, reduce_loss,
                          rms_rstd_ref, scale_columns_ref)
 from .checks import (BF16, F32, INDEX_DTYPES, PendingIndexCheck, check_aligned, check_index_range,
                      check_norm_input, check_same_device, check_shape, check_tensor)
-from .fold import fold_gamma_impl
+from .fold import fold_gamma_impl, scale
 from .rmsnorm import norm_backward_tree, norm_inputs, rstd_node
 
 OP = "coda.lm_head_ce"
@@ -186,7 +187,7 @@ def lm_head_ce(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps: float
     target_check = PendingIndexCheck(OP, "targets", targets, w_lm.shape[0], ignore_index)
     inputs = dict(norm_inputs(y.shape[1], ss, eps), targets=targets.to(torch.int32))
     out = E.run(lm_head_ce_tree(), _scaled_input(y, gamma), w_lm.t(), inputs, op=OP)
-    lse = E.finalize_lse(*out["lse"])
+    lse = lse_combine(*out["lse"])
     loss = finalize_ce(lse, out["target_logit"], targets, ignore_index, reduction)
     target_check.wait()
     return loss, lse
@@ -340,7 +341,7 @@ def _train_backward(ctx, dloss, *_):
     else:
         dw = lm_head_ce_dw(dl_last, y_last, gamma, dw_acc, dloss)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
-    return (dy * dloss).to(dy.dtype), dw, None, None, None, None, None, dg
+    return scale(dy, dloss), dw, None, None, None, None, None, dg
 
 
 lm_head_ce_train.register_autograd(_train_backward, setup_context=_train_setup)
@@ -455,8 +456,6 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
     RMSNorm backward epilogue, and dW += dl'^T @ u (accumulated in chunk order: deterministic).
     ``defer_last``: the last chunk's dW is left out (dw_lm is then the accumulator of the
     others, None with one chunk) and its dl' returned."""
-    from ..elementwise import cross_entropy_grad_
-
     m, d = y.shape
     v = w_lm.shape[0]
     u = _scaled_input(y, gamma)
@@ -483,7 +482,7 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
         if train:
             out = E.run(logits_tree(), u[s], w_lm.t(), dict(stats, targets=tgt[s]),
                         outputs={"logits": dl}, op=OP_TRAIN)
-            lse[s] = E.finalize_lse(*out["lse"])
+            lse_combine(*out["lse"], out=lse[s])
             target_logit[s] = out["target_logit"]
             zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
         else:

@@ -25,10 +25,12 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
+from ..elementwise import cross_entropy_grad_, lse_combine
 from ..reference import ce_coef, lm_head_ce_fp8_ref, rms_rstd_ref
 from .autocast import bf16_under_autocast
 from .checks import F32, PendingIndexCheck, check_index_range
 from .eager import direct
+from .fold import scale
 from .fp8_gemms import FP8, check_fp8_widths, grad_format, grad_operands, project, weight
 from .gemm_blockwise import gemm_blockwise
 from .lm_head_ce import (_add_wgrad, _padded_width, _scaled_input, accumulate_tree, check_lm_head,
@@ -66,8 +68,6 @@ def lm_head_ce_train_fp8(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, 
 
 
 def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad_dtype, pow2):
-    from ..elementwise import cross_entropy_grad_
-
     m, d = y.shape
     v = w_lm.shape[0]
     u = _scaled_input(y, gamma)
@@ -90,7 +90,7 @@ def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad
         u_q, u_s, ut_q, ut_s = grad_operands(u[s], FP8, pow2)
         out = project(OP, logits_tree(), u_q, u_s, w_q, w_s, dict(stats, targets=tgt[s]),
                       outputs={"logits": dl})
-        lse[s] = E.finalize_lse(*out["lse"])
+        lse_combine(*out["lse"], out=lse[s])
         target_logit[s] = out["target_logit"]
         zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
         dl_q, dl_s, dlt_q, dlt_s = grad_operands(dl, grad_dtype, pow2)
@@ -148,7 +148,7 @@ def _backward(ctx, dloss, *_):
         return (None,) * 10
     dloss = dloss.to(F32)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
-    return (dy * dloss).to(dy.dtype), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, dg, None, None
+    return scale(dy, dloss), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, dg, None, None
 
 
 lm_head_ce_train_fp8.register_autograd(_backward, setup_context=_setup)
