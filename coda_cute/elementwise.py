@@ -33,8 +33,8 @@ def _pow2(pow2: bool) -> str:
 
 
 def _rows16(dtype: str, n, k):
-    """A fake (n, k) 16-bit matrix whose rows start on 16-byte boundaries (row stride a multiple
-    of 8 elements), unit column stride."""
+    """A fake (n, k) matrix whose row stride is a multiple of 8 elements (rows start on 16-byte
+    boundaries for 16-bit types, 32-byte for fp32), unit column stride."""
     import cutlass.cute as cute
 
     return _fake(dtype, (n, k), (cute.sym_int64(divisibility=8), 1), 16)
@@ -43,16 +43,23 @@ def _rows16(dtype: str, n, k):
 @dataclass(frozen=True)
 class ScaleColumnsSpec:
     """``out = w * gamma[None, :]`` (``kernels.elementwise.scale_columns``) for one 16-bit dtype;
-    ``scalar``: ``out = w * s`` with ``s`` a (1,) fp32 tensor. The kernel uses no
-    architecture-specific instruction; it is built per target like the GEMMs."""
+    ``scalar``: ``out = w * s`` with ``s`` a (1,) fp32 tensor, and ``in_dtype`` w's dtype
+    ("float32" or 16-bit; None: ``dtype``, out's). The kernel uses no architecture-specific
+    instruction; it is built per target like the GEMMs."""
 
     dtype: str
     arch: str = "sm_90a"
     scalar: bool = False
+    in_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.in_dtype not in (None, self.dtype) and not self.scalar:
+            raise ValueError("ScaleColumnsSpec: only the scalar form converts dtypes")
 
     @property
     def name(self) -> str:
-        return f"scale_{'scalar' if self.scalar else 'columns'}_{self.arch}_{short_dtype(self.dtype)}"
+        src = f"_from_{short_dtype(self.in_dtype)}" if self.in_dtype not in (None, self.dtype) else ""
+        return f"scale_{'scalar' if self.scalar else 'columns'}_{self.arch}_{short_dtype(self.dtype)}{src}"
 
     def build(self):
         import cutlass.cute as cute
@@ -61,8 +68,8 @@ class ScaleColumnsSpec:
 
         n, k = cute.sym_int(), cute.sym_int()
         gamma = _fake("float32", (1,), (1,)) if self.scalar else _fake(self.dtype, (k,), (1,), 16)
-        w, out = (_rows16(self.dtype, n, k) for _ in range(2))
-        return ScaleColumns(cutlass_dtype(self.dtype), self.scalar), (w, gamma, out)
+        w = _rows16(self.in_dtype or self.dtype, n, k)
+        return ScaleColumns(cutlass_dtype(self.dtype), self.scalar), (w, gamma, _rows16(self.dtype, n, k))
 
 
 @dataclass(frozen=True)

@@ -198,11 +198,14 @@ def test_fold_op_rejects_bad_input(w_shape, g_shape, dtypes, match):
 
 
 # -- coda.scale: x times one device number ---------------------------------------------------------
-def test_scale_kernel_builds_with_16_byte_accesses_and_no_spills():
-    """The scalar form reads its factor once (one 32-bit load) and x, out 16 bytes per access."""
-    k = compile_elementwise(ScaleColumnsSpec("bfloat16", scalar=True), keep_artifacts=True)
+@pytest.mark.parametrize("in_dtype", [None, "float32"])
+def test_scale_kernel_builds_with_16_byte_accesses_and_no_spills(in_dtype):
+    """The scalar form reads its factor once (one 32-bit load) and x, out 16 bytes per access
+    (an fp32 x: two loads per 8 elements, converted to bf16 in the same pass)."""
+    k = compile_elementwise(ScaleColumnsSpec("bfloat16", scalar=True, in_dtype=in_dtype), keep_artifacts=True)
     assert ".target sm_90a" in k.ptx and spill_bytes(k) == 0
     assert k.ptx.count("ld.global.b32") == 1
+    assert k.ptx.count("ld.global.v4") == (2 if in_dtype else 1) * k.ptx.count("st.global.v4")
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
     ops = [line.split()[1] for line in disassemble(k.cubin).splitlines() if " LDG." in line or " STG." in line]
@@ -219,6 +222,12 @@ def test_scale_op_on_cpu_rounds_the_fp32_product_once_and_passes_opcheck():
     torch.testing.assert_close(scale(x, s), (x.float() * (1 / 3)).to(torch.bfloat16), rtol=0, atol=0)
     torch.library.opcheck(torch.ops.coda.scale.default, (x, s))
     torch.library.opcheck(torch.ops.coda.scale.default, (x.float(), s.reshape(1)))
+    # fp32 in, 16-bit out: the fp32 product rounded once to the output dtype
+    x32 = torch.randn(6, 40, generator=g)
+    got = scale(x32, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, (x32 * (1 / 3)).to(torch.bfloat16), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.coda.scale.default, (x32, s, torch.bfloat16))
 
 
 @pytest.mark.parametrize("x, s, exc, match", [
@@ -226,12 +235,13 @@ def test_scale_op_on_cpu_rounds_the_fp32_product_once_and_passes_opcheck():
     (torch.ones(4, 8), torch.tensor([1.0, 2.0]), ValueError, "s must be a float32 tensor of one element"),
     (torch.ones(4, 8), torch.tensor(1.0, dtype=torch.float64), ValueError, "s must be a float32"),
     (torch.ones(4, 8), 2.0, ValueError, "s must be a float32 tensor"),
+    (torch.ones(4, 8), torch.tensor(1.0), TypeError, "out_dtype must be a floating-point dtype"),
 ])
 def test_scale_op_rejects_bad_input(x, s, exc, match):
     from coda_cute.ops.fold import check_scale
 
     with pytest.raises(exc, match=match):
-        check_scale(x, s)
+        check_scale(x, s, torch.int32 if "out_dtype" in match else None)
 
 
 def test_scale_op_rejects_a_factor_on_another_device_while_tracing():

@@ -97,7 +97,7 @@ def test_scale_kernel_is_the_fp32_product_rounded_once(shape, dtype):
 
     x = torch.randn(*shape, device="cuda", dtype=dtype)
     s = torch.rand((), device="cuda") + 1 / 3
-    assert _scale_kernel_applies(x)
+    assert _scale_kernel_applies(x, dtype)
     rows = x.view(-1, shape[-1])
     out = torch.full_like(rows, float("nan"))
     get_kernel(ScaleColumnsSpec(str(dtype)[6:], scalar=True)).fn(rows, s.reshape(1), out)
@@ -105,5 +105,13 @@ def test_scale_kernel_is_the_fp32_product_rounded_once(shape, dtype):
     torch.testing.assert_close(out.view(shape), want, rtol=0, atol=0)
     torch.testing.assert_close(scale(x, s), want, rtol=0, atol=0)
     strided = x.transpose(-1, -2)  # not contiguous: torch's path
-    assert not _scale_kernel_applies(strided)
+    assert not _scale_kernel_applies(strided, dtype)
     torch.testing.assert_close(scale(strided, s), (strided.float() * s).to(dtype), rtol=0, atol=0)
+    # fp32 in (the FP8 LM head's dW), 16-bit out in the same pass
+    x32 = torch.randn(*shape, device="cuda")
+    assert _scale_kernel_applies(x32, dtype)
+    out = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+    get_kernel(ScaleColumnsSpec(str(dtype)[6:], scalar=True, in_dtype="float32")).fn(
+        x32.view(-1, shape[-1]), s.reshape(1), out.view(-1, shape[-1]))
+    torch.testing.assert_close(out, (x32 * s).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(scale(x32, s, dtype), (x32 * s).to(dtype), rtol=0, atol=0)

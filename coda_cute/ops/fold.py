@@ -12,13 +12,15 @@ takes its unvectorized path (coda_cute.nn refolds gamma into the QKV and gate/up
 forward that does not cache the fold). Other dtypes, layouts and devices compute ``W * gamma``
 with torch, which gives the same values.
 
-``torch.ops.coda.scale(x, s)`` is the same kernel's scalar form, ``x * s`` with ``s`` one fp32
-number on x's device: the LM head's gradients times the incoming ``dloss`` (a device scalar,
-which torch's broadcast multiply reads element by element: 0.9 TB/s on a (16384, 2048) bf16
-gradient on the H200).
+``torch.ops.coda.scale(x, s, out_dtype=None)`` is the same kernel's scalar form, ``x * s`` with
+``s`` one fp32 number on x's device, optionally cast (fp32 to 16-bit in the same pass): the LM
+head's gradients times the incoming ``dloss`` (a device scalar, which torch's broadcast multiply
+reads element by element: 0.9 TB/s on a (16384, 2048) bf16 gradient on the H200).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -111,7 +113,8 @@ def _backward(ctx, dw):
 fold_gamma.register_autograd(_backward, setup_context=_setup)
 
 
-def check_scale(x: torch.Tensor, s: torch.Tensor) -> None:
+def check_scale(x: torch.Tensor, s: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The op's rules; returns the result's dtype."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"{OP_SCALE}: x must be a floating-point tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -120,35 +123,46 @@ def check_scale(x: torch.Tensor, s: torch.Tensor) -> None:
                          f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
     if x.device != s.device:
         raise ValueError(f"{OP_SCALE}: x is on {x.device} but s is on {s.device}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise TypeError(f"{OP_SCALE}: out_dtype must be a floating-point dtype or None, got {out_dtype}")
+    return x.dtype if out_dtype is None else out_dtype
 
 
-def _scale_kernel_applies(x: torch.Tensor) -> bool:
-    """The kernel's rules: a contiguous 16-bit x whose last dim is whole 16-byte vectors."""
-    if not (x.dim() and x.numel() and x.is_contiguous()):
+def _scale_kernel_applies(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """The kernel's rules: a contiguous 16-bit or fp32 x on Hopper whose last dim is a multiple
+    of 8 and whose data is 16-byte aligned, a 16-bit result."""
+    if out_dtype not in KERNEL_DTYPES or x.dtype not in KERNEL_DTYPES + (torch.float32,):
         return False
-    rows = x.view(-1, x.shape[-1])
-    return _kernel_applies(rows, rows.new_empty(rows.shape[1]))
+    if not (x.is_cuda and x.dim() and x.numel() and x.is_contiguous()):
+        return False
+    if x.shape[-1] % 8 or x.data_ptr() % 16:
+        return False
+    try:
+        return dispatch.arch_of(x.device) == "sm_90a"
+    except NotImplementedError:
+        return False
 
 
 @torch.library.custom_op("coda::scale", mutates_args=())
-def scale(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x * s in x's dtype, the product in fp32 and rounded once: x any shape, s a one-element
-    fp32 tensor on x's device. Our vectorized kernel for contiguous 16-bit x with a last dim
-    that is a multiple of 8 on Hopper, torch otherwise (the same values)."""
-    check_scale(x, s)
-    if not _scale_kernel_applies(x):
-        return (x.float() * s.reshape(())).to(x.dtype)
+def scale(x: torch.Tensor, s: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x * s in ``out_dtype`` (default x's), the product in fp32 and rounded once: x any shape,
+    s a one-element fp32 tensor on x's device. Our vectorized kernel (one pass: read x, write the
+    result) for contiguous 16-bit or fp32 x with a last dim that is a multiple of 8 and a 16-bit
+    result on Hopper, torch otherwise (the same values)."""
+    dtype = check_scale(x, s, out_dtype)
+    if not _scale_kernel_applies(x, dtype):
+        return (x.float() * s.reshape(())).to(dtype)
     rows = x.view(-1, x.shape[-1])
-    out = torch.empty_like(x)
-    spec = ScaleColumnsSpec(str(x.dtype).removeprefix("torch."), dispatch.arch_of(x.device), scalar=True)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    spec = ScaleColumnsSpec(name(dtype), dispatch.arch_of(x.device), scalar=True, in_dtype=name(x.dtype))
     get_kernel(spec).fn(rows, s.reshape(1), out.view(rows.shape))
     return out
 
 
 @scale.register_fake
-def _(x, s):
-    check_scale(x, s)
-    return torch.empty_like(x)
+def _(x, s, out_dtype=None):
+    return torch.empty_like(x, dtype=check_scale(x, s, out_dtype))
 
 
 # Python callers skip the dispatcher where nothing needs it (ops.eager)

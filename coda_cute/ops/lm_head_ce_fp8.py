@@ -148,7 +148,7 @@ def _backward(ctx, dloss, *_):
         return (None,) * 10
     dloss = dloss.to(F32)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
-    return scale(dy, dloss), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, dg, None, None
+    return scale(dy, dloss), scale(dw, dloss, ctx.w_dtype), None, None, None, None, None, dg, None, None
 
 
 lm_head_ce_train_fp8.register_autograd(_backward, setup_context=_setup)

@@ -32,7 +32,8 @@ VEC = 8
 class ScaleColumns:
     """``out = w * gamma[None, :]`` for 16-bit ``w`` (N, K) and ``gamma`` (K,) of the same dtype,
     rows 16-byte aligned (K a multiple of 8). ``scalar``: ``out = w * gamma[0]`` with ``gamma``
-    a (1,) fp32 tensor."""
+    a (1,) fp32 tensor, and ``w`` 16-bit or fp32 (two 16-byte loads per 8 elements); ``dtype``
+    is out's."""
 
     def __init__(self, dtype, scalar: bool = False):
         self.dtype = dtype
