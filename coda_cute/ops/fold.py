@@ -54,8 +54,13 @@ def _kernel_applies(w: torch.Tensor, gamma: torch.Tensor) -> bool:
         return False
     if w.data_ptr() % 16 or gamma.data_ptr() % 16:
         return False
+    return _on_hopper(w)
+
+
+def _on_hopper(t: torch.Tensor) -> bool:
+    """Whether t's GPU runs the sm_90a build of these kernels."""
     try:
-        return dispatch.arch_of(w.device) == "sm_90a"
+        return dispatch.arch_of(t.device) == "sm_90a"
     except NotImplementedError:
         return False
 
@@ -137,10 +142,7 @@ def _scale_kernel_applies(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
         return False
     if x.shape[-1] % 8 or x.data_ptr() % 16:
         return False
-    try:
-        return dispatch.arch_of(x.device) == "sm_90a"
-    except NotImplementedError:
-        return False
+    return _on_hopper(x)
 
 
 @torch.library.custom_op("coda::scale", mutates_args=())
