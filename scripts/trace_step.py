@@ -14,7 +14,7 @@ The top kernels by device time and the top CPU ops by self time follow; ``--cpro
 Python functions with the most cumulative host time over five steps; ``--shapes`` lists torch's
 own kernels in the step by the op (and its input shapes) that launched each.
 
-    python scripts/trace_step.py [--config 8b] [--min-gap-us 20] [--trace out.json] [--shapes]
+    python scripts/trace_step.py [--config 8b] [--fp8] [--min-gap-us 20] [--trace out.json] [--shapes]
     python scripts/trace_step.py --model train [--hf] [--cprofile]
 """
 
@@ -109,10 +109,10 @@ def launchers_of(trace: dict, ours: str = "coda") -> list[dict]:
     return sorted(groups.values(), key=lambda g: -g["ms"])
 
 
-def bench_step(config: str, layers: int):
+def bench_step(config: str, layers: int, precision: str = "bf16"):
     spec = TM.SPECS[config]
     torch.manual_seed(0)
-    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers)), device="cuda")
+    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers), precision=precision), device="cuda")
     tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
     return TM.coda_step(model, tokens, TM.shift_labels(tokens), list(model.parameters()))
 
@@ -200,6 +200,7 @@ def main(argv=None):
     ap.add_argument("--model", choices=("bench", "train"), default="bench")
     ap.add_argument("--hf", action="store_true", help="--model train without apply_coda")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the benchmark model with precision=\"fp8\" (bench_train's coda_fp8)")
     ap.add_argument("--shapes", action="store_true",
                     help="record op input shapes and list the kernels outside ours and cuDNN's by the op "
                          "and shapes that launched them (the recording adds host time to the gaps)")
@@ -208,7 +209,7 @@ def main(argv=None):
         sys.exit("trace_step needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile
 
-    step = train_step(args.hf) if args.model == "train" else bench_step(args.config, args.layers)
+    step = train_step(args.hf) if args.model == "train" else bench_step(args.config, args.layers, "fp8" if args.fp8 else "bf16")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
