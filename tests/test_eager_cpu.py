@@ -3,8 +3,8 @@
 On the reference path (``reference_on_cpu``) a direct call must give what the registered op gives:
 outputs, every gradient, the autocast rule (bf16 compute, fp32 gradients for fp32 arguments),
 defaults and keyword arguments; whatever needs the dispatcher (a dispatch mode, a tensor
-subclass, ``enabled(False)``, CPU tensors outside the reference path) must reach the op. The
-autograd node's name tells which path ran.
+subclass other than ``nn.Parameter``, ``enabled(False)``, CPU tensors outside the reference path)
+must reach the op. The autograd node's name tells which path ran.
 """
 
 import pytest
@@ -89,6 +89,26 @@ def test_what_needs_the_dispatcher_reaches_the_op():
             assert mlp.mlp_block(*(t.detach() for t in args), EPS)[0].grad_fn is None
     with pytest.raises(ValueError, match="reference_on_cpu"):  # the op's error, not a silent run
         mlp.mlp_block(*(t.detach() for t in args), EPS)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: the dispatcher must see it (it could override dispatch)."""
+
+
+def test_model_parameters_take_the_direct_path_and_subclasses_the_op():
+    """A model hands its weights to the ops as ``nn.Parameter``s: those take the direct path (with
+    the op's outputs and gradients); any other subclass still reaches the op."""
+    y, ss, w_gu, w_down = mlp_args()
+    params = [torch.nn.Parameter(w.detach().clone()) for w in (w_gu, w_down)]
+    outs, grads, node = run(mlp.mlp_block, (y, ss, *params))
+    want_outs, want_grads, op_node = run(torch.ops.coda.mlp_block, (y, ss, *params))
+    assert node.startswith("Direct_coda_mlp_block") and "GeneratedBackwardFor" in op_node
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    tagged = w_down.detach().as_subclass(Tagged)
+    with coda_cute.reference_on_cpu(), Recorder() as rec:
+        mlp.mlp_block(y.detach(), ss, w_gu.detach(), tagged, EPS)
+    assert "coda.mlp_block.default" in rec.ops
 
 
 def test_mutating_ops_are_not_wrapped():

@@ -18,9 +18,9 @@ with the same semantics, from Python:
   backward formula (the custom-op wrapper's conventions: every input's gradient, defaults filled).
 
 Anything that needs the dispatcher takes the op: tracing (``torch.compile``, FakeTensor, make_fx),
-tensor subclasses (DTensor, functorch wrappers), dispatch or function modes (e.g.
-``coda_cute.sol.profile``), and mutating ops, which are never wrapped. ``enabled(False)`` sends
-every call through the op (benchmarks compare the two).
+tensor subclasses other than ``nn.Parameter`` (DTensor, functorch wrappers), dispatch or function
+modes (e.g. ``coda_cute.sol.profile``), and mutating ops, which are never wrapped.
+``enabled(False)`` sends every call through the op (benchmarks compare the two).
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def enabled(on: bool):
         _state["on"] = prev
 
 
+#: tensor types the direct path takes as they are: ``nn.Parameter`` disables torch functions and
+#: dispatches as a plain tensor (a model's weights reach every op as Parameters; FSDP2's sharded
+#: DTensor parameters keep their own type and take the op)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_eager(args) -> str | None:
     """The device type ("cuda" / "cpu") of the call's tensors when nothing asks for the
     dispatcher, else None."""
@@ -56,7 +62,7 @@ def _plain_eager(args) -> str | None:
     device = None
     for a in args:
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor:
+            if type(a) not in _PLAIN:
                 return None
             kind = a.device.type
             if device is None:
