@@ -11,6 +11,8 @@ operands:
 
 * ``paired``: today's kernel;
 * ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
+* ``group 3``, ``group 4``: k-tiles promoted in software-pipelined groups of 3 or 4 instead of
+  pairs (one wait for the tensor cores per group);
 * with ``--stages``: ``paired`` and our row-wise GEMM each with one A/B stage fewer than they
   get (the scales' shared memory costs the block-scaled 128 x 128 bf16-out kernel its sixth
   stage; the row-wise one keeps six): how much one stage is worth to each; and ``paired 64x1``:
@@ -19,7 +21,7 @@ operands:
   ``--wgrad``, ``paired 64x1`` only.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
-shapes, fp32 out): promotion in pairs or one k-tile at a time, the scales as our quantizers lay
+shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as our quantizers lay
 them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
 bf16 on the same product, our row-wise FP8 GEMM and torch's block-wise 1x128 x 128x1 (the kernel
 torchao's block-wise training uses for dW; bf16 out) where torch takes it, and every other
@@ -48,6 +50,7 @@ from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
+from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
@@ -58,8 +61,24 @@ WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
                 (3072, 2048, 16384), (16384, 2048, 16384), (2048, 8192, 16384)]
 
 
-#: {name: whether a second temporary may pair k-tiles}
-VARIANTS = {"paired": True, "single": False}
+#: {name: (whether a second temporary may pair k-tiles, k-tiles per promotion group)}. Groups of 3
+#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both forms since
+#: 2026-12-03 (the docstring's spills were measured before the descriptors moved to uniform
+#: registers); a group waits for the tensor cores once, at its last promotion, so larger groups
+#: drain a warpgroup's WGMMAs less often (in pairs, after every second k-tile).
+VARIANTS = {"paired": (True, 2), "single": (False, 2), "group 3": (True, 3), "group 4": (True, 4)}
+
+
+def _variant_plan(name, tree, a, b, config, scales, b_rows=False):
+    """``_fresh_plan`` under variant ``name``'s module switches, restored afterwards."""
+    paired, group = VARIANTS[name]
+    max_acc, pairs = G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP
+    G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
+    ML.PROMOTION_GROUP = group
+    try:
+        return _fresh_plan(tree, a, b, config, scales, b_rows)
+    finally:
+        G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP = max_acc, pairs
 
 
 def _fresh_plan(tree, a, b, config, scales, b_rows=False):
@@ -86,7 +105,6 @@ def wgrad(console, rounds, stages=False):
     """The weight-gradient form's variants (module docstring), TFLOP/s."""
     tree = gemm_tree("none", "none", "float32")
     sms = dispatch.num_sms(torch.device("cuda"))
-    max_acc = G.MAX_ACC_REGISTERS
     names = list(VARIANTS) + (["paired 64x1"] if stages else [])
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
     for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", "torch block", *names, "best / bf16",
@@ -113,13 +131,11 @@ def wgrad(console, rounds, stages=False):
             console.log(f"wgrad {m}x{n}x{k}: torch's block-wise 1x128 x 128x1 refused: {e}")
         base = runner.choose_config(tree, m, n, k, 1, True, False, sms, True, True)
         want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (1, 128), torch.float64)
-        for name in names:
-            G.MAX_ACC_REGISTERS = max_acc if name == "paired" else 0
-            plan = _fresh_plan(tree, a_q, b_q.t(), base, scales, True)
+        for name in VARIANTS:
+            plan = _variant_plan(name, tree, a_q, b_q.t(), base, scales, True)
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
-        G.MAX_ACC_REGISTERS = max_acc
         others = [c for c in dispatch.block_scaled_config_space() if c.tile_m == 128 or c.tile_n == 128]
         for c in others:  # the other schedules and clusters: ping-pong overlaps one warpgroup's
             if c == base:  # promotion arithmetic with the other's WGMMAs
@@ -155,7 +171,6 @@ def main():
         return wgrad(console, args.rounds, args.stages)
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
-    max_acc = G.MAX_ACC_REGISTERS
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     names = list(VARIANTS)
     for col in ["M x N x K", "config", "ours row", "torch block", *names, "best / torch"]:
@@ -180,14 +195,12 @@ def main():
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[f"block 64x1 s{n_stages}"]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"{m}x{n}x{k} block 64x1: {n_stages} A/B stages, rel err {float(err):.2e} (first 256 rows)")
-        for name, paired in VARIANTS.items():
-            G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
-            plan = _fresh_plan(tree, a_q, b_q.t(), base, (sa, sb))
+        for name in VARIANTS:
+            plan = _variant_plan(name, tree, a_q, b_q.t(), base, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"{m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
-        G.MAX_ACC_REGISTERS = max_acc
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=500)
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)
