@@ -52,11 +52,17 @@ every model's gradients None), minus what was allocated before the step (the res
 parameters, the inputs) and minus the bytes of the variant's own gradients: activations and
 temporaries beyond parameters + gradients, in GiB.
 
+Energy: each variant's step back to back for ~``ENERGY_RUN_MS`` (at least 5 steps), joules per step
+from the board's energy counter with the idle board's share taken off
+(``coda_cute.sol.energy.joules_per_call``), and the run's mean power: under the power cap a step's
+time follows its joules. Null where the counter is missing.
+
 Profile: torch.profiler (CUDA activity) over one CODA step: kernel time grouped by kernel name,
 top 15 with their share of all GPU time and their call counts.
 
 JSON (``--json``): a list, one record per config: config, tokens, batch, seq, layers;
-{coda,hf_eager,hf_compile,liger}_ms and _peak_gib (null when not run or failed); ratio_to_coda
+{coda,hf_eager,hf_compile,liger}_ms, _peak_gib and _j_per_step (null when not run or failed;
+``energy``: each variant's joules_per_call record); ratio_to_coda
 (baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_gemm_ms,
 shadow_attention_ms, shadow_chain_ms, coda_over_shadow, gemm_flops, shadow_pieces (name, layout,
 m, n, k, count, ms, tflops), attention_ms (one layer); block_ms, block_gemm_ms, block_ratio;
@@ -109,6 +115,11 @@ from train_models import (  # noqa: E402  (the benchmark's pieces, in modules of
 from train_shadow import (  # noqa: E402
     _free, peak_gib, profile_step, report_failure, run_shadow, say, sync, time_fns)
 
+from coda_cute.sol.energy import joules_per_call  # noqa: E402
+
+#: milliseconds of back-to-back steps per variant for its joules per step
+ENERGY_RUN_MS = 2500
+
 SHADOW_KEYS = ("shadow_ms", "shadow_gemm_ms", "shadow_attention_ms", "shadow_chain_ms", "attention_ms",
                "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio", "gemm_flops")
 VARIANTS = ("coda", "coda_fp8", "hf_eager", "hf_compile", "liger")
@@ -126,6 +137,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
     rec = {"config": spec.name, "mode": "smoke" if smoke else "gpu", "tokens": m, "batch": b, "seq": s,
            "layers": layers, "spec": asdict(spec), "rounds": args.rounds, "warmup": args.warmup,
            **{f"{v}_ms": None for v in VARIANTS}, **{f"{v}_peak_gib": None for v in VARIANTS},
+           **{f"{v}_j_per_step": None for v in VARIANTS}, "energy": {},
            "losses": {}, "loss_rel_diff": None, "loss_ok": None, "ratio_to_coda": {}, "profile": None,
            **{k: None for k in SHADOW_KEYS}, "shadow_pieces": [], "errors": errors}
     say(f"[bold]== {spec.name}[/]: {layers} layers, {b} x {s} tokens, dim {spec.dim}, "
@@ -251,6 +263,24 @@ def run_config(spec: ModelSpec, args, device) -> dict:
                             for n in BASELINES}
     zero_grads(all_params)
 
+    # Joules per step, each variant back to back.
+    if not smoke:
+        say("energy per step, each variant back to back")
+        for name, (step, _) in steps.items():
+            ms = rec[f"{name}_ms"]
+            try:
+                e = joules_per_call(step, max(5, math.ceil(ENERGY_RUN_MS / ms)) if ms else 5, device)
+            except Exception as exc:  # noqa: BLE001
+                report_failure(f"{name}: energy", exc, errors, f"{name}_energy")
+                continue
+            if e is None:
+                say("  no energy counter on this board")
+                break
+            rec["energy"][name], rec[f"{name}_j_per_step"] = e, e["j_per_call"]
+            say(f"  {name}: {e['j_per_call']:.1f} J per step, {e['watts']:.0f} W, {e['ms_per_call']:.2f} ms "
+                f"per step back to back (idle board {e['idle_watts']:.0f} W)")
+        zero_grads(all_params)
+
     # Per-kernel profile of the CODA step.
     rec["profile"] = None
     if "coda" in steps:
@@ -287,13 +317,17 @@ def _gib(v):
     return "-" if v is None else f"{v:.2f}"
 
 
+def _joules(e):
+    return "-" if e is None else f"{e['j_per_call']:.1f} ({e['watts']:.0f})"
+
+
 def report(rec: dict, console: Console = out_console):
     smoke = rec["mode"] == "smoke"
     note = " (SMOKE: one CPU wall-clock call each, not a benchmark)" if smoke else ""
     t = Table(title=f"{rec['config']}: training step (fwd + bwd), {rec['layers']} layers, "
                     f"{rec['batch']} x {rec['seq']} tokens{note}")
     for col in ("variant", "step ms", "variant / coda", "variant / shadow", "peak GiB (beyond params + grads)",
-                "loss", "status"):
+                "J / step (W)", "loss", "status"):
         t.add_column(col, justify="left" if col in ("variant", "status") else "right")
     coda_ms, shadow_ms = rec["coda_ms"], rec["shadow_ms"]
     for v in VARIANTS:
@@ -304,7 +338,8 @@ def report(rec: dict, console: Console = out_console):
             status = f"LOSS MISMATCH ({rec['loss_rel_diff']:.1e})"
         t.add_row(v, _ms(ms), f"{ms / coda_ms:.2f}x" if ms and coda_ms else "-",
                   f"{ms / shadow_ms:.2f}x" if ms and shadow_ms else "-", _gib(rec[f"{v}_peak_gib"]),
-                  "-" if loss is None else f"{loss:.4f}", Text(status[:80]))
+                  _joules(rec.get("energy", {}).get(v)), "-" if loss is None else f"{loss:.4f}",
+                  Text(status[:80]))
     console.print(t)
 
     if not rec["shadow_pieces"]:
