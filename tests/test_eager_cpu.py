@@ -127,3 +127,23 @@ def test_traced_calls_take_the_op():
     assert not node.startswith("Direct_")
     assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def test_fp8_helpers_called_between_gemms_are_direct():
+    """The FP8 sublayers call ``quantize_fp8`` and ``gemm_blockwise`` between their GEMMs: direct
+    calls, with the op's outputs on the reference path."""
+    from coda_cute.ops import gemm_blockwise, quantize
+
+    assert all(isinstance(f, eager.DirectOp) for f in (quantize.quantize_fp8, quantize.quantize_fp8_dual,
+                                                          gemm_blockwise.gemm_blockwise))
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(64, 256, generator=g).to(BF16), torch.randn(128, 256, generator=g).to(BF16)
+    with coda_cute.reference_on_cpu():
+        xq = quantize.quantize_fp8(x)
+        wq = quantize.quantize_fp8(w, "128x128")
+        for got, want in ((xq, torch.ops.coda.quantize_fp8(x)),
+                          (wq, torch.ops.coda.quantize_fp8(w, "128x128")),
+                          (quantize.quantize_fp8_dual(x), torch.ops.coda.quantize_fp8_dual(x)),
+                          ((gemm_blockwise.gemm_blockwise(xq[0], xq[1], wq[0], wq[1]),),
+                           (torch.ops.coda.gemm_blockwise(xq[0], xq[1], wq[0], wq[1]),))):
+            assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want))

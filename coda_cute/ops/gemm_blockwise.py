@@ -27,6 +27,7 @@ from ..epilogue.runner import B_BLOCKS, check_block_scales
 from ..kernels.epilogue.plain import gemm_tree
 from ..operands import FP8, dtype_name
 from .checks import check_same_device
+from .eager import direct
 
 OP = "coda.gemm_blockwise"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,3 +83,8 @@ def _fake(a, a_scales, b, b_scales, out_dtype=None, b_block="128x128"):
 def _cpu(a, a_scales, b, b_scales, out_dtype=None, b_block="128x128"):
     dispatch.require_reference(OP)
     return _run(a, a_scales, b, b_scales, out_dtype, b_block)
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager): the FP8 sublayers' weight
+# gradients
+gemm_blockwise = direct(gemm_blockwise)

@@ -29,6 +29,7 @@ from ..elementwise import quantize_dual, quantize_rows, quantize_weight
 from ..precision import block_scales_m_major
 from ..reference import quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
+from .eager import direct
 
 OP = "coda.quantize_fp8"
 BLOCKS = {"1x128": (1, 128), "128x128": (128, 128)}
@@ -147,3 +148,9 @@ def _dual_fake(x, dtype=torch.float8_e4m3fn, pow2_scales=False):
     m, k = check_dual(x, dtype)
     return (x.new_empty((m, k), dtype=dtype), block_scales_m_major(m, k, x.device),
             x.new_empty((k, m), dtype=dtype), block_scales_m_major(k, m, x.device))
+
+
+# Python callers skip the dispatcher where nothing needs it (ops.eager): the FP8 sublayers quantize
+# their activations between GEMMs, several times a step
+quantize_fp8 = direct(quantize_fp8)
+quantize_fp8_dual = direct(quantize_fp8_dual)
