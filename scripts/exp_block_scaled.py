@@ -62,10 +62,10 @@ WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
 
 
 #: {name: (whether a second temporary may pair k-tiles, k-tiles per promotion group)}. Groups of 3
-#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both forms since
-#: 2026-12-03 (the docstring's spills were measured before the descriptors moved to uniform
-#: registers); a group waits for the tensor cores once, at its last promotion, so larger groups
-#: drain a warpgroup's WGMMAs less often (in pairs, after every second k-tile).
+#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both forms in
+#: today's kernel (2026-12-03; they spilled when pairs were chosen); a group waits for the tensor
+#: cores once, at its last promotion, so larger groups drain a warpgroup's WGMMAs less often (in
+#: pairs, after every second k-tile).
 VARIANTS = {"paired": (True, 2), "single": (False, 2), "group 3": (True, 3), "group 4": (True, 4)}
 
 

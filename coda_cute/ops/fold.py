@@ -28,6 +28,7 @@ from .eager import direct
 from .. import dispatch
 from ..compiler import get_kernel
 from ..elementwise import ScaleColumnsSpec, fold_backward
+from ..operands import dtype_name
 
 OP = "coda.fold_gamma"
 OP_SCALE = "coda.scale"
@@ -156,8 +157,7 @@ def scale(x: torch.Tensor, s: torch.Tensor, out_dtype: Optional[torch.dtype] = N
         return (x.float() * s.reshape(())).to(dtype)
     rows = x.view(-1, x.shape[-1])
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
-    spec = ScaleColumnsSpec(name(dtype), dispatch.arch_of(x.device), scalar=True, in_dtype=name(x.dtype))
+    spec = ScaleColumnsSpec(dtype_name(dtype), dispatch.arch_of(x.device), scalar=True, in_dtype=dtype_name(x.dtype))
     get_kernel(spec).fn(rows, s.reshape(1), out.view(rows.shape))
     return out
 

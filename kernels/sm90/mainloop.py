@@ -39,9 +39,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 #: torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of its throughput at M = 16384 and
 #: (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where groups of 8 gave 0.967 / 0.944 /
 #: 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910. Groups of 3, 4, 6 and 16 made ptxas
-#: spill ~1 KB then; since the WGMMA descriptors moved to uniform registers, groups of 3 and 4 build
-#: spill-free in both block-scaled forms (2026-12-03, a CPU test), not yet timed against pairs
-#: (``scripts/exp_block_scaled.py``'s ``group 3`` / ``group 4`` variants).
+#: spill ~1 KB then; in today's kernel groups of 3 and 4 build spill-free in both block-scaled
+#: forms (2026-12-03, a CPU test), not yet timed against pairs (``scripts/exp_block_scaled.py``'s
+#: ``group 3`` / ``group 4`` variants).
 PROMOTION_GROUP = 2
 
 
