@@ -150,7 +150,13 @@ def block_scaled_config_space() -> list[GemmConfig]:
 # and 8192^3, random data; measured 2026-11-30 with scripts/bench_gemm.py --sweep). Only the
 # ratios matter to the heuristic; 64x64 rates come from the M=1024 sweep. Ping-pong 128x128 2x1:
 # 1.02-1.07x (median 1.048x) cooperative 128x256 2x1's time on those shapes when the two are timed
-# in turns (back to back, the one timed first ran at the cooler GPU's higher clocks).
+# in turns (back to back, the one timed first ran at the cooler GPU's higher clocks). Whole
+# training steps (scripts/exp_step_configs.py, in turns, 2026-12-03, two machines) do not settle
+# it: at 8b, every 16-bit GEMM on cooperative 128x256 2x1 took 0.978x the step of these picks
+# (158.02 / 161.65 ms); at 1b, with that tile picked everywhere (this rate at 649), the step
+# took 70.26 ms against 66.56 with ping-pong 128x128 2x1 everywhere. A likely cause, not yet
+# measured alone: the 1b step's many K = 2048 GEMMs leave the cooperative epilogue (run with the
+# tensor cores idle) less k-loop to hide behind. The rates stay the sweep's.
 # Key: (schedule, tile_m, tile_n, cluster_m, cluster_n).
 _RATES_16 = {
     ("cooperative", 128, 256, 2, 1): 680, ("cooperative", 256, 128, 2, 1): 670,

@@ -3,16 +3,17 @@
 Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): the block-scaled
 GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
 kernel. A reading of 1005 TFLOP/s for the weight-gradient form then did not reproduce (385 the
-next session; likely a binary of the disk cache's key collision, since fixed). The forward form
-promotes k-tiles in pairs (``kernels.sm90.mainloop.PROMOTION_GROUP``); each k-tile's scales come
+next session; likely a binary of the disk cache's key collision, since fixed). The kernels
+promote k-tiles in groups (``kernels.sm90.mainloop.PROMOTION_GROUP``, per form); each k-tile's scales come
 with its stage by TMA (``kernels.sm90.block_scales``). Variants, each compiled afresh (no disk
 cache) and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same
 operands:
 
-* ``paired``: today's kernel;
+* ``paired``: k-tiles promoted in pairs;
 * ``single``: one promotion per k-tile (the ping-pong weight-gradient form's loop);
 * ``group 3``, ``group 4``: k-tiles promoted in software-pipelined groups of 3 or 4 instead of
   pairs (one wait for the tensor cores per group);
+* ``row paired``, ``row group 4``: our row-wise FP8 GEMM (two-level) with pairs and with groups of 4;
 * with ``--stages``: ``paired`` and our row-wise GEMM each with one A/B stage fewer than they
   get (the scales' shared memory costs the block-scaled 128 x 128 bf16-out kernel its sixth
   stage; the row-wise one keeps six): how much one stage is worth to each; and ``paired 64x1``:
@@ -67,25 +68,30 @@ WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
 #: cores once, at its last promotion, so larger groups drain a warpgroup's WGMMAs less often (in
 #: pairs, after every second k-tile).
 VARIANTS = {"paired": (True, 2), "single": (False, 2), "group 3": (True, 3), "group 4": (True, 4)}
+#: the row-wise GEMM's variants timed next to them (its promotion group is its own)
+ROW_VARIANTS = ("paired", "group 4")
 
 
-def _variant_plan(name, tree, a, b, config, scales, b_rows=False):
-    """``_fresh_plan`` under variant ``name``'s module switches, restored afterwards."""
+def _variant_plan(name, tree, a, b, config, scales, b_rows=False, inputs=None):
+    """``_fresh_plan`` under variant ``name``'s module switches, restored afterwards; the form
+    (``mainloop.PROMOTION_GROUP``'s key) is the wgrad form's with ``b_rows``, else the
+    block-scaled one's, else (no ``scales``) the row-wise one's."""
     paired, group = VARIANTS[name]
-    max_acc, pairs = G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP
+    form = "wgrad" if b_rows else "block" if scales is not None else "row"
+    max_acc, before = G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP[form]
     G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
-    ML.PROMOTION_GROUP = group
+    ML.PROMOTION_GROUP[form] = group
     try:
-        return _fresh_plan(tree, a, b, config, scales, b_rows)
+        return _fresh_plan(tree, a, b, config, scales, b_rows, inputs)
     finally:
-        G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP = max_acc, pairs
+        G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP[form] = max_acc, before
 
 
-def _fresh_plan(tree, a, b, config, scales, b_rows=False):
+def _fresh_plan(tree, a, b, config, scales, b_rows=False, inputs=None):
     """A launch plan compiled afresh (the module switches just changed)."""
     compiler._cache.clear()
     runner._plans.clear()
-    return runner._make_plan(tree, a, b, {}, config, False, "exp", scales, b_rows)
+    return runner._make_plan(tree, a, b, inputs or {}, config, False, "exp", scales, b_rows)
 
 
 def one_buffer_plan(tree, a, b, config, scales, b_rows=False):
@@ -173,7 +179,8 @@ def main():
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     names = list(VARIANTS)
-    for col in ["M x N x K", "config", "ours row", "torch block", *names, "best / torch"]:
+    for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in ROW_VARIANTS), "torch block", *names,
+                "best / torch"]:
         table.add_column(col, justify="right")
     for m, n, k in SHAPES:
         a_q, sa = R.quantize_blocks_ref(torch.randn(m, k, device="cuda"), (1, 128))
@@ -195,6 +202,11 @@ def main():
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[f"block 64x1 s{n_stages}"]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"{m}x{n}x{k} block 64x1: {n_stages} A/B stages, rel err {float(err):.2e} (first 256 rows)")
+        row_cfg = runner.choose_config(rtree, m, n, k, 1, True, False, sms)
+        row_in = {"scale_a": ra.reshape(-1), "scale_b": rb.reshape(-1)}
+        for name in ROW_VARIANTS:  # the row-wise GEMM's pairs against its groups of 4
+            plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
+            fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in VARIANTS:
             plan = _variant_plan(name, tree, a_q, b_q.t(), base, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
@@ -204,7 +216,8 @@ def main():
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=500)
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)
-        table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}", f"{tf['torch block']:.0f}",
+        table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}",
+                      *(f"{tf[f'row {v}']:.0f}" for v in ROW_VARIANTS), f"{tf['torch block']:.0f}",
                       *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
         if args.stages:
             console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(

@@ -15,7 +15,10 @@ Policies (``--policies``, default all):
   FLOP (64 x 256 per warpgroup);
 * ``pingpong 128x128 2x1``: the heuristic's usual large-GEMM pick, everywhere;
 * ``lm head coop 128x256 2x1``: the cooperative 128 x 256 tile for the LM head's GEMMs only (an
-  extent equal to the vocabulary), about half of the step's FLOPs.
+  extent equal to the vocabulary), about half of the step's FLOPs;
+* ``coop 128x256 2x1 for K >= 4096``: the cooperative tile where the k-loop is long enough to
+  hide its epilogue, which cooperative warpgroups run after their mainloop with the tensor cores
+  idle (ping-pong overlaps it with the other warpgroup's mainloop).
 
     python scripts/exp_step_configs.py [--config 8b] [--rounds 6] [--policies heuristic ...]
 """
@@ -44,9 +47,11 @@ from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 COOP_256 = GemmConfig(128, 256, 64, "cooperative", 2, 1)
 PINGPONG_128 = GemmConfig(128, 128, 64, "pingpong", 2, 1)
-#: {name: (forced config or None, whether it applies to the LM head's GEMMs only)}
-POLICIES = {"heuristic": (None, False), "coop 128x256 2x1": (COOP_256, False),
-            "pingpong 128x128 2x1": (PINGPONG_128, False), "lm head coop 128x256 2x1": (COOP_256, True)}
+#: {name: (forced config or None, whether it applies to the LM head's GEMMs only, the least K it
+#: applies to)}
+POLICIES = {"heuristic": (None, False, 0), "coop 128x256 2x1": (COOP_256, False, 0),
+            "pingpong 128x128 2x1": (PINGPONG_128, False, 0), "lm head coop 128x256 2x1": (COOP_256, True, 0),
+            "coop 128x256 2x1 for K >= 4096": (COOP_256, False, 4096)}
 ENERGY_RUN_MS = 2500
 
 
@@ -56,7 +61,7 @@ def policy(name: str, vocab: int, forced: dict):
     FP8, the epilogue's shared memory fits, no spills) and the launch takes it; ``forced`` maps
     each GEMM shape to the config it ran on or to why it kept the heuristic's (a caller that
     preallocated per-tile outputs for the heuristic's tile width refuses another width)."""
-    cfg, lm_only = POLICIES[name]
+    cfg, lm_only, min_k = POLICIES[name]
     plain = E.run
     sms = dispatch.num_sms(torch.device("cuda"))
 
@@ -64,7 +69,7 @@ def policy(name: str, vocab: int, forced: dict):
         if cfg is not None and config is None and a.dtype in (torch.bfloat16, torch.float16) \
                 and "block_scales" not in kw:
             m, n, k = a.shape[-2], b.shape[-1], a.shape[-1]
-            if (not lm_only or vocab in (m, n, k)) and runner.fits(tree, cfg, 2) \
+            if (not lm_only or vocab in (m, n, k)) and k >= min_k and runner.fits(tree, cfg, 2) \
                     and not runner.spills(tree, cfg, False, sms):
                 try:
                     out = plain(tree, a, b, inputs, config=cfg, **kw)

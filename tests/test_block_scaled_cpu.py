@@ -155,14 +155,14 @@ def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
 @pytest.mark.parametrize("b_rows", [False, True], ids=["forward", "wgrad"])
 def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch):
     """The variants ``scripts/exp_block_scaled.py`` times against pairs: k-tiles promoted in
-    groups of 3 or 4 (``mainloop.PROMOTION_GROUP``) build without spills or serialized WGMMAs,
+    groups of 3 or 4 (``mainloop.PROMOTION_GROUP[form]``) build without spills or serialized WGMMAs,
     and the group's loop waits for the tensor cores to drain once (``wait_group 0``), its other
     promotions with the next k-tile in flight (``wait_group 1``, one per k-tile after the first)."""
     from coda_cute.kernels.sm90 import mainloop
 
     waits = {}
     for g in (2, group):
-        monkeypatch.setattr(mainloop, "PROMOTION_GROUP", g)
+        monkeypatch.setitem(mainloop.PROMOTION_GROUP, "wgrad" if b_rows else "block", g)
         cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1 if b_rows else 2)
         tree = gemm_tree("none", "none", "float32" if b_rows else "bfloat16")
         k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, tree, block_scaled=True, b_rows=b_rows),

@@ -45,7 +45,7 @@ from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
 from .block_scales import BLOCK, BlockScales, ScaleLoads, scale_tx_bytes
-from .mainloop import Sm90Mainloop, Stagger, produce
+from .mainloop import PROMOTION_GROUP, Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
@@ -118,6 +118,7 @@ class Sm90Gemm:
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
             # ping-pong's wgrad form spills with a second temporary next to its column scales
             paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not (b_rows and self.pingpong),
+            group=PROMOTION_GROUP["wgrad" if b_rows else "block" if block_scaled else "row"],
         )
 
     # ------------------------------------------------------------------------------------------

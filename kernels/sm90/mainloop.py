@@ -13,7 +13,7 @@ Accumulation modes:
   * two-level (FP8 default): every k-tile's products go to a temporary that is then added into
     the fp32 accumulator (the tensor core's FP8 accumulation keeps too few mantissa bits for long
     K). Where three accumulators fit the registers (``paired``), k-tiles go in groups of
-    ``PROMOTION_GROUP``: each is issued into its own temporary before the previous one is
+    ``PROMOTION_GROUP[form]``: each is issued into its own temporary before the previous one is
     promoted, so only the group's last promotion waits for the tensor cores to drain.
     Otherwise each promotion waits for its k-tile. The temporaries are created inside the loop
     body: a WGMMA result carried across loop iterations becomes a register copy that ptxas answers
@@ -34,15 +34,21 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit).
-#: Pairs, measured on the H200 with cooperative 128x128 tiles, 2x1 cluster, against
-#: torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of its throughput at M = 16384 and
-#: (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where groups of 8 gave 0.967 / 0.944 /
-#: 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910. Groups of 3, 4, 6 and 16 made ptxas
-#: spill ~1 KB then; in today's kernel groups of 3 and 4 build spill-free in both block-scaled
-#: forms (2026-12-03, a CPU test), not yet timed against pairs (``scripts/exp_block_scaled.py``'s
-#: ``group 3`` / ``group 4`` variants).
-PROMOTION_GROUP = 2
+#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit), by
+#: form: "row" (row-wise or no scales), "block" (block-scaled, 128 x 128 weight blocks) and "wgrad"
+#: (block-scaled, both operands 1 x 128 along K). Pairs, measured on the H200 with cooperative
+#: 128x128 tiles, 2x1 cluster, against torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of
+#: its throughput at M = 16384 and (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where
+#: groups of 8 gave 0.967 / 0.944 / 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910
+#: (groups of 3-16 spilled then). In today's block-scaled kernel groups of 3 and 4 build
+#: spill-free. Its forward form at M = 16384, (N, K) = (6144, 4096) / (28672, 4096) /
+#: (4096, 14336), in turns (2026-12-03, ``scripts/exp_block_scaled.py``): pairs 1100 / 1100 / 1070
+#: TFLOP/s, groups of 3 1106 / 1108 / 1046, groups of 4 1125 / 1143 / 1121 (1.000 / 1.007 / 0.998
+#: of torch's block-wise kernel); a second run: pairs 1124 / 1094 / 1092, groups of 4 1167 / 1158 /
+#: 1149. Its weight-gradient form (six Llama wgrad shapes, same run): groups of 3 and 4 within
+#: -0.8 % .. +1.8 % of pairs, so it keeps pairs. The row-wise kernel keeps pairs: its groups of 4
+#: spill 3.5 KB and serialize the WGMMAs (455-515 TFLOP/s against 1227-1309 in pairs).
+PROMOTION_GROUP = {"row": 2, "block": 4, "wgrad": 2}
 
 
 @cute.jit
@@ -105,13 +111,14 @@ class Sm90Mainloop:
     """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
 
     def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
-                 two_level: bool, paired: bool = False):
+                 two_level: bool, paired: bool = False, group: int = 2):
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
         self.atom_layout_mnk = atom_layout_mnk
         self.tile_mnk = tile_mnk
         self.two_level = two_level
         self.paired = paired
+        self.group = group
 
     def tiled_mma(self, tile_n: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -184,13 +191,13 @@ class Sm90Mainloop:
             singles = k_tiles
             first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
             if const_expr(self.paired):
-                groups = k_tiles // PROMOTION_GROUP
+                groups = k_tiles // self.group
                 for j in cutlass.range(groups, unroll=1):
                     read_state, release_state = self._group(
                         tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        PROMOTION_GROUP, j * PROMOTION_GROUP, stagger, scale, first_k)
-                singles = k_tiles - groups * PROMOTION_GROUP
-                first_k = first_k + groups * PROMOTION_GROUP
+                        self.group, j * self.group, stagger, scale, first_k)
+                singles = k_tiles - groups * self.group
+                first_k = first_k + groups * self.group
             for k in cutlass.range(singles, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
@@ -200,7 +207,7 @@ class Sm90Mainloop:
                 read_state.advance()
                 if const_expr(stagger is not None):
                     # once per tile, after its first issue (a grouped loop has passed it already)
-                    if k == 0 and (k_tiles < PROMOTION_GROUP or not self.paired):
+                    if k == 0 and (k_tiles < self.group or not self.paired):
                         stagger.pass_turn()
                 warpgroup.wait_group(0)
                 _promote(acc, tmp, factor)
