@@ -4,8 +4,8 @@ Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): t
 GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
 kernel. A reading of 1005 TFLOP/s for the weight-gradient form then did not reproduce (385 the
 next session; likely a binary of the disk cache's key collision, since fixed). The kernels
-promote k-tiles in groups (``kernels.sm90.mainloop.PROMOTION_GROUP``, per form); each k-tile's scales come
-with its stage by TMA (``kernels.sm90.block_scales``). Variants, each compiled afresh (no disk
+promote k-tiles in groups (``kernels.sm90.mainloop.PROMOTION_GROUP``, per form); each k-tile's
+scales come with its stage by TMA (``kernels.sm90.block_scales``). Variants, each compiled afresh (no disk
 cache) and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same
 operands:
 
@@ -22,8 +22,8 @@ operands:
   ``--wgrad``, ``paired 64x1`` only.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
-shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as our quantizers lay
-them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
+shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
+our quantizers lay them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
 bf16 on the same product, our row-wise FP8 GEMM and torch's block-wise 1x128 x 128x1 (the kernel
 torchao's block-wise training uses for dW; bf16 out) where torch takes it, and every other
 block-scaled config (a log line per shape).
@@ -63,12 +63,13 @@ WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
 
 
 #: {name: (whether a second temporary may pair k-tiles, k-tiles per promotion group)}. Groups of 3
-#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both forms in
-#: today's kernel (2026-12-03; they spilled when pairs were chosen); a group waits for the tensor
-#: cores once, at its last promotion, so larger groups drain a warpgroup's WGMMAs less often (in
-#: pairs, after every second k-tile).
+#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both block-scaled
+#: forms in today's kernel (2026-12-03; they spilled when pairs were chosen); a group waits for the
+#: tensor cores once, at its last promotion, so larger groups drain a warpgroup's WGMMAs less often
+#: (in pairs, after every second k-tile).
 VARIANTS = {"paired": (True, 2), "single": (False, 2), "group 3": (True, 3), "group 4": (True, 4)}
-#: the row-wise GEMM's variants timed next to them (its promotion group is its own)
+#: the row-wise GEMM's variants timed next to them (its promotion group is its own; its groups of 4
+#: spill and serialize the WGMMAs)
 ROW_VARIANTS = ("paired", "group 4")
 
 
