@@ -1,7 +1,18 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository's top-level kernels/ folder is installed as coda_cute.kernels, but with the root on
+# sys.path (`python -m pytest` run from it) it is importable as plain `kernels` and shadows Hugging
+# Face's `kernels` distribution, which transformers >= 5.25 depends on and imports. Keep the root off
+# this process's path and, through PYTHONSAFEPATH, off the paths of the processes the tests start
+# (torchrun ranks, compile-cache probes).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
