@@ -18,7 +18,8 @@ from .precision import block_scales_m_major
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseCombineSpec", "RopeBackwardSpec",
            "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
-           "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual"]
+           "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual",
+           "quantize_rowwise"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -201,17 +202,19 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
 @dataclass(frozen=True)
 class QuantizeDualSpec:
     """Both 1 x 128 FP8 quantizations of a 16-bit matrix, along its rows and along its columns
-    (``kernels.elementwise.quantize_dual``); ``rows=False``: the column one only."""
+    (``kernels.elementwise.quantize_dual``); ``rows=False``: the column one only; ``whole``: the
+    row-wise recipe's, one scale per whole row and per whole column, from given amaxes."""
 
     dtype: str
     out_dtype: str = "float8_e4m3fn"
     rows: bool = True
     arch: str = "sm_90a"
     pow2: bool = False
+    whole: bool = False
 
     @property
     def name(self) -> str:
-        part = "dual" if self.rows else "cols"
+        part = ("rowwise_" if self.whole else "") + ("dual" if self.rows else "cols")
         return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
 
     def build(self):
@@ -227,11 +230,15 @@ class QuantizeDualSpec:
             return _fake("float32", (rows, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()))
         # rows=False: q, s are placeholders the kernel never touches, of any shape
         qm, qk = (m, k) if self.rows else (cute.sym_int(), cute.sym_int())
-        return QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows, self.pow2), (
-            _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
-            _fake(self.out_dtype, (qm, qk), (cute.sym_int64(divisibility=8), 1), 16), scales(qm),
-            _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16), scales(k),
-        )
+        kernel = QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows, self.pow2,
+                              self.whole)
+        args = (_fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+                _fake(self.out_dtype, (qm, qk), (cute.sym_int64(divisibility=8), 1), 16), scales(qm),
+                _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16), scales(k))
+        if not self.whole:
+            return kernel, args
+        amax = lambda: _fake("float32", (cute.sym_int(),), (1,))  # noqa: E731  (row / column amaxes)
+        return kernel.rowwise, args + (amax(), amax())
 
 
 def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, pow2: bool = False):
@@ -252,6 +259,30 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
     spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
                             dispatch.arch_of(x.device), pow2)
     get_kernel(spec).fn(x, q, s, qt, st)
+    return (q, s, qt, st) if rows else (None, None, qt, st)
+
+
+def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, pow2: bool = False):
+    """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 and M of 16, in the row-wise
+    recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1) one per whole
+    column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M)); ``rows`` False:
+    (None, None, qt, st). The amaxes are torch's ∞-norm reductions (one read of x each; the max
+    is exact in x's dtype), the quantization one pass of ``QuantizeDual(whole=True)``."""
+    from . import dispatch
+
+    m, k = x.shape
+    col_amax = torch.linalg.vector_norm(x, float("inf"), dim=0).float()
+    qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
+    st = torch.empty((k, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float()
+        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    else:  # placeholders: the kernel reads and writes none of them
+        q, s, row_amax = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1], col_amax[:1]
+    spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
+                            dispatch.arch_of(x.device), pow2, whole=True)
+    get_kernel(spec).fn(x, q, s, qt, st, row_amax, col_amax)
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
 

@@ -516,3 +516,57 @@ def test_tile_input_is_loaded_by_tma():
 def test_reductions_are_deterministic():
     _, kernel, _ = compiled("reductions")
     assert "atom." not in kernel.ptx and "red.global" not in kernel.ptx
+
+
+def _random_inputs(tree, m, n):
+    """Fresh random values for every input of ``tree`` (row sums as 4 per-tile partials)."""
+    out = {}
+    for i in tree.inputs:
+        if i.kind == "row_vec":
+            out[i.name] = torch.rand(m) + 0.5
+        elif i.kind == "col_vec":
+            out[i.name] = torch.rand(n) + 0.5
+        elif i.kind == "tile":
+            out[i.name] = torch.randn(m, 2 * n if i.wide else n).to(getattr(torch, i.dtype))
+        elif i.kind == "row_sum":
+            out[i.name] = torch.rand(m, 4) + 0.5  # sums of squares among them
+        elif i.kind == "scalar":
+            out[i.name] = 0.75
+        else:
+            raise AssertionError(f"no random input for {i.kind}")
+    return out
+
+
+def _scaled_trees():
+    from coda_cute.ops.residual import residual_norm_stats_tree
+    from coda_cute.ops.rmsnorm import norm_backward_tree
+    from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree
+    seg = E.acc() * E.row_vec("r")
+    head = E.Epilogue(E.store(seg * E.rsqrt(E.segment_reduce(seg, "sumsq", 8) + 1.0), "o"))
+    return {"norm_swiglu": norm_swiglu_tree(), "swiglu_backward": swiglu_backward_tree(),
+            "norm_backward": norm_backward_tree(True), "residual": residual_norm_stats_tree(True),
+            "segment norm": head}
+
+
+@pytest.mark.parametrize("name", list(_scaled_trees()))
+def test_scale_acc_is_the_tree_on_the_scaled_accumulator(name):
+    """scale_acc(tree) on acc equals tree on acc * scale_b[n] * scale_a[m] (the row-wise FP8
+    recipe's epilogues), with the two scales as new inputs and the original tree untouched."""
+    tree = _scaled_trees()[name]
+    scaled = E.scale_acc(tree, "sa", "sb")
+    assert set(scaled.input_order()) == set(tree.input_order()) | {"sa", "sb"}
+    assert scaled.key != tree.key and E.scale_acc(tree, "sa", "sb").key == scaled.key
+    assert [o.name for o in scaled.outputs] == [o.name for o in tree.outputs]
+    assert not any(isinstance(n, N.ColVec) and n.name == "sb" for s in tree.sinks for n in N.walk(s.x))
+    m, n = 37, 48
+    acc = torch.randn(m, n)
+    inputs = _random_inputs(tree, m, n)
+    sa, sb = torch.rand(m) + 0.5, torch.rand(n) + 0.5
+    got = E.evaluate(scaled, acc, dict(inputs, sa=sa, sb=sb), (16, 16))
+    want = E.evaluate(tree, acc * sb * sa[:, None], inputs, (16, 16))  # the tree's order of products
+    assert got.keys() == want.keys()
+    for k in got:
+        g, w = (got[k], want[k]) if isinstance(got[k], torch.Tensor) else (got[k][0], want[k][0])
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-5, atol=2e-5)
+    for sr in (x for s in scaled.sinks for x in N.walk(s.x) if isinstance(x, N.SegmentReduce)):
+        assert not any(isinstance(x, N.RowVec) for x in N.walk(sr.children[0]))  # row scale outside

@@ -309,3 +309,59 @@ def test_dual_op_on_the_reference_path_is_both_quantizations():
 def test_dual_op_rejects_bad_input_on_every_path(path, shape, dtype, match):
     with on_path(path), pytest.raises(ValueError, match=match):
         torch.ops.coda.quantize_fp8_dual(torch.randn(*shape).bfloat16(), dtype)
+
+
+# -- the row-wise recipe's quantization: coda.quantize_fp8_rowwise -------------------------------------
+@pytest.mark.parametrize("rows", [True, False])
+def test_rowwise_quantize_kernel_builds_from_the_dual_one_without_block_amaxes(rows):
+    """The dual kernel's ``whole`` build: the same 16-byte loads and stores, no shuffles or
+    shared column amaxes (the amaxes are given), one barrier fewer, IEEE scales, no spills."""
+    from coda_cute.elementwise import QuantizeDualSpec
+
+    k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows, whole=True), keep_artifacts=True)
+    ptx = k.ptx
+    assert k.spec.name.startswith("quantize_rowwise_")
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "shfl.sync.bfly" not in ptx
+    assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("st.global.v4.b32") == 4
+    assert ptx.count("st.global.v2.b32") == (8 if rows else 0)
+    assert ptx.count("bar.sync") == 2 and ptx.count("ld.shared.v4.b32") == 4
+    assert "div.rn.f32" in ptx and "div.approx" not in ptx
+    assert spill_bytes(k) == 0
+
+
+def test_rowwise_op_on_the_reference_path_scales_whole_rows_and_columns():
+    x, seed = fresh(144, 264)
+    x = x.to(torch.bfloat16)
+    with coda_cute.reference_on_cpu():
+        q, s, qt, st = torch.ops.coda.quantize_fp8_rowwise(x, torch.float8_e5m2)
+    assert (q.shape, s.shape, qt.shape, st.shape) == ((144, 264), (144, 1), (264, 144), (264, 1)), seed
+    amax = x.float().abs()
+    torch.testing.assert_close(s[:, 0], amax.amax(1) / 57344.0, rtol=0, atol=0)
+    torch.testing.assert_close(st[:, 0], amax.amax(0) / 57344.0, rtol=0, atol=0)
+    for got, want, src in ((q, R.quantize_blocks_ref(x.float(), (1, 264), E5M2)[0], x),
+                           (qt, R.quantize_blocks_ref(x.float().t(), (1, 144), E5M2)[0], x.t())):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed
+    # every value within E5M2's rounding of its row's (column's) scale
+    err = (q.float() * s - x.float()).abs() / s
+    assert float(err.max()) <= 0.5 * 2 ** (math.floor(math.log2(57344.0)) - 2) + 1e-3, seed
+
+
+def test_rowwise_op_passes_opcheck_and_its_fake_matches():
+    x = torch.randn(64, 256).bfloat16()
+    with coda_cute.reference_on_cpu():
+        torch.library.opcheck(torch.ops.coda.quantize_fp8_rowwise.default, (x,),
+                              test_utils=("test_schema", "test_faketensor"))
+    with FakeTensorMode():
+        out = torch.ops.coda.quantize_fp8_rowwise(torch.empty(16384, 4096, dtype=torch.bfloat16, device="cuda"))
+    assert [tuple(t.shape) for t in out] == [(16384, 4096), (16384, 1), (4096, 16384), (4096, 1)]
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("shape, dtype, match", [
+    ((100, 64), torch.float8_e4m3fn, r"coda.quantize_fp8_rowwise: x's rows \(M = 100\) must be a multiple of 16"),
+    ((64, 60), torch.float8_e4m3fn, "K a multiple of 8"),
+    ((64, 64), torch.bfloat16, "dtype must be torch.float8_e4m3fn"),
+])
+def test_rowwise_op_rejects_bad_input_on_every_path(path, shape, dtype, match):
+    with on_path(path), pytest.raises(ValueError, match=match):
+        torch.ops.coda.quantize_fp8_rowwise(torch.randn(*shape).bfloat16(), dtype)

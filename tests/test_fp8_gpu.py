@@ -1,5 +1,6 @@
 """GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128,
-``quantize_weight``, the fold + 128 x 128, and ``quantize_dual``, 1 x 128 of x and of x^T) against the oracle
+``quantize_weight``, the fold + 128 x 128, ``quantize_dual``, 1 x 128 of x and of x^T, and
+``quantize_rowwise``, the row-wise recipe's whole rows and columns) against the oracle
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
 buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
@@ -144,3 +145,44 @@ def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, ro
         assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
     if not rows:
         assert bool(s.isnan().all())  # untouched
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("m, k", [(16, 8), (1008, 1000), (4096, 4096), (272, 136)])
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows, pow2):
+    """``quantize_rowwise`` (the row-wise recipe): x with one scale per whole row and x^T with one
+    per whole column of x, bit for bit against ``quantize_blocks_ref`` with blocks (1, K) and
+    (1, M); a zero row and column, an inf and a NaN (their rows and columns NaN-scaled), a row of
+    denormals (the floor scale); ragged tiles both ways. The kernel runs on NaN-poisoned outputs
+    (every value and scale written); the launcher, which finds the amaxes, gives the same."""
+    from coda_cute.compiler import get_kernel
+    from coda_cute.elementwise import QuantizeDualSpec, quantize_rowwise
+
+    x = _input(m, k, torch.bfloat16)
+    if m > 100:
+        x[3, :] = 0
+        x[:, 5] = 0
+        x[7, k - 1] = float("inf")
+        x[m - 2, 2] = float("nan")
+        x[9, :] = 0
+        x[9, 129] = -1e-39
+    poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # noqa: E731
+    q, qt = poison(m, k), poison(k, m)
+    s, st = (torch.full((n, 1), float("nan"), device="cuda") for n in (m, k))
+    amax = x.float().abs()
+    spec = QuantizeDualSpec("bfloat16", str(out_dtype)[6:], rows, pow2=pow2, whole=True)
+    get_kernel(spec).fn(x, q, s, qt, st, amax.amax(1), amax.amax(0))
+    launched = quantize_rowwise(x, out_dtype, rows, pow2)
+    for got, want in zip(launched, (q, s, qt, st) if rows else (None, None, qt, st)):
+        assert got is None and want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    checks = [(qt, st, x.float().t())] + ([(q, s, x.float())] if rows else [])
+    for got_q, got_s, src in checks:
+        want_q, want_s = R.quantize_blocks_ref(src.contiguous(), (1, src.shape[1]), out_dtype, pow2)
+        assert got_s.shape == want_s.shape == (src.shape[0], 1)
+        assert bool((torch.isnan(got_s) == torch.isnan(want_s)).all())
+        assert torch.equal(got_s[~torch.isnan(got_s)], want_s[~torch.isnan(want_s)])
+        nan = want_q.float().isnan()
+        assert bool((got_q.float().isnan() == nan).all())
+        assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])

@@ -55,6 +55,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     row_vec,
     rsqrt,
     scalar,
+    scale_acc,
     scalar_tensor,
     segment_reduce,
     sigmoid,

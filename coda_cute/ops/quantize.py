@@ -13,7 +13,9 @@ for the operands no GEMM epilogue quantizes:
 
 exactly ``coda_cute.reference.quantize_blocks_ref`` (bit for bit on the GPU). Returns (q, scales).
 ``coda.quantize_fp8_dual`` quantizes x along K and x^T along M in one pass (the weight
-gradient's operands, quantized along the tokens).
+gradient's operands, quantized along the tokens). ``coda.quantize_fp8_rowwise`` does the same in
+the row-wise recipe (``Fp8Recipe(scaling="row")``): one scale per whole row of x and one per whole
+column (the row-wise GEMM's ``scale_a`` / ``scale_b``).
 
 No autograd: the FP8 training ops quantize detached values and carry their own backward.
 """
@@ -25,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..elementwise import quantize_dual, quantize_rows, quantize_weight
+from ..elementwise import quantize_dual, quantize_rows, quantize_rowwise, quantize_weight
 from ..precision import block_scales_m_major
 from ..reference import quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
@@ -37,29 +39,30 @@ FP8_OUT = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUTS = {"1x128": (BF16, torch.float16), "128x128": (F32, BF16, torch.float16)}
 
 
-def check_quantize(x, block, gamma, dtype):
-    """The op's rules, on every path. Returns (rows, cols, scale grid shape)."""
+def check_quantize(x, block, gamma, dtype, op=OP):
+    """The op's rules, on every path (``op``: the name errors give). Returns (rows, cols, scale
+    grid shape)."""
     if block not in BLOCKS:
-        raise ValueError(f"{OP}: block must be one of {tuple(BLOCKS)}, got {block!r}")
+        raise ValueError(f"{op}: block must be one of {tuple(BLOCKS)}, got {block!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _INPUTS[block]:
-        raise ValueError(f"{OP}: x must be a 2-D tensor of {[str(t)[6:] for t in _INPUTS[block]]} for "
+        raise ValueError(f"{op}: x must be a 2-D tensor of {[str(t)[6:] for t in _INPUTS[block]]} for "
                          f"block {block}, got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{tuple(getattr(x, 'shape', ()))}")
     rows, cols = x.shape
     if cols % 8 or x.stride(1) != 1 or (rows > 1 and x.stride(0) * x.element_size() % 16):
-        raise ValueError(f"{OP}: x's rows must be contiguous and start on 16-byte boundaries with K a "
+        raise ValueError(f"{op}: x's rows must be contiguous and start on 16-byte boundaries with K a "
                          f"multiple of 8 (16-byte loads, 8-byte FP8 stores); got shape {tuple(x.shape)}, "
                          f"strides {tuple(x.stride())}")
     if dtype not in FP8_OUT:
-        raise ValueError(f"{OP}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        raise ValueError(f"{op}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if gamma is not None:
         if block != "128x128":
-            raise ValueError(f"{OP}: gamma (a folded RMSNorm weight) applies to weights, block 128x128")
+            raise ValueError(f"{op}: gamma (a folded RMSNorm weight) applies to weights, block 128x128")
         if gamma.dim() != 1 or gamma.shape[0] != cols or gamma.dtype not in _INPUTS["128x128"] \
                 or gamma.stride(0) != 1:
-            raise ValueError(f"{OP}: gamma must be a contiguous ({cols},) fp32 / bf16 / fp16 tensor "
+            raise ValueError(f"{op}: gamma must be a contiguous ({cols},) fp32 / bf16 / fp16 tensor "
                              f"(one per column of x), got {gamma.dtype} {tuple(gamma.shape)}")
-    check_same_device(OP, x=x, gamma=gamma)
+    check_same_device(op, x=x, gamma=gamma)
     br, bc = BLOCKS[block]
     return rows, cols, (-(-rows // br), -(-cols // bc))
 
@@ -105,12 +108,13 @@ def _cpu(x, block="1x128", gamma=None, dtype=torch.float8_e4m3fn, pow2_scales=Fa
 OP_DUAL = "coda.quantize_fp8_dual"
 
 
-def check_dual(x, dtype):
+def check_dual(x, dtype, op=OP_DUAL):
     """``coda.quantize_fp8_dual``'s rules (those of 1 x 128 blocks, and M a multiple of 16: the
-    rows of the transposed FP8 copy start on 16-byte boundaries). Returns (M, K)."""
-    m, k, _ = check_quantize(x, "1x128", None, dtype)
+    rows of the transposed FP8 copy start on 16-byte boundaries), also the row-wise op's. Returns
+    (M, K)."""
+    m, k, _ = check_quantize(x, "1x128", None, dtype, op)
     if m % 16:
-        raise ValueError(f"{OP_DUAL}: x's rows (M = {m}) must be a multiple of 16: the transposed FP8 "
+        raise ValueError(f"{op}: x's rows (M = {m}) must be a multiple of 16: the transposed FP8 "
                          "copy's rows start on 16-byte boundaries")
     return m, k
 
@@ -150,7 +154,45 @@ def _dual_fake(x, dtype=torch.float8_e4m3fn, pow2_scales=False):
             x.new_empty((k, m), dtype=dtype), block_scales_m_major(k, m, x.device))
 
 
+# == the row-wise recipe: one scale per whole row and per whole column ===============================
+OP_ROWWISE = "coda.quantize_fp8_rowwise"
+
+
+def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, pow2_scales: bool = False):
+    """(q, s, qt, st): x (M, K) in FP8 with one scale per whole row, s (M, 1), and x^T (K, M) with
+    one per whole column of x, st (K, 1): ``quantize_blocks_ref`` with blocks (1, K) and (1, M),
+    the operands of the row-wise GEMM (x @ B with ``scale_a=s``; a weight gradient x^T @ B over the
+    tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules; ``rows`` False: (None, None,
+    qt, st). The kernel on CUDA (``elementwise.quantize_rowwise``), the reference inside
+    ``reference_on_cpu``."""
+    m, k = check_dual(x, dtype, OP_ROWWISE)
+    if x.device.type == "cuda":
+        return quantize_rowwise(x, dtype, rows, pow2_scales)
+    dispatch.require_reference(OP_ROWWISE)
+    qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, m), dtype, pow2_scales)
+    if not rows:
+        return None, None, qt, st
+    return (*quantize_blocks_ref(x.float(), (1, k), dtype, pow2_scales), qt, st)
+
+
+@torch.library.custom_op("coda::quantize_fp8_rowwise", mutates_args=())
+def quantize_fp8_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, s, qt, st) of 16-bit ``x`` (M, K) in the row-wise recipe (:func:`quantize_rowwise_fp8`):
+    q (M, K) with s (M, 1), one fp32 scale per whole row; qt = x^T in FP8 (K, M) with st (K, 1),
+    one per whole column of x. ``pow2_scales``: scales rounded up to powers of two."""
+    return quantize_rowwise_fp8(x, dtype, pow2_scales=pow2_scales)
+
+
+@quantize_fp8_rowwise.register_fake
+def _rowwise_fake(x, dtype=torch.float8_e4m3fn, pow2_scales=False):
+    m, k = check_dual(x, dtype, OP_ROWWISE)
+    return (x.new_empty((m, k), dtype=dtype), x.new_empty((m, 1), dtype=F32),
+            x.new_empty((k, m), dtype=dtype), x.new_empty((k, 1), dtype=F32))
+
+
 # Python callers skip the dispatcher where nothing needs it (ops.eager): the FP8 sublayers quantize
 # their activations between GEMMs, several times a step
 quantize_fp8 = direct(quantize_fp8)
 quantize_fp8_dual = direct(quantize_fp8_dual)
+quantize_fp8_rowwise = direct(quantize_fp8_rowwise)

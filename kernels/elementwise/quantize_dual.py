@@ -10,6 +10,12 @@ gradient needs the second quantization; reading x once for both moves 2 bytes in
 element where a bf16 transpose plus two quantizations move 10. ``rows=False`` writes only qt, st
 (an operand whose row quantization exists already).
 
+``whole`` (the row-wise recipe, ``Fp8Recipe(scaling="row")``): one scale per whole row of x and
+one per whole column, from the given ``row_amax`` (M,) and ``col_amax`` (K,) (each the max of |x|
+over its row / column, found beforehand: no tile sees a whole row or column), with the same
+scale arithmetic; s is (M, 1) and st (K, 1), written by the CTAs of the first tile column and
+row. Exactly ``quantize_blocks_ref`` with blocks (1, K) of x and (1, M) of x^T.
+
 Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in three phases and three
 barriers. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
 the 8 columns ``8 j ..`` (one 16-byte load per row, zeros past the matrix, which add nothing to an
@@ -58,20 +64,31 @@ PAD = 8
 class QuantizeDual:
     """``q, s, qt, st`` of 16-bit ``x`` (M, K) in ``out_dtype`` (E4M3 / E5M2): q (M, K), s
     (M, ceil(K / 128)), qt (K, M), st (K, ceil(M / 128)); scales fp32 of any strides.
-    ``rows=False``: q and s are not written (pass them anyway, any tensors of those shapes)."""
+    ``rows=False``: q and s are not written (pass them anyway, any tensors of those shapes).
+    ``whole``: call :meth:`rowwise` with the amaxes; s (M, 1), st (K, 1)."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True, pow2: bool = False):
+    def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True, pow2: bool = False,
+                 whole: bool = False):
         self.dtype, self.out_dtype, self.fp8_max, self.rows = dtype, out_dtype, fp8_max, rows
-        self.pow2 = pow2
+        self.pow2, self.whole = pow2, whole
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
                  stream):
+        self._launch(x, q, s, qt, st, s, st, stream)  # no amaxes: s, st hold their places unread
+
+    @cute.jit
+    def rowwise(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
+                row_amax: cute.Tensor, col_amax: cute.Tensor, stream):
+        self._launch(x, q, s, qt, st, row_amax, col_amax, stream)
+
+    @cute.jit
+    def _launch(self, x, q, s, qt, st, row_amax, col_amax, stream):
         gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
         gq = cute.zipped_divide(q, (1, VEC))
         gqt = cute.zipped_divide(qt, (1, OUT_VEC))  # ((1, 16), (K, M / 16))
         m, k = x.shape
-        self.kernel(gx, gq, s, gqt, st, m, k).launch(
+        self.kernel(gx, gq, s, gqt, st, row_amax, col_amax, m, k).launch(
             grid=(cute.ceil_div(k, BLOCK), cute.ceil_div(m, BLOCK), 1),
             block=(THREADS, 1, 1),
             stream=stream,
@@ -79,7 +96,7 @@ class QuantizeDual:
 
     @cute.kernel
     def kernel(self, gx: cute.Tensor, gq: cute.Tensor, s: cute.Tensor, gqt: cute.Tensor, st: cute.Tensor,
-               m: Int32, k: Int32):
+               row_amax: cute.Tensor, col_amax: cute.Tensor, m: Int32, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         _, groups = gx.shape[1]
@@ -104,13 +121,19 @@ class QuantizeDual:
             if cutlass.const_expr(self.rows):
                 row = by * BLOCK + h + LANES * i
                 v = buf[(None, i)].load().to(Float32)
-                amax = abs_max(Float32(0.0), v, VEC)
-                for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
-                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+                if cutlass.const_expr(self.whole):  # rows past M read the last row's: never stored
+                    amax = row_amax[cutlass.select_(row < m, row, m - 1)]
+                else:
+                    amax = abs_max(Float32(0.0), v, VEC)
+                    for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
                 scale, inv = block_scale(amax, fmax, self.pow2)
                 if row < m and col < groups:
                     gq[(None, (row, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
-                    if j == 0:
+                    if cutlass.const_expr(self.whole):
+                        if j == 0 and bx == 0:
+                            s[(row, 0)] = scale
+                    elif j == 0:
                         s[(row, bx)] = scale
         cute.arch.sync_threads()
 
@@ -127,9 +150,10 @@ class QuantizeDual:
             pair.store(tile_p[(None, (quarter * QUARTER + e, p))].load())
             for i in cutlass.range_constexpr(2):
                 cols[i][e] = pair[i].to(Float32)
-        for i in cutlass.range_constexpr(2):
-            red[(quarter, 2 * p + i)] = abs_max(Float32(0.0), cols[i].load(), QUARTER)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(not self.whole):
+            for i in cutlass.range_constexpr(2):
+                red[(quarter, 2 * p + i)] = abs_max(Float32(0.0), cols[i].load(), QUARTER)
+            cute.arch.sync_threads()
         # the quantized columns go to shared memory as rows of qt's tile (each thread's 32 bytes
         # of a column contiguous): written from there, a warp's 16-byte stores cover whole
         # 128-byte rows of qt, where stored from the registers each lane's 16 bytes were half a
@@ -137,16 +161,22 @@ class QuantizeDual:
         qtile = cute.zipped_divide(qbuf, (1, OUT_VEC))  # ((1, 16), (columns of x, 16-value groups))
         for i in cutlass.range_constexpr(2):
             c = 2 * p + i
-            amax = red[(0, c)]
-            for o in cutlass.range_constexpr(1, THREADS // PAIRS):
-                amax = cute.arch.fmax(amax, red[(o, c)], nan=True)
+            kk = bx * BLOCK + c
+            if cutlass.const_expr(self.whole):  # columns past K read the last one's: never stored
+                amax = col_amax[cutlass.select_(kk < k, kk, k - 1)]
+            else:
+                amax = red[(0, c)]
+                for o in cutlass.range_constexpr(1, THREADS // PAIRS):
+                    amax = cute.arch.fmax(amax, red[(o, c)], nan=True)
             scale, inv = block_scale(amax, fmax, self.pow2)
             out = cute.make_rmem_tensor(cute.make_layout(((1, OUT_VEC), QUARTER // OUT_VEC)), self.out_dtype)
             out.store(quantize(cols[i].load(), inv, QUARTER).to(self.out_dtype))
             for u in cutlass.range_constexpr(QUARTER // OUT_VEC):
                 qtile[(None, (c, quarter * (QUARTER // OUT_VEC) + u))].store(out[(None, u)].load())
-            kk = bx * BLOCK + c
-            if quarter == 0 and kk < k:
+            if cutlass.const_expr(self.whole):
+                if quarter == 0 and kk < k and by == 0:
+                    st[(kk, 0)] = scale
+            elif quarter == 0 and kk < k:
                 st[(kk, by)] = scale
         cute.arch.sync_threads()
 

@@ -49,6 +49,7 @@ runtime inputs), which kernels are cached by.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -717,6 +718,36 @@ def segment_reduce(x: Node, op: str, width: int) -> Node:
         f = Unary("to_float", f) if f.dtype == "int32" else f
         out = out * (f * f if op == "sumsq" else f)
     return out
+
+
+def scale_acc(tree: Epilogue, row: str, col: str) -> Epilogue:
+    """``tree`` with every ``acc()`` read as ``acc() * col_vec(col) * row_vec(row)``: the same
+    epilogue on a GEMM whose operands carry one scale per row of A and one per column of B (an
+    FP8 recipe's row-wise scaling, applied once to the fp32 accumulator). A segment reduction of
+    the scaled accumulator keeps the row scale outside its sum (:func:`segment_reduce`)."""
+    scaled = Acc() * ColVec(col) * RowVec(row)
+    memo: dict = {}
+
+    def rebuild(n: Node) -> Node:
+        if isinstance(n, Acc):
+            return scaled
+        if id(n) not in memo:
+            if isinstance(n, SegmentReduce):
+                memo[id(n)] = segment_reduce(rebuild(n.children[0]), n.op, n.width)
+            elif n.children:
+                out = copy.copy(n)
+                out.children = tuple(rebuild(c) for c in n.children)
+                memo[id(n)] = out
+            else:  # other leaves; a pairwise body reads no accumulator (Pairwise checks)
+                memo[id(n)] = n
+        return memo[id(n)]
+
+    sinks = []
+    for sink in tree.sinks:
+        out = copy.copy(sink)
+        out.x = rebuild(sink.x)
+        sinks.append(out)
+    return Epilogue(*sinks)
 
 
 def is_row_uniform(node: Node) -> bool:
