@@ -154,16 +154,19 @@ def embedding_backward(dx: torch.Tensor, order: torch.Tensor, starts: torch.Tens
 @dataclass(frozen=True)
 class QuantizeRowsSpec:
     """1 x 128 block quantization to FP8 (``kernels.elementwise.quantize_rows``): a 16-bit input
-    dtype, an FP8 output dtype, and whether the scales are powers of two."""
+    dtype, an FP8 output dtype, and whether the scales are powers of two; ``whole``: the row-wise
+    recipe's, one scale per whole row, from given amaxes."""
 
     dtype: str
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
     pow2: bool = False
+    whole: bool = False
 
     @property
     def name(self) -> str:
-        return f"quantize_rows_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
+        part = "rowwise_rows" if self.whole else "rows"
+        return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
 
     def build(self):
         import cutlass.cute as cute
@@ -173,11 +176,13 @@ class QuantizeRowsSpec:
 
         m, k = cute.sym_int(), cute.sym_int()
         fp8_max = FP8_MAX[getattr(torch, self.out_dtype)]
-        return QuantizeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.pow2), (
-            _fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
-            _fake(self.out_dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
-            _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64())),
-        )
+        kernel = QuantizeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.pow2, self.whole)
+        args = (_fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+                _fake(self.out_dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
+                _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64())))
+        if not self.whole:
+            return kernel, args
+        return kernel.rowwise, args + (_fake("float32", (cute.sym_int(),), (1,)),)
 
 
 def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.Tensor | None = None,
@@ -262,27 +267,34 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
 
-def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, pow2: bool = False):
-    """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 and M of 16, in the row-wise
-    recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1) one per whole
-    column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M)); ``rows`` False:
-    (None, None, qt, st). The amaxes are torch's ∞-norm reductions (one read of x each; the max
-    is exact in x's dtype), the quantization one pass of ``QuantizeDual(whole=True)``."""
+def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
+                     pow2: bool = False):
+    """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 (and M of 16 with ``cols``), in
+    the row-wise recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1)
+    one per whole column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M));
+    ``rows`` / ``cols`` False: None for that pair. The amaxes are torch's inf-norm reductions
+    (one read of x each; the max is exact in x's dtype), the quantization one pass of
+    ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)."""
     from . import dispatch
 
+    if not (rows or cols):
+        raise ValueError("quantize_rowwise: ask for the rows, the columns or both")
     m, k = x.shape
-    col_amax = torch.linalg.vector_norm(x, float("inf"), dim=0).float()
-    qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
-    st = torch.empty((k, 1), dtype=torch.float32, device=x.device)
+    dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
+    arch = dispatch.arch_of(x.device)
     if rows:
         row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float()
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    else:  # placeholders: the kernel reads and writes none of them
+    if not cols:
+        get_kernel(QuantizeRowsSpec(*dtypes, arch, pow2, whole=True)).fn(x, q, s, row_amax)
+        return q, s, None, None
+    col_amax = torch.linalg.vector_norm(x, float("inf"), dim=0).float()
+    qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
+    st = torch.empty((k, 1), dtype=torch.float32, device=x.device)
+    if not rows:  # placeholders: the kernel reads and writes none of them
         q, s, row_amax = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1], col_amax[:1]
-    spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
-                            dispatch.arch_of(x.device), pow2, whole=True)
-    get_kernel(spec).fn(x, q, s, qt, st, row_amax, col_amax)
+    get_kernel(QuantizeDualSpec(*dtypes, rows, arch, pow2, whole=True)).fn(x, q, s, qt, st, row_amax, col_amax)
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
 

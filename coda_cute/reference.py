@@ -468,14 +468,16 @@ def fp8_roundtrip_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float
     return dequantize_blocks_ref(*quantize_blocks_ref(x.float(), block, dtype, pow2_scales), block)
 
 
-def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int, pow2_scales: bool = False):
+def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int, pow2_scales: bool = False,
+                      row: bool = False):
     """``coda.mlp_block_fp8``'s forward: ``coda.mlp_block``'s math on the FP8 operands (y and h
-    in 1 x 128 blocks, the weights in 128 x 128; ``pow2_scales``: scales powers of two), products
-    in fp32, h rounded to bf16 before it is quantized. Returns (y2, ss2, z) in y's dtype."""
+    in 1 x 128 blocks, the weights in 128 x 128; ``row``: every operand with one scale per whole
+    row along K, the row-wise recipe; ``pow2_scales``: scales powers of two), products in fp32, h
+    rounded to bf16 before it is quantized. Returns (y2, ss2, z) in y's dtype."""
     act, wgt = (1, 128), (128, 128)
 
     def rt(t, block):
-        return fp8_roundtrip_ref(t, block, pow2_scales=pow2_scales)
+        return fp8_roundtrip_ref(t, (1, t.shape[-1]) if row else block, pow2_scales=pow2_scales)
 
     z = rms_rstd_ref(ss, y.shape[-1], eps).unsqueeze(-1) * (rt(y, act) @ rt(w_gu, wgt).T)
     h = (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]).to(y.dtype)

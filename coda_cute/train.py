@@ -29,7 +29,7 @@ cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
 * ``coda``: ``apply_coda`` on a copy of the same initial weights;
 * ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the decoder layers'
   GEMMs in block-scaled FP8 (``--fp8-lm-head``: the LM head's too; ``--pow2-scales``: power-of-two
-  scales), against the bf16 ``coda``
+  scales; ``--row-scaling``: the row-wise recipe instead), against the bf16 ``coda``
   run on the same data.
 
 Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
@@ -89,6 +89,7 @@ class TrainConfig:
     precision: str = "bf16"
     fp8_lm_head: bool = False  # with precision "fp8": the coda_fp8 run's LM head in FP8 too
     pow2_scales: bool = False  # with precision "fp8": the coda_fp8 run's scales powers of two
+    row_scaling: bool = False  # with precision "fp8": the coda_fp8 run in the row-wise recipe
     world: int = 1  # ranks; micro_batch is per rank
 
     @property
@@ -379,6 +380,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pow2-scales", action="store_true",
                    help="with --precision fp8: the coda_fp8 run's scales rounded up to powers of two "
                         "(Fp8Recipe(pow2_scales=True))")
+    p.add_argument("--row-scaling", action="store_true",
+                   help="with --precision fp8: the coda_fp8 run in the row-wise recipe, one scale per whole "
+                        "row along K of every GEMM operand (Fp8Recipe(scaling='row'))")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
@@ -403,12 +407,16 @@ def run(args) -> int:
     cfg = TINY if args.tiny else TrainConfig()
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
-    for flag in ("fp8_lm_head", "pow2_scales"):
+    for flag in ("fp8_lm_head", "pow2_scales", "row_scaling"):
         if getattr(args, flag) and args.precision != "fp8":
             console.print(f"[red]coda-cute train: --{flag.replace('_', '-')} goes with --precision fp8[/]")
             return 2
+    if args.fp8_lm_head and args.row_scaling:
+        console.print("[red]coda-cute train: the FP8 LM head runs the block recipe; drop --fp8-lm-head or "
+                      "--row-scaling[/]")
+        return 2
     cfg = replace(cfg, precision=args.precision, fp8_lm_head=args.fp8_lm_head, pow2_scales=args.pow2_scales,
-                  world=ranks.world,
+                  row_scaling=args.row_scaling, world=ranks.world,
                   micro_batch=args.micro_batch or cfg.micro_batch, accum=args.accum or cfg.accum)
     if args.cuda_graphs and (args.tiny or ranks.mode):
         console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU and one process; "
@@ -444,7 +452,8 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     runs = [("hf", cfg.data_seed, None)] + ([] if args.no_spread else [("hf_seed2", cfg.data_seed + 1, None)])
     runs.append(("coda", cfg.data_seed, "bf16"))
     if cfg.precision == "fp8":
-        runs.append(("coda_fp8", cfg.data_seed, Fp8Recipe(lm_head_fp8=cfg.fp8_lm_head, pow2_scales=cfg.pow2_scales)))
+        runs.append(("coda_fp8", cfg.data_seed, Fp8Recipe(scaling="row" if cfg.row_scaling else "block",
+                                                          lm_head_fp8=cfg.fp8_lm_head, pow2_scales=cfg.pow2_scales)))
     results = []
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -463,7 +472,8 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
                 torch.cuda.empty_cache()
     if not ranks.main:
         return 0
-    head = (" (LM head too)" if cfg.fp8_lm_head else "") + (", power-of-two scales" if cfg.pow2_scales else "")
+    head = ((" (LM head too)" if cfg.fp8_lm_head else "") + (", power-of-two scales" if cfg.pow2_scales else "")
+            + (", row-wise scales" if cfg.row_scaling else ""))
     t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}{head}{spread}")
     for col in ("run", "tokens/s", "step ms", "peak GiB", "train loss", "val loss"):
         t.add_column(col, justify="left" if col == "run" else "right")

@@ -3,7 +3,9 @@
 float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, and the prototype
 block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
-with it on (h^T and dz' quantized in the GEMMs that produce them), timed in the same turns.
+with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
+second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
+FP8 kernel), timed in the same turns.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -26,6 +28,7 @@ fit in one call's 64 MiB): the shadow is timed in both runs, so each run's ratio
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
         fns["coda fp8, quantize fused"] = with_fused_quant(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
                                                                      w_down, dy2))
+        fns["coda fp8 row-wise"] = coda_step(functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True),
+                                             y, ss, w_gu, w_down, dy2)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     fns.update(torchao_steps(y, dy2, d, f, console))
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
@@ -278,7 +283,7 @@ def main(argv=None) -> int:
                   f"{alone[name][1]:.3f}")
     console.print(t)
     if args.profile:
-        for name in ("coda fp8", "coda fp8, quantize fused"):
+        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise"):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows = quantize_bytes(m, d, f)

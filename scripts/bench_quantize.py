@@ -8,8 +8,11 @@ timed in the same turns (CUDA-event medians, L2 flushed, ``sol.timing.interleave
 
 Kernels: ``quantize_rows`` (1 x 128 along the rows: y, h, the attention output for the forward),
 ``quantize_dual`` (both layouts: the gradients dy2 and dz'), ``quantize_dual(rows=False)`` (the
-transposed layout alone: h, y along the tokens for the weight gradients). Shapes: the Llama-3-8B
-MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
+transposed layout alone: h, y along the tokens for the weight gradients), and the row-wise recipe's
+``quantize_rowwise`` (both layouts, columns alone, rows alone: one scale per whole row or column,
+its time including the launcher's amax reductions, which read x once more per layout; the bytes
+counted are the kernel's own). Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336,
+2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
 """
@@ -24,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coda_cute.elementwise import quantize_dual, quantize_rows
+from coda_cute.elementwise import quantize_dual, quantize_rows, quantize_rowwise
 from coda_cute.sol.timing import interleaved_medians
 
 FP8 = torch.float8_e4m3fn
@@ -32,11 +35,12 @@ SHAPES = [(16384, 4096), (16384, 14336), (16384, 28672), (12304, 5000)]
 TARGET = 0.85
 
 
-def moved_bytes(m: int, k: int, rows: bool, cols: bool) -> int:
+def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> int:
     """The input read once (2 bytes an element), then per layout its FP8 values and fp32 scales:
-    along the rows m x ceil(k / 128) of them, along the columns k x ceil(m / 128)."""
-    return (2 * m * k + rows * (m * k + 4 * m * -(-k // 128))
-            + cols * (m * k + 4 * k * -(-m // 128)))
+    along the rows m x ceil(k / 128) of them, along the columns k x ceil(m / 128) (``whole``: the
+    row-wise recipe's m and k)."""
+    row_scales, col_scales = (m, k) if whole else (m * -(-k // 128), k * -(-m // 128))
+    return 2 * m * k + rows * (m * k + 4 * row_scales) + cols * (m * k + 4 * col_scales)
 
 
 def main(argv=None) -> int:
@@ -57,7 +61,10 @@ def main(argv=None) -> int:
         dst = torch.empty_like(x)
         kernels = {"quantize_rows": (lambda: quantize_rows(x, FP8), (True, False)),
                    "quantize_dual": (lambda: quantize_dual(x, FP8), (True, True)),
-                   "quantize_dual(rows=False)": (lambda: quantize_dual(x, FP8, rows=False), (False, True))}
+                   "quantize_dual(rows=False)": (lambda: quantize_dual(x, FP8, rows=False), (False, True)),
+                   "quantize_rowwise": (lambda: quantize_rowwise(x, FP8), (True, True, True)),
+                   "quantize_rowwise(rows=False)": (lambda: quantize_rowwise(x, FP8, rows=False), (False, True, True)),
+                   "quantize_rowwise(cols=False)": (lambda: quantize_rowwise(x, FP8, cols=False), (True, False, True))}
         fns = {"copy": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in kernels.items()}}
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
         copy_tbs = 2 * 2 * m * k / ms["copy"] / 1e9

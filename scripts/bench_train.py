@@ -17,6 +17,7 @@ every variant runs on the same weights:
               computes the same loss as HF (checked at start-up: both printed, ~1e-2 relative)
   coda_fp8    (``--fp8``) the same model with precision="fp8": the decoder layers' GEMMs in
               block-scaled FP8 (coda.attention_block_fp8, coda.mlp_block_fp8), the LM head bf16
+  coda_fp8_row  (``--fp8-row``) the same in the row-wise recipe, Fp8Recipe(scaling="row")
   hf_eager    LlamaForCausalLM(input_ids, labels=labels).loss.backward()
   hf_compile  torch.compile(hf_model) (default mode) of the same; compiled before timing
   liger       a second HF instance (a deep copy, same weights) patched by Liger-Kernel's
@@ -122,8 +123,8 @@ ENERGY_RUN_MS = 2500
 
 SHADOW_KEYS = ("shadow_ms", "shadow_gemm_ms", "shadow_attention_ms", "shadow_chain_ms", "attention_ms",
                "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio", "gemm_flops")
-VARIANTS = ("coda", "coda_fp8", "hf_eager", "hf_compile", "liger")
-BASELINES = VARIANTS[2:]
+VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "hf_eager", "hf_compile", "liger")
+BASELINES = VARIANTS[3:]
 
 out_console = Console(width=180)
 
@@ -173,17 +174,21 @@ def run_config(spec: ModelSpec, args, device) -> dict:
         steps["coda"] = (coda_step(coda, ids, targets, coda_params), coda_params)
     except Exception as exc:  # noqa: BLE001
         report_failure("coda: build", exc, errors, "coda")
-    if args.fp8:
-        say("building the CODA model in FP8")
+    for name, wanted, scaling in (("coda_fp8", args.fp8, "block"), ("coda_fp8_row", args.fp8_row, "row")):
+        if not wanted:
+            continue
+        say(f"building the CODA model in FP8 ({scaling} scaling)")
         try:
             if CODA_IMPORT_ERROR:
                 raise RuntimeError(CODA_IMPORT_ERROR)
-            fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision="fp8"), hf_model.state_dict(), device=device)
+            from coda_cute.precision import Fp8Recipe
+            fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision=Fp8Recipe(scaling=scaling)), hf_model.state_dict(),
+                                    device=device)
             fp8.train()
             fp8_params = list(fp8.parameters())
-            steps["coda_fp8"] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
+            steps[name] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
         except Exception as exc:  # noqa: BLE001
-            report_failure("coda_fp8: build", exc, errors, "coda_fp8")
+            report_failure(f"{name}: build", exc, errors, name)
 
     if not args.no_compile and not smoke:
         say("torch.compile(hf_model)")
@@ -394,6 +399,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-liger", action="store_true", help="skip the Liger-Kernel baseline")
     ap.add_argument("--fp8", action="store_true", help="also time CodaLlama with precision='fp8' (coda_fp8)")
+    ap.add_argument("--fp8-row", action="store_true",
+                    help="also time CodaLlama in the row-wise FP8 recipe, Fp8Recipe(scaling='row') (coda_fp8_row)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
     ap.add_argument("--json", help="write the records (one per config) to this path")

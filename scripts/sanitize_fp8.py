@@ -2,15 +2,17 @@
 
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_fp8.py
 
-The three quantizers (1 x 128 rows, the weight fold + 128 x 128 with its transpose, both 1 x 128
-quantizations of a gradient in one pass, E4M3 and E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and
-backward: the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the
-weight-gradient form) and the FP8 LM head, on a token count that is no multiple of the tiles.
+The quantizers (1 x 128 rows, the weight fold + 128 x 128 with its transpose, both 1 x 128
+quantizations of a gradient in one pass, the row-wise recipe's whole rows and columns, E4M3 and
+E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and backward in each recipe:
+the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the weight-gradient form)
+and the FP8 LM head, then their row-wise GEMMs (the scales on the accumulator), on a token count
+that is no multiple of the tiles.
 """
 
 import torch
 
-from coda_cute.elementwise import quantize_dual, quantize_rows, quantize_weight
+from coda_cute.elementwise import quantize_dual, quantize_rows, quantize_rowwise, quantize_weight
 
 
 def main():
@@ -21,16 +23,20 @@ def main():
             quantize_rows(x, dtype, pow2=pow2)
             quantize_dual(x[:320], dtype, pow2=pow2)
             quantize_dual(x[:320], dtype, rows=False, pow2=pow2)
+            quantize_rowwise(x[:320], dtype, pow2=pow2)
+            quantize_rowwise(x[:320], dtype, rows=False, pow2=pow2)
+            quantize_rowwise(x, dtype, cols=False, pow2=pow2)
     for pow2 in (False, True):
         quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
                         transposed=True, pow2=pow2)
     from coda_cute.nn import CodaLlama, LlamaConfig
     from coda_cute.precision import Fp8Recipe
 
-    cfg = LlamaConfig(256, 1, 4, 2, 384, 1008, head_dim=64, qk_norm=True, precision=Fp8Recipe(lm_head_fp8=True))
-    model = CodaLlama(cfg, device="cuda")
     tokens = torch.randint(0, 1008, (3, 112), device="cuda")  # 336 tokens: a multiple of 16, not of 128
-    model(tokens, torch.roll(tokens, -1, 1)).backward()
+    for recipe in (Fp8Recipe(lm_head_fp8=True), Fp8Recipe(scaling="row")):
+        cfg = LlamaConfig(256, 1, 4, 2, 384, 1008, head_dim=64, qk_norm=True, precision=recipe)
+        model = CodaLlama(cfg, device="cuda")
+        model(tokens, torch.roll(tokens, -1, 1)).backward()
     torch.cuda.synchronize()
     print("sanitize_fp8: every FP8 kernel ran")
 

@@ -1,16 +1,17 @@
 """CPU tests of ``torch.ops.coda.attention_block_fp8`` (the attention sublayer with its projection
-GEMMs in block-scaled FP8): the reference path's output and gradients next to the bf16 op's
-against float64 autograd through the references, with and without QK-norm; the
-fake implementation; bad input on every path; the block-scaled QKV kernels (RoPE, QK-norm in the
-epilogue) built for sm_90a without spills."""
+GEMMs in FP8, block-scaled or row-wise): the reference path's output and gradients next to the
+bf16 op's against float64 autograd through the references, with and without QK-norm; the
+fake implementation; bad input on every path; the QKV kernels (RoPE, QK-norm in the epilogue)
+of both recipes built for sm_90a without spills."""
 
 import pytest
 import torch
 
 import coda_cute
 from coda_cute import reference as R
-from coda_cute.epilogue.runner import ranked_configs, spills
+from coda_cute.epilogue.runner import choose_config, spills
 from coda_cute.nn.llama import embedding_norm_stats
+from coda_cute.ops.fp8_gemms import row_scaled
 from coda_cute.ops.qkv import norm_rope_qkv_tree
 from helpers import on_path, rel_err
 
@@ -56,12 +57,16 @@ def _exact(args, dy):
     return y.detach().view(x.shape), x.grad, w_qkv.grad, w_o.grad
 
 
+RECIPES = pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"])
+
+
+@RECIPES
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_output_and_gradients_next_to_the_bf16_op(qk_norm):
+def test_output_and_gradients_next_to_the_bf16_op(qk_norm, row):
     args = _args(1, qk_norm)
     dy = torch.randn(B, S, D, generator=torch.Generator().manual_seed(2)).bfloat16()
     exact = _exact(args, dy)
-    fp8 = _run(torch.ops.coda.attention_block_fp8, args, dy)
+    fp8 = _run(torch.ops.coda.attention_block_fp8, args, dy, row_scaling=row)
     bf16 = _run(torch.ops.coda.attention_block, args, dy)
     x = args[0].double()
     for i, name in enumerate(("y - x", "dx", "dw_qkv", "dw_o")):
@@ -71,15 +76,16 @@ def test_output_and_gradients_next_to_the_bf16_op(qk_norm):
         assert e16 < e8 < 0.1, (name, e8, e16)
 
 
-def test_fake_outputs_are_the_cpu_outputs():
+@RECIPES
+def test_fake_outputs_are_the_cpu_outputs(row):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args = _args(3, qk_norm=True)
     with coda_cute.reference_on_cpu():
-        real = torch.ops.coda.attention_block_fp8(*args)
+        real = torch.ops.coda.attention_block_fp8(*args, row_scaling=row)
     with FakeTensorMode() as mode:
         fake = torch.ops.coda.attention_block_fp8(
-            *(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
+            *(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args), row_scaling=row)
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
 
 
@@ -94,10 +100,14 @@ def test_bad_input_is_refused_on_every_path(path, over, match):
         torch.ops.coda.attention_block_fp8(*args)
 
 
+@RECIPES
 @pytest.mark.parametrize("head_dim, qk_norm", [(64, False), (128, True)], ids=["hd64", "hd128-qk_norm"])
-def test_block_scaled_qkv_kernels_build_without_spills(head_dim, qk_norm):
+def test_qkv_kernels_build_without_spills(head_dim, qk_norm, row):
+    """Block-scaled, or the row-wise recipe's tree (the scales on the accumulator) on the plain
+    FP8 kernel: the config the runner picks (the first of its ranking that builds without spills)."""
     n_heads, n_kv = 4096 // head_dim, 8
     tree = norm_rope_qkv_tree((n_heads + n_kv) * head_dim, head_dim, qk_norm, qk_norm)
-    cfg = ranked_configs(tree, 16384, (n_heads + 2 * n_kv) * head_dim, 4096, 1, True, False, 132,
-                         block_scaled=True)[0]
-    assert not spills(tree, cfg, True, 132, block_scaled=True)
+    tree = row_scaled(tree) if row else tree
+    cfg = choose_config(tree, 16384, (n_heads + 2 * n_kv) * head_dim, 4096, 1, True, False, 132,
+                        block_scaled=not row)
+    assert not spills(tree, cfg, True, 132, block_scaled=not row)

@@ -28,6 +28,7 @@ from coda_cute.ops import qkv as QK
 from coda_cute.ops import residual as RS
 from coda_cute.ops import swiglu as SW
 from coda_cute.ops.rmsnorm import norm_inputs
+from coda_cute.precision import Fp8Recipe
 from coda_block_helpers import block_errors, hf_block, model_state_dict, plain_model_loss, print_ratios, rand
 from helpers import rel_err
 
@@ -525,7 +526,7 @@ def test_from_hf_names_the_missing_or_unknown_key():
     CodaLlama.from_hf(c, buffers)  # HF's old rotary buffers carry no weight
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", Fp8Recipe(scaling="row")], ids=["bf16", "fp8", "fp8-row"])
 def test_compiled_training_step_traces_every_op_and_matches_eager(precision):
     """torch.compile(fullgraph=True) of a whole CodaLlama step (forward + loss.backward(), the
     autograd ops traced) on the reference path (``aot_eager``: every op's fake implementation and

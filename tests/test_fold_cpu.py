@@ -263,7 +263,7 @@ def test_weight_quant_cache_keeps_one_quantization_per_version(monkeypatch):
     from coda_cute.ops.fp8_gemms import weight
 
     calls = []
-    monkeypatch.setattr(F, "weight", lambda w, pow2: calls.append(pow2) or weight(w, pow2))
+    monkeypatch.setattr(F, "weight", lambda w, pow2, row: calls.append(pow2) or weight(w, pow2, row))
     w = torch.randn(160, 144).bfloat16().requires_grad_()
     cache = F.WeightQuantCache(enabled=True)
     with coda_cute.reference_on_cpu():
@@ -281,21 +281,25 @@ def test_weight_quant_cache_keeps_one_quantization_per_version(monkeypatch):
         twin = w.detach().clone().requires_grad_()  # same values, another tensor: quantized anew
         cache(twin, True)
         assert len(calls) == 4
+        row = cache(twin, True, True)  # so is the recipe's scaling
+        assert len(calls) == 5 and row[1].shape == (160 + 144, 1)
     assert F.WeightQuantCache(enabled=False)(w, False) is None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert cache(twin, True) is None
     assert copy.deepcopy(cache).value is None and pickle.loads(pickle.dumps(cache)).enabled
 
 
-def test_fp8_model_with_cached_weights_trains_like_the_uncached_one():
+@pytest.mark.parametrize("scaling", ["block", "row"])
+def test_fp8_model_with_cached_weights_trains_like_the_uncached_one(scaling):
     """CodaLlama(precision="fp8", cache_folds=True): the layers' FP8 weights quantized once and
     reused by the next micro-batch (same objects), the loss and every gradient equal to the
-    model quantizing on each forward, and an in-place weight update re-quantizes."""
+    model quantizing on each forward, and an in-place weight update re-quantizes; both recipes."""
     import coda_cute
+    from coda_cute.precision import Fp8Recipe
 
     torch.manual_seed(0)
     cfg = LlamaConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=32,
-                      precision="fp8")
+                      precision=Fp8Recipe(scaling=scaling))
     plain = CodaLlama(cfg, device="cpu")
     cached = CodaLlama(cfg, device="cpu", cache_folds=True)
     cached.load_state_dict(plain.state_dict())

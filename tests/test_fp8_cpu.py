@@ -287,28 +287,34 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
     assert spill_bytes(k) == 0
 
 
-def test_dual_op_on_the_reference_path_is_both_quantizations():
-    x, _ = fresh(144, 264)
+@pytest.mark.parametrize("op", ["quantize_fp8_dual", "quantize_fp8_rowwise"])
+def test_dual_ops_on_the_reference_path_are_both_quantizations(op):
+    """x along K and x^T along M: 1 x 128 blocks, or the row-wise recipe's whole rows (1, K) and
+    whole columns (1, M)."""
+    x, seed = fresh(144, 264)
     x = x.to(torch.bfloat16)
     with coda_cute.reference_on_cpu():
-        q, s, qt, st = torch.ops.coda.quantize_fp8_dual(x, torch.float8_e5m2)
-    want_q, want_s = R.quantize_blocks_ref(x.float(), (1, 128), torch.float8_e5m2)
-    want_qt, want_st = R.quantize_blocks_ref(x.float().t(), (1, 128), torch.float8_e5m2)
-    assert qt.is_contiguous() and qt.shape == (264, 144) and st.shape == (264, 2)
+        q, s, qt, st = getattr(torch.ops.coda, op)(x, E5M2)
+    row = op.endswith("rowwise")
+    want_q, want_s = R.quantize_blocks_ref(x.float(), (1, 264 if row else 128), E5M2)
+    want_qt, want_st = R.quantize_blocks_ref(x.float().t(), (1, 144 if row else 128), E5M2)
+    assert qt.is_contiguous() and qt.shape == (264, 144) and st.shape == ((264, 1) if row else (264, 2))
     for got, want in ((q, want_q), (qt, want_qt)):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(s, want_s) and torch.equal(st, want_st)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed
+    assert torch.equal(s, want_s) and torch.equal(st, want_st), seed
 
 
+@pytest.mark.parametrize("op", ["quantize_fp8_dual", "quantize_fp8_rowwise"])
 @pytest.mark.parametrize("path", ["cpu", "fake"])
 @pytest.mark.parametrize("shape, dtype, match", [
     ((100, 64), torch.float8_e4m3fn, r"rows \(M = 100\) must be a multiple of 16"),
     ((64, 60), torch.float8_e4m3fn, "K a multiple of 8"),
     ((64, 64), torch.bfloat16, "dtype must be torch.float8_e4m3fn"),
 ])
-def test_dual_op_rejects_bad_input_on_every_path(path, shape, dtype, match):
-    with on_path(path), pytest.raises(ValueError, match=match):
-        torch.ops.coda.quantize_fp8_dual(torch.randn(*shape).bfloat16(), dtype)
+def test_dual_ops_reject_bad_input_on_every_path(op, path, shape, dtype, match):
+    """The dual quantizer's rules, also the row-wise one's, each naming its op."""
+    with on_path(path), pytest.raises(ValueError, match=rf"coda\.{op}: .*{match}"):
+        getattr(torch.ops.coda, op)(torch.randn(*shape).bfloat16(), dtype)
 
 
 # -- the row-wise recipe's quantization: coda.quantize_fp8_rowwise -------------------------------------
@@ -329,21 +335,29 @@ def test_rowwise_quantize_kernel_builds_from_the_dual_one_without_block_amaxes(r
     assert spill_bytes(k) == 0
 
 
-def test_rowwise_op_on_the_reference_path_scales_whole_rows_and_columns():
+def test_rowwise_rows_kernel_builds_from_the_1x128_one_without_the_butterfly():
+    """The 1 x 128 kernel's ``whole`` build (the rows alone: the forward's activations): its
+    loads and stores, no shuffles, no spills."""
+    plain, whole = (compile_elementwise(QuantizeRowsSpec("bfloat16", whole=w), keep_artifacts=True)
+                    for w in (False, True))
+    assert whole.spec.name == plain.spec.name.replace("quantize_rows", "quantize_rowwise_rows")
+    for op in ("ld.global.v4.b32", "st.global.v2.b32", "cvt.rn.satfinite.e4m3x2.f32"):
+        assert whole.ptx.count(op) == plain.ptx.count(op) > 0, op
+    assert "shfl.sync.bfly" in plain.ptx and "shfl.sync.bfly" not in whole.ptx
+    assert spill_bytes(whole) == 0
+
+
+def test_rowwise_scales_are_the_row_and_column_amaxes_and_the_rows_come_alone():
     x, seed = fresh(144, 264)
     x = x.to(torch.bfloat16)
+    from coda_cute.ops.quantize import quantize_rowwise_fp8
     with coda_cute.reference_on_cpu():
-        q, s, qt, st = torch.ops.coda.quantize_fp8_rowwise(x, torch.float8_e5m2)
-    assert (q.shape, s.shape, qt.shape, st.shape) == ((144, 264), (144, 1), (264, 144), (264, 1)), seed
+        q, s, qt, st = quantize_rowwise_fp8(x, E5M2)
+        rows_only = quantize_rowwise_fp8(x[:100], E5M2, cols=False)  # M no multiple of 16: rows alone
     amax = x.float().abs()
-    torch.testing.assert_close(s[:, 0], amax.amax(1) / 57344.0, rtol=0, atol=0)
-    torch.testing.assert_close(st[:, 0], amax.amax(0) / 57344.0, rtol=0, atol=0)
-    for got, want, src in ((q, R.quantize_blocks_ref(x.float(), (1, 264), E5M2)[0], x),
-                           (qt, R.quantize_blocks_ref(x.float().t(), (1, 144), E5M2)[0], x.t())):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), seed
-    # every value within E5M2's rounding of its row's (column's) scale
-    err = (q.float() * s - x.float()).abs() / s
-    assert float(err.max()) <= 0.5 * 2 ** (math.floor(math.log2(57344.0)) - 2) + 1e-3, seed
+    assert torch.equal(s[:, 0], amax.amax(1) / 57344.0) and torch.equal(st[:, 0], amax.amax(0) / 57344.0), seed
+    assert rows_only[2:] == (None, None) and torch.equal(rows_only[1], s[:100])
+    assert torch.equal(rows_only[0].view(torch.uint8), q[:100].view(torch.uint8))
 
 
 def test_rowwise_op_passes_opcheck_and_its_fake_matches():
@@ -354,14 +368,3 @@ def test_rowwise_op_passes_opcheck_and_its_fake_matches():
     with FakeTensorMode():
         out = torch.ops.coda.quantize_fp8_rowwise(torch.empty(16384, 4096, dtype=torch.bfloat16, device="cuda"))
     assert [tuple(t.shape) for t in out] == [(16384, 4096), (16384, 1), (4096, 16384), (4096, 1)]
-
-
-@pytest.mark.parametrize("path", ["cpu", "fake"])
-@pytest.mark.parametrize("shape, dtype, match", [
-    ((100, 64), torch.float8_e4m3fn, r"coda.quantize_fp8_rowwise: x's rows \(M = 100\) must be a multiple of 16"),
-    ((64, 60), torch.float8_e4m3fn, "K a multiple of 8"),
-    ((64, 64), torch.bfloat16, "dtype must be torch.float8_e4m3fn"),
-])
-def test_rowwise_op_rejects_bad_input_on_every_path(path, shape, dtype, match):
-    with on_path(path), pytest.raises(ValueError, match=match):
-        torch.ops.coda.quantize_fp8_rowwise(torch.randn(*shape).bfloat16(), dtype)

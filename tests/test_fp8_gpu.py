@@ -174,9 +174,14 @@ def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype,
     amax = x.float().abs()
     spec = QuantizeDualSpec("bfloat16", str(out_dtype)[6:], rows, pow2=pow2, whole=True)
     get_kernel(spec).fn(x, q, s, qt, st, amax.amax(1), amax.amax(0))
-    launched = quantize_rowwise(x, out_dtype, rows, pow2)
+    launched = quantize_rowwise(x, out_dtype, rows, pow2=pow2)
     for got, want in zip(launched, (q, s, qt, st) if rows else (None, None, qt, st)):
         assert got is None and want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if rows:  # the rows alone (the 1 x 128 kernel's whole build), M any
+        rows_only = quantize_rowwise(x[: m - 1], out_dtype, cols=False, pow2=pow2)
+        assert rows_only[2:] == (None, None)
+        assert torch.equal(rows_only[0].view(torch.uint8), q[: m - 1].view(torch.uint8))
+        assert torch.equal(rows_only[1].view(torch.uint8), s[: m - 1].view(torch.uint8))
     checks = [(qt, st, x.float().t())] + ([(q, s, x.float())] if rows else [])
     for got_q, got_s, src in checks:
         want_q, want_s = R.quantize_blocks_ref(src.contiguous(), (1, src.shape[1]), out_dtype, pow2)

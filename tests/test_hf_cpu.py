@@ -247,7 +247,7 @@ def test_power_of_two_scales_run_and_stay_near_the_fp32_scales_run():
     ("fp8", {"intermediate_size": 136}, r"ffn_dim = 136: must be a multiple of 16 with FP8"),
     # recipes the kernels do not run are refused, not run as the default one
     (Fp8Recipe(lm_head_fp8=True), {"vocab_size": 100}, r"vocab_size = 100: must be a multiple of 16 with the LM head in FP8"),
-    (Fp8Recipe(scaling="row"), {}, r"scaling='block'"),
+    (Fp8Recipe(scaling="row", lm_head_fp8=True), {}, r"the FP8 LM head runs the block recipe"),
 ])
 def test_bad_precision_is_refused_before_any_change(precision, over, match):
     cls, cfg = family("mistral", **over)
@@ -257,3 +257,16 @@ def test_bad_precision_is_refused_before_any_change(precision, over, match):
         apply_coda(model, precision=precision)
     assert not hasattr(model, "_coda")
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+def test_row_wise_recipe_runs_both_fp8_sublayers_with_bounded_error():
+    """``Fp8Recipe(scaling="row")`` (the second recipe: one scale per whole row along K of every
+    GEMM operand): loss and gradients against the fp32 model bounded like the block recipe's, and
+    not the block recipe's numbers (the scales differ)."""
+    want_loss, want, (loss8, got8, _), (loss_r, got_r, row) = two_patches("fp8", Fp8Recipe(scaling="row"))
+    assert row._coda.cfg.precision.scaling == "row"
+    assert abs(loss_r - want_loss) < 2e-2 * abs(want_loss)
+    e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
+    er = rel_err(flat_grads(got_r, want), flat_grads(want, want))
+    assert er < 0.15 and flat_grads(got_r, want).ne(flat_grads(got8, want)).any(), (er, e8)
+    print(f"row-wise scales: gradient error {er:.3f} (block scales {e8:.3f})")

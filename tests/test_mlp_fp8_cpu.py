@@ -1,15 +1,17 @@
 """CPU tests of ``torch.ops.coda.mlp_block_fp8`` (the MLP sublayer with FP8 forward and dgrad GEMMs):
 the reference path against ``reference.mlp_block_fp8_ref`` and against float64 math with its error
-next to the bf16 op's, the fake implementation, bad input on every path, and the block-scaled
-kernels of its four epilogue trees built for sm_90a without spills."""
+next to the bf16 op's, the fake implementation, bad input on every path, and the kernels of its
+four epilogue trees built for sm_90a without spills; each in both recipes (block-scaled and
+row-wise, ``row_scaling``)."""
 
 import pytest
 import torch
 
 import coda_cute
 from coda_cute import reference as R
-from coda_cute.epilogue.runner import ranked_configs, spills
+from coda_cute.epilogue.runner import choose_config, ranked_configs, spills
 from coda_cute.nn.llama import embedding_norm_stats
+from coda_cute.ops.fp8_gemms import row_scaled
 from coda_cute.ops.residual import residual_norm_stats_tree, stats_tile_n
 from coda_cute.ops.rmsnorm import norm_backward_tree
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree
@@ -43,32 +45,49 @@ def _grads(op, y, ss, w_gu, w_down, dy2, **kw):
     return y2, [t.grad for t in leaves]
 
 
+RECIPES = pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"])
+
+
+def _kept(w, row):
+    """What the op keeps of W (N, K) for the backward: (qt, scales) - W's FP8 transpose with the
+    128 x 128 scales of W itself, or in the row-wise recipe W^T quantized per column of W, with
+    W's row scales and then its column scales."""
+    if not row:
+        q, s = R.quantize_blocks_ref(w.float(), (128, 128))
+        return q.t().contiguous(), s
+    s = R.quantize_blocks_ref(w.float(), (1, w.shape[1]))[1]
+    qt, st = R.quantize_blocks_ref(w.float().t().contiguous(), (1, w.shape[0]))
+    return qt, torch.cat([s, st])
+
+
+@RECIPES
 @pytest.mark.parametrize("m, d, f", [(200, 256, 384), (77, 272, 208)])  # whole and ragged 128-blocks
-def test_forward_is_the_reference_on_the_fp8_operands(m, d, f):
+def test_forward_is_the_reference_on_the_fp8_operands(m, d, f, row):
     y, ss, w_gu, w_down, _ = _inputs(m, d, f, 1)
     with coda_cute.reference_on_cpu():
-        y2, ss2, z, gu_qt, gu_s, down_qt, down_s, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
-    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f), w_down))
+        y2, ss2, z, gu_qt, gu_s, down_qt, down_s, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS,
+                                                                                    row_scaling=row)
+    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f), w_down), row=row)
     for got, ref in zip((y2, ss2, z), want):
         assert got.shape == ref.shape and got.dtype == ref.dtype
         torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    # kept for the backward: each weight's FP8 transpose, with the 128 x 128 scales of W itself
-    q, s = R.quantize_blocks_ref(w_gu.float(), (128, 128))
     assert gu_qt.shape == (d, 2 * f) and gu_qt.is_contiguous()
-    assert torch.equal(gu_qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)) and torch.equal(gu_s, s)
-    qd, sd = R.quantize_blocks_ref(w_down.float(), (128, 128))
-    assert torch.equal(down_qt.view(torch.uint8), qd.t().contiguous().view(torch.uint8)) and torch.equal(down_s, sd)
+    for (qt, s), w in (((gu_qt, gu_s), w_gu), ((down_qt, down_s), w_down)):
+        want_qt, want_s = _kept(w, row)
+        assert torch.equal(qt.view(torch.uint8), want_qt.view(torch.uint8)) and torch.equal(s, want_s)
 
 
+@RECIPES
 @pytest.mark.parametrize("e5m2_grads", [False, True])
-def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
+def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads, row):
     """FP8 rounds every GEMM operand (2^-4 relative for E4M3, 2^-3 for E5M2): the error against
     float64 math is several times bf16's, bounded, and the quantization visibly happened."""
     y, ss, w_gu, w_down, dy2 = _inputs(256, 256, 384, 2)
     leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
     exact = _mlp64(*leaves)
     exact.backward(dy2.double())
-    fp8_out, fp8_grads = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, e5m2_grads=e5m2_grads)
+    fp8_out, fp8_grads = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, e5m2_grads=e5m2_grads,
+                                row_scaling=row)
     bf16_out, bf16_grads = _grads(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     delta = exact - leaves[0]  # the sublayer's own output, without the residual
     err = lambda out: rel_err(out.double() - y.double(), delta)  # noqa: E731
@@ -79,9 +98,11 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
         assert e16 < e8 < bound, (name, e8, e16)
 
 
+@RECIPES
 @pytest.mark.parametrize("fused", [False, True], ids=["separate-quantize", "fused-quantize"])
-def test_fake_outputs_are_the_cpu_outputs(fused, monkeypatch):
-    """Also with ``FUSED_QUANT`` (M = 80: a multiple of 16, h^T (f, M) among the outputs)."""
+def test_fake_outputs_are_the_cpu_outputs(fused, row, monkeypatch):
+    """Also with ``FUSED_QUANT`` (M = 80: a multiple of 16, h^T (f, M) among the outputs; the
+    row-wise recipe does not take it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from coda_cute.ops import mlp_fp8
@@ -89,11 +110,12 @@ def test_fake_outputs_are_the_cpu_outputs(fused, monkeypatch):
     monkeypatch.setattr(mlp_fp8, "FUSED_QUANT", fused)
     y, ss, w_gu, w_down, _ = _inputs(80 if fused else 77, 272, 208, 3)
     with coda_cute.reference_on_cpu():
-        real = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS)
+        real = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, row_scaling=row)
     with FakeTensorMode() as mode:
-        fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS)
+        fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS,
+                                            row_scaling=row)
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-    assert tuple(real[7].shape) == ((208, 80) if fused else (0,))
+    assert tuple(real[7].shape) == ((208, 80) if fused and not row else (0,))
 
 
 @pytest.mark.parametrize("path", ["cpu", "fake"])
@@ -113,9 +135,13 @@ def test_bad_input_is_refused_on_every_path(path, d, f, e5m2_grads, match):
     (swiglu_backward_tree(), 14336, 4096),   # down-proj dgrad + SwiGLU backward
     (norm_backward_tree(True), 4096, 28672),  # gate/up dgrad + RMSNorm backward + residual grad
 ], ids=["norm_swiglu", "residual", "swiglu_backward", "norm_backward"])
-def test_block_scaled_kernels_of_the_four_trees_build_without_spills(tree, n, k):
-    cfg = ranked_configs(tree, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
-    assert not spills(tree, cfg, True, 132, block_scaled=True)
+@RECIPES
+def test_kernels_of_the_four_trees_build_without_spills(tree, n, k, row):
+    """Block-scaled, or the row-wise recipe's trees (the scales on the accumulator) on the plain
+    FP8 kernel: the config the runner picks (the first of its ranking that builds without spills)."""
+    tree = row_scaled(tree) if row else tree
+    cfg = choose_config(tree, 16384, n, k, 1, True, False, 132, block_scaled=not row)
+    assert not spills(tree, cfg, True, 132, block_scaled=not row)
 
 
 def test_fp8_ops_pass_opcheck():
@@ -131,7 +157,11 @@ def test_fp8_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.coda.mlp_block_fp8.default,
                               (y.requires_grad_(), ss, w_gu.requires_grad_(), w_down.requires_grad_(), EPS),
                               test_utils=basic)
+        torch.library.opcheck(torch.ops.coda.mlp_block_fp8.default, (y, ss, w_gu, w_down, EPS),
+                              {"row_scaling": True}, test_utils=basic)
         torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, test_utils=basic)
+        torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, {"row_scaling": True},
+                              test_utils=basic)
         torch.library.opcheck(torch.ops.coda.quantize_fp8_dual.default, (torch.randn(48, 40).bfloat16(),),
                               test_utils=basic + ("test_aot_dispatch_dynamic",))
 

@@ -1,13 +1,17 @@
-"""GPU tests of ``torch.ops.coda.mlp_block_fp8``: the block-scaled kernels of its four epilogue trees
-against ``reference.mlp_block_fp8_ref`` (the forward on the FP8 operands, float math) and the
-gradients against float64 math next to the bf16 op's, at whole and ragged 128-blocks."""
+"""GPU tests of ``torch.ops.coda.mlp_block_fp8``: the kernels of its four epilogue trees, block-scaled
+and row-wise (``row_scaling``: the plain FP8 GEMM with the scales on the accumulator), against
+``reference.mlp_block_fp8_ref`` (the forward on the FP8 operands, float math) and the gradients
+against float64 math next to the bf16 op's, at whole and ragged 128-blocks."""
 
 import pytest
 import torch
 
+from coda_cute import dispatch
 from coda_cute import reference as R
 from coda_cute.nn.llama import embedding_norm_stats
-from coda_cute.ops.residual import stats_tile_n
+from coda_cute.ops.fp8_gemms import row_scaled
+from coda_cute.ops.residual import residual_norm_stats_tree
+from coda_cute.ops.rmsnorm import tile_n_of
 from helpers import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -22,13 +26,18 @@ def _inputs(m, d, f):
     return y, embedding_norm_stats(y), w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
 
 
+RECIPES = pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"])
+
+
+@RECIPES
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("m, d, f", [(1000, 1024, 2816), (333, 272, 208), (4096, 4096, 1536)])
-def test_forward_is_the_reference_on_the_fp8_operands(m, d, f, pow2):
+def test_forward_is_the_reference_on_the_fp8_operands(m, d, f, pow2, row):
     y, ss, w_gu, w_down, _ = _inputs(m, d, f)
-    y2, ss2, z, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, False, pow2)
-    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, stats_tile_n(torch.empty(m, f, device="cuda"), w_down),
-                               pow2)
+    y2, ss2, z, *_ = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, False, pow2, row_scaling=row)
+    tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
+    tile_n = tile_n_of(tree, m, d, f, dispatch.num_sms(y.device), "cuda", block_scaled=not row, fp8=True)
+    want = R.mlp_block_fp8_ref(y, ss, w_gu, w_down, EPS, tile_n, pow2, row)
     for name, got, ref in zip(("y2", "ss2", "z"), (y2, ss2, z), want):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         assert not got.float().isnan().any(), name
@@ -37,8 +46,9 @@ def test_forward_is_the_reference_on_the_fp8_operands(m, d, f, pow2):
         assert rel_err(got.float(), ref.float()) < 5e-3, name
 
 
+@RECIPES
 @pytest.mark.parametrize("e5m2_grads", [False, True])
-def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
+def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads, row):
     y, ss, w_gu, w_down, dy2 = _inputs(2048, 1024, 2816)
     leaves = [t.double().requires_grad_() for t in (y, w_gu, w_down)]
     r = torch.rsqrt(leaves[0].square().mean(-1, keepdim=True) + EPS)
@@ -46,7 +56,7 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
     exact = leaves[0] + (torch.nn.functional.silu(zz[:, 0::2]) * zz[:, 1::2]) @ leaves[2].T
     exact.backward(dy2.double())
     errors = {}
-    for name, op, kw in (("fp8", torch.ops.coda.mlp_block_fp8, {"e5m2_grads": e5m2_grads}),
+    for name, op, kw in (("fp8", torch.ops.coda.mlp_block_fp8, {"e5m2_grads": e5m2_grads, "row_scaling": row}),
                          ("bf16", torch.ops.coda.mlp_block, {})):
         ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
         out = op(ins[0], ss, ins[1], ins[2], EPS, **kw)[0]
@@ -58,16 +68,18 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads):
         assert e16 < e8 < bound, errors
 
 
-def test_model_with_cached_fp8_weights_is_the_uncached_model():
+@RECIPES
+def test_model_with_cached_fp8_weights_is_the_uncached_model(row):
     """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights
     (``nn.fold.WeightQuantCache``, quantized by the weight kernel) reused by a second micro-batch;
     the loss bit for bit that of the model quantizing on each forward, every gradient equal up to
     the attention backward's nondeterminism (cuDNN's atomics; FP8 requantizes its last bits)."""
     from coda_cute.nn import CodaLlama, LlamaConfig
+    from coda_cute.precision import Fp8Recipe
 
     torch.manual_seed(0)
     cfg = LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1408, vocab_size=1000,
-                      head_dim=64, precision="fp8")
+                      head_dim=64, precision=Fp8Recipe(scaling="row" if row else "block"))
     plain = CodaLlama(cfg, device="cuda")
     cached = CodaLlama(cfg, device="cuda", cache_folds=True)
     cached.load_state_dict(plain.state_dict())

@@ -118,7 +118,8 @@ def test_repeats_train_each_run_again_and_compare_means(tmp_path, capsys):
     assert "means over the repeats" in out and "+0.00 %" in out
 
 
-@pytest.mark.parametrize("flags", [[], ["--fp8-lm-head"], ["--pow2-scales"]], ids=["bf16-lm-head", "fp8-lm-head", "pow2"])
+@pytest.mark.parametrize("flags", [[], ["--fp8-lm-head"], ["--pow2-scales"], ["--row-scaling"]],
+                         ids=["bf16-lm-head", "fp8-lm-head", "pow2", "row-wise"])
 def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags):
     argv = ["train", "--tiny", "--no-spread", "--steps", "3", "--precision", "fp8", "--out", str(tmp_path)]
     assert cli_main(argv + flags) == 0
@@ -127,11 +128,18 @@ def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags
     assert list(runs) == ["hf", "coda", "coda_fp8"] and log["config"]["precision"] == "fp8"
     assert log["config"]["fp8_lm_head"] is ("--fp8-lm-head" in flags)
     assert log["config"]["pow2_scales"] is ("--pow2-scales" in flags)
+    assert log["config"]["row_scaling"] is ("--row-scaling" in flags)
     for a, b in zip(runs["coda"]["steps"], runs["coda_fp8"]["steps"]):  # same weights and data
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
 
 
-@pytest.mark.parametrize("flag", ["--fp8-lm-head", "--pow2-scales"])
+@pytest.mark.parametrize("flag", ["--fp8-lm-head", "--pow2-scales", "--row-scaling"])
 def test_fp8_flags_need_fp8(tmp_path, capsys, flag):
     assert cli_main(["train", "--tiny", flag, "--out", str(tmp_path)]) == 2
     assert f"{flag} goes with --precision fp8" in capsys.readouterr().out
+
+
+def test_the_fp8_lm_head_is_refused_with_the_row_wise_recipe(tmp_path, capsys):
+    argv = ["train", "--tiny", "--precision", "fp8", "--fp8-lm-head", "--row-scaling", "--out", str(tmp_path)]
+    assert cli_main(argv) == 2
+    assert "the FP8 LM head runs the block recipe" in capsys.readouterr().out

@@ -99,6 +99,8 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     inputs (``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
+    if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
+        space = [c.with_(split_tail=False) for c in space]
     cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)
              and (not quantizes(tree) or quantize_config(c))]
     if not cands:

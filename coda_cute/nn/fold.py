@@ -97,16 +97,17 @@ class FoldCache(_PerVersion):
 
 
 class WeightQuantCache(_PerVersion):
-    """``cache(w, pow2)`` = W's FP8 128 x 128 quantization as the FP8 sublayers take it, the flat
-    [q, scales, qt] of ``ops.fp8_gemms.weight``, kept like :class:`FoldCache`'s fold: once per
+    """``cache(w, pow2, row)`` = W's FP8 quantization as the FP8 sublayers take it (128 x 128
+    blocks, or with ``row`` the row-wise recipe's), the flat [q, scales, qt] of
+    ``ops.fp8_gemms.weight``, kept like :class:`FoldCache`'s fold: once per
     version of W (an optimizer step re-quantizes), so the micro-batches between two steps share
     one quantization instead of one per forward. W is the cached fold where the weight has a norm
     before it (hit as long as the fold is). No autograd: the sublayers' weight gradients come from
     the activations. Disabled, and inside ``torch.compile``, returns None (the op quantizes)."""
 
-    def __call__(self, w: torch.Tensor, pow2: bool):
+    def __call__(self, w: torch.Tensor, pow2: bool, row: bool = False):
         if not self.enabled or torch.compiler.is_compiling():
             return None
         with torch.no_grad():
-            return self._get((w,), (bool(pow2), torch.is_inference_mode_enabled()),
-                             lambda: list(weight(w.detach(), pow2)))
+            return self._get((w,), (bool(pow2), bool(row), torch.is_inference_mode_enabled()),
+                             lambda: list(weight(w.detach(), pow2, row)))

@@ -123,8 +123,9 @@ def rope_inv_freq(model) -> torch.Tensor:
 def apply_coda(model, precision="bf16"):
     """Make ``model`` (an HF causal LM of a supported family) run its forward and backward on
     the CODA ops, in place, and return it (module docstring). ``precision``: "bf16", or "fp8" /
-    an :class:`~coda_cute.precision.Fp8Recipe` for every decoder layer's GEMMs in block-scaled
-    FP8 (``coda.attention_block_fp8``, ``coda.mlp_block_fp8``; the LM head stays bf16). Raises
+    an :class:`~coda_cute.precision.Fp8Recipe` for every decoder layer's GEMMs in FP8, block-scaled
+    or row-wise (``coda.attention_block_fp8``, ``coda.mlp_block_fp8``; the LM head stays bf16
+    unless the block recipe says otherwise). Raises
     ValueError, before any change, for what the CODA path does not compute."""
     family = type(model).__name__
     if family not in FAMILIES:

@@ -106,8 +106,9 @@ class LlamaConfig:
         except ValueError as e:
             bad("precision", str(e))
         if recipe is not None:
-            if recipe.scaling != "block":
-                bad("precision", f"the FP8 model runs the block-scaling recipe (Fp8Recipe(scaling='block')); got {recipe}")
+            if recipe.scaling == "row" and recipe.lm_head_fp8:
+                bad("precision", f"the FP8 LM head runs the block recipe: with scaling='row' it stays bf16 "
+                                 f"(lm_head_fp8=False); got {recipe}")
             if recipe.lm_head_fp8 and self.vocab_size % 16:
                 bad("vocab_size", "must be a multiple of 16 with the LM head in FP8 (lm_head_fp8)")
             for field in ("dim", "ffn_dim"):
@@ -162,9 +163,11 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     else:  # the projections' GEMMs in FP8; the attention core and the LM head stay bf16
         e5m2, pow2 = c.precision.grad_format == "e5m2", c.precision.pow2_scales
+        row = c.precision.scaling == "row"
         qkv_q, o_q, gu_q, down_q = (q or [None] * 3 for q in (quantized or (None,) * 4))
-        y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q)[:2]
-        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2, *gu_q, *down_q)[:2]
+        y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q, row_scaling=row)[:2]
+        y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2, *gu_q, *down_q,
+                                row_scaling=row)[:2]
     return y2.view(b, s, d), ss2
 
 
@@ -210,8 +213,8 @@ class CodaLlamaBlock(nn.Module):
                    self._folds[1](self.w_gu, self.ffn_norm), self.w_down)
         quantized = None
         if self.cfg.precision != "bf16":
-            pow2 = self.cfg.precision.pow2_scales
-            quantized = tuple(cache(w, pow2) for cache, w in zip(self._quants, weights))
+            pow2, row = self.cfg.precision.pow2_scales, self.cfg.precision.scaling == "row"
+            quantized = tuple(cache(w, pow2, row) for cache, w in zip(self._quants, weights))
         return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq, *weights, self.q_norm,
                              self.k_norm, quantized)
 

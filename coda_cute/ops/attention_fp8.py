@@ -18,7 +18,8 @@ Backward, from dy:
 
 dy and g are quantized once for their dgrad and wgrad (``coda.quantize_fp8_dual``). Saved as the
 bf16 op's, plus the weights' FP8 transposes and scales (quantized with the forward's copies in
-one pass).
+one pass). ``row_scaling``: the row-wise recipe (``ops.fp8_gemms``), one scale per whole row
+along K of every operand, on the plain FP8 GEMM with the same trees.
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (FP8, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, wgrad)
+from .fp8_gemms import (activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
+                        quantized_weights, row_scaled, wgrad)
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
-from .quantize import quantize_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
 
@@ -71,16 +71,16 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
                         pow2_scales: bool = False, qkv_q: Optional[torch.Tensor] = None,
                         qkv_s: Optional[torch.Tensor] = None, qkv_qt: Optional[torch.Tensor] = None,
                         o_q: Optional[torch.Tensor] = None, o_s: Optional[torch.Tensor] = None,
-                        o_qt: Optional[torch.Tensor] = None
+                        o_qt: Optional[torch.Tensor] = None, row_scaling: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
     """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
     ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3, and ``pow2_scales``: every
     scale rounded up to a power of two (``Fp8Recipe.pow2_scales``); ``qkv_q, qkv_s, qkv_qt``,
-    ``o_q, o_s, o_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales)`` returns
-    them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``), or
-    none of them for the op to quantize. d, n_heads * head_dim (hence the QKV width) multiples of
+    ``o_q, o_s, o_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)``
+    returns them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``),
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. d, n_heads * head_dim (hence the QKV width) multiples of
     16. Returns the bf16 op's eight outputs, then the quantized weights kept for the backward
     (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's; empty when the caller passed them,
     which the backward then uses); only y carries a gradient."""
@@ -90,17 +90,18 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     x2 = x.view(b * s, d)
     given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
-    (qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt) = quantized_weights(OP, given, pow2_scales, w_qkv=w_qkv, w_o=w_o)
-    act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
+    row = row_scaling
+    (qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt) = quantized_weights(OP, given, pow2_scales, row, w_qkv=w_qkv, w_o=w_o)
+    act = lambda t: activation(t, pow2_scales, row)  # noqa: E731
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
     inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
                              k_norm_w, qk_eps)
-    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs)
+    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs, row=row)
     qkv = out["qkv"]
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = attention_forward(q, k, v)
-    res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2})
+    res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2}, row=row)
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
     kept = ((*kept_weights(w_qkv, True), *kept_weights(w_o, True)) if given[0] is not None
             else (qkv_qt, qkv_s, o_qt, o_s))
@@ -110,22 +111,23 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
 @attention_block_fp8.register_fake
 def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_dim,
           q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False, pow2_scales=False, qkv_q=None,
-          qkv_s=None, qkv_qt=None, o_q=None, o_s=None, o_qt=None):
+          qkv_s=None, qkv_qt=None, o_q=None, o_s=None, o_qt=None, row_scaling=False):
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                         head_dim, q_norm_w, k_norm_w, qk_eps)
     given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
     cached = qkv_q is not None
     if any(t is not None for t in given):
-        quantized_weights(OP, given, pow2_scales, w_qkv=w_qkv, w_o=w_o)
+        quantized_weights(OP, given, pow2_scales, row_scaling, w_qkv=w_qkv, w_o=w_o)
     m, n, hh = b * s, w_qkv.shape[0], n_heads * head_dim
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = _core_fake(q, k, v)
     sms = dispatch.num_sms_or_default(x.device)
-    t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, hh, sms, x.device.type, block_scaled=True))
+    res_tree = row_scaled(residual_norm_stats_tree()) if row_scaling else residual_norm_stats_tree()
+    t = -(-d // tile_n_of(res_tree, m, d, hh, sms, x.device.type, block_scaled=not row_scaling, fp8=True))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
     return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
-            *kept_weights(w_qkv, cached), *kept_weights(w_o, cached))
+            *kept_weights(w_qkv, cached, row_scaling), *kept_weights(w_o, cached, row_scaling))
 
 
 def _setup(ctx, inputs, output):
@@ -135,7 +137,7 @@ def _setup(ctx, inputs, output):
         qkv_s, qkv_qt, o_s, o_qt = inputs[16], inputs[17], inputs[19], inputs[20]
     ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
                           qkv_qt, qkv_s, o_qt, o_s)
-    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2)
+    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2, inputs[21])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -144,30 +146,30 @@ def _backward(ctx, dy, *_):
     (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
      qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
-        return (None,) * 21
-    eps, h, hkv, hd, qk_eps, grad_dtype, pow2 = ctx.args
+        return (None,) * 22
+    eps, h, hkv, hd, qk_eps, grad_dtype, pow2, row = ctx.args
     n = ctx.needs_input_grad
     b, s, d = x.shape
     x2 = x.view(b * s, d)
     dy2 = dy.reshape(b * s, d).contiguous()
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
-    do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True)["out"]
-    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2) if n[3] else None
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
+    do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True, row=row)["out"]
+    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, row) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
     dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
     r = rms_rstd_ref(ss, d, eps)
     g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre if qn is not None else None,
                                      qn, kn, qk_eps)
-    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype, pow2)
+    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype, pow2, row)
     dx = None
     if n[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
-        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True)["dy"]
+        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True, row=row)["dy"]
         dx = dx.view(b, s, d)
-    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2) if n[2] else None
+    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2, row) if n[2] else None
     if qn is None:
         dqn = dkn = None
-    return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 9
+    return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 10
 
 
 attention_block_fp8.register_autograd(_backward, setup_context=_setup)

@@ -10,9 +10,19 @@
   tokens M (the wgrad form of ``coda.gemm_blockwise``). A gradient feeding both a dgrad and a wgrad
   is quantized once for both (``coda.quantize_fp8_dual``); where M is no multiple of 16 (the rows
   of a transposed FP8 copy start on 16-byte boundaries) the weight gradients are bf16 GEMMs.
+
+With ``row`` (the second recipe, ``Fp8Recipe(scaling="row")``) every operand has one scale per
+whole row along K (``coda.quantize_fp8_rowwise``): activations and gradients per token, a
+weight W (N, K) per row for the forward and, transposed, per column for the dgrad, the weight
+gradient's operands per feature over all the tokens. The GEMMs run on the plain FP8 kernel with
+the scales in the epilogue, ``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc
+(``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor, its row scales
+then its column scales, where the block recipe has its 128 x 128 grid.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -21,7 +31,7 @@ from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
-from .quantize import quantize_dual_fp8, quantize_fp8
+from .quantize import quantize_dual_fp8, quantize_fp8, quantize_rowwise_fp8
 
 FP8 = torch.float8_e4m3fn
 
@@ -40,10 +50,14 @@ def check_fp8_widths(op: str, **widths) -> None:
             raise ValueError(f"{op}: {name} must be a multiple of 16 for FP8 operands, got {width}")
 
 
-def weight(w: torch.Tensor, pow2: bool = False):
+def weight(w: torch.Tensor, pow2: bool = False, row: bool = False):
     """W (N, K) in FP8 128 x 128 blocks: (q, scales, qt = q^T (K, N)); N a multiple of 16
-    (:func:`check_fp8_widths`); ``pow2``: power-of-two scales. The kernel on CUDA, the reference
-    inside ``reference_on_cpu``."""
+    (:func:`check_fp8_widths`); ``pow2``: power-of-two scales; ``row``: the row-wise recipe, q with
+    one scale per row of W, qt with one per column, scales (N + K, 1) those two. The kernel on
+    CUDA, the reference inside ``reference_on_cpu``."""
+    if row:
+        q, s, qt, st = quantize_rowwise_fp8(w, FP8, pow2_scales=pow2)
+        return q, torch.cat([s, st]), qt
     if w.device.type == "cuda":
         return quantize_weight(w, None, FP8, transposed=True, pow2=pow2)
     dispatch.require_reference("coda.quantize_fp8")
@@ -51,67 +65,96 @@ def weight(w: torch.Tensor, pow2: bool = False):
     return q, s, q.t().contiguous()
 
 
-def quantized_weights(op: str, given: list, pow2: bool, **ws) -> list:
+def quantized_weights(op: str, given: list, pow2: bool, row: bool = False, **ws) -> list:
     """(q, scales, qt) of each named weight W (N, K): the caller's copies ``given`` (flat, in that
     order, as :func:`weight` returns them; e.g. kept once per version of the weights by
     ``coda_cute.nn.fold.WeightQuantCache``), checked against W; or, all None, quantized now."""
     if all(t is None for t in given):
-        return [weight(w, pow2) for w in ws.values()]
+        return [weight(w, pow2, row) for w in ws.values()]
     if any(t is None for t in given):
         raise ValueError(f"{op}: pass every quantized weight (q, scales, qt of {', '.join(ws)}) or none")
     out = []
     for i, (name, w) in enumerate(ws.items()):
         q, s, qt = given[3 * i: 3 * i + 3]
-        qt_want, s_want = weight_fake(w)
+        qt_want, s_want = weight_fake(w, row)
         for what, t, dtype, shape in (("q", q, FP8, tuple(w.shape)), ("scales", s, torch.float32, tuple(s_want.shape)),
                                       ("qt", qt, FP8, tuple(qt_want.shape))):
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != w.device:
                 raise ValueError(f"{op}: {name}'s quantized {what} must be a contiguous {dtype} {shape} "
-                                 f"tensor on {w.device} ({name} in 128 x 128 blocks), got {t.dtype} "
+                                 f"tensor on {w.device} ({name} {'row-wise' if row else 'in 128 x 128 blocks'}), got {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
         out.append((q, s, qt))
     return out
 
 
-def kept_weights(w: torch.Tensor, cached: bool):
+def kept_weights(w: torch.Tensor, cached: bool, row: bool = False):
     """The (qt, scales) outputs an FP8 sublayer returns for weight W: W's, or with ``cached``
     (the caller passed its quantized weights and keeps them) empty tensors, since a custom op
     may not return its inputs."""
     if cached:
         return w.new_empty((0,), dtype=FP8), w.new_empty((0,), dtype=torch.float32)
-    return weight_fake(w)
+    return weight_fake(w, row)
 
 
-def weight_fake(w: torch.Tensor):
+def weight_fake(w: torch.Tensor, row: bool = False):
     """What the FP8 sublayers keep of a weight for the backward, for their fake implementations:
-    qt (K, N) e4m3 and the scales (ceil(N / 128), ceil(K / 128)) fp32."""
+    qt (K, N) e4m3 and the scales (ceil(N / 128), ceil(K / 128)) fp32; ``row``: (N + K, 1)."""
     n, k = w.shape
-    return w.new_empty((k, n), dtype=FP8), w.new_empty((-(-n // 128), -(-k // 128)), dtype=torch.float32)
+    grid = (n + k, 1) if row else (-(-n // 128), -(-k // 128))
+    return w.new_empty((k, n), dtype=FP8), w.new_empty(grid, dtype=torch.float32)
+
+
+def activation(x: torch.Tensor, pow2: bool = False, row: bool = False):
+    """(q, scales) of an activation x (M, K) for a forward GEMM: 1 x 128 blocks, or with ``row``
+    one scale per token, (M, 1)."""
+    if row:
+        return quantize_rowwise_fp8(x, FP8, cols=False, pow2_scales=pow2)[:2]
+    return quantize_fp8(x, "1x128", None, FP8, pow2)
+
+
+@functools.lru_cache(maxsize=None)
+def row_scaled(tree: E.Epilogue) -> E.Epilogue:
+    """``tree`` on the row-wise recipe's accumulator (one tree object per tree: plans are cached by
+    it)."""
+    return E.scale_acc(tree, "scale_a", "scale_b")
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,
-            outputs: dict | None = None) -> dict:
+            outputs: dict | None = None, row: bool = False) -> dict:
     """``tree`` on the quantized a (1 x 128) @ B with the scales: B the quantized weight W (N, K)
     given as ``w_q`` (x @ W.T), or with ``transposed`` dY @ W, ``w_q`` then W's FP8 transpose qt
-    (K, N); either way the GEMM's K-major operand is a view. ``outputs``: preallocated, by name."""
+    (K, N); either way the GEMM's K-major operand is a view. ``outputs``: preallocated, by name.
+    ``row``: the row-wise recipe, a's scales (M, 1) and W's (N + K, 1) (:func:`weight`): its row
+    scales for x @ W.T, its column scales for dY @ W."""
+    if row:
+        n = w_q.shape[1] if transposed else w_q.shape[0]
+        b_s = w_s[n:, 0] if transposed else w_s[:n, 0]
+        return E.run(row_scaled(tree), a_q, w_q.t(), dict(inputs, scale_a=a_s[:, 0], scale_b=b_s), op=op,
+                     outputs=outputs)
     b, b_s = (w_q.t(), w_s.t()) if transposed else (w_q.t(), w_s)
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
-def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False):
+def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
     multiple of 16, along M transposed for its wgrad (else qt, st None); ``pow2``: power-of-two
-    scales."""
+    scales; ``row``: one scale per row of g and, transposed, per column."""
+    if row:
+        return quantize_rowwise_fp8(g, grad_dtype, cols=g.shape[0] % 16 == 0, pow2_scales=pow2)
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
     return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)
 
 
-def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False) -> torch.Tensor:
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
     transposed quantization given, :func:`grad_operands`; x's scales powers of two with
-    ``pow2``), or bf16 where there is none."""
+    ``pow2``), or bf16 where there is none; ``row``: one scale per feature over all the tokens,
+    on the plain FP8 GEMM."""
     if dyt_q is None:
         return gemm_op(dy.t(), x)
+    if row:
+        _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2)
+        return gemm_op(dyt_q, xt_q.t(), dyt_s, xt_s[:, 0], dy.dtype)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

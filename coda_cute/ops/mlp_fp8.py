@@ -32,6 +32,11 @@ than the passes they replace: the gate/up GEMM 3.44 ms against 3.11 + the 0.31 m
 the down dgrad 3.41 ms against 2.51 + the 0.70 ms dz' pass (the transposed sinks' byte staging
 and two barriers per sub-tile, in a cooperative epilogue the tensor cores wait for).
 
+``row_scaling`` runs the second recipe, ``Fp8Recipe(scaling="row")`` (``ops.fp8_gemms``): every
+operand with one scale per whole row along K, the six GEMMs on the plain FP8 kernel with the
+scales applied to the accumulator in the same trees; ``FUSED_QUANT`` does not apply (its sinks
+quantize 1 x 128 blocks).
+
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
@@ -53,11 +58,11 @@ from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (FP8, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, wgrad)
+from .fp8_gemms import (FP8, activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
+                        quantized_weights, row_scaled, wgrad)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from .quantize import quantize_dual_fp8, quantize_fp8
+from .quantize import quantize_dual_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
@@ -98,8 +103,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
                   e5m2_grads: bool = False, pow2_scales: bool = False,
                   gu_q: Optional[torch.Tensor] = None, gu_s: Optional[torch.Tensor] = None,
                   gu_qt: Optional[torch.Tensor] = None, down_q: Optional[torch.Tensor] = None,
-                  down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None,
+                  row_scaling: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
@@ -107,9 +112,9 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     interleaved with gamma folded in, w_down (d, f) bf16), and ``e5m2_grads``: the backward's
     gradients in E5M2 rather than E4M3; ``pow2_scales``: every scale, forward and backward, rounded
     up to a power of two (``Fp8Recipe.pow2_scales``); ``gu_q, gu_s, gu_qt``, ``down_q, down_s,
-    down_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales)`` returns them, kept by
-    the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``), or none
-    of them for the op to quantize. Returns (y2, ss2, z, then the quantized weights kept for the
+    down_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)`` returns
+    them, kept by the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``),
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. Returns (y2, ss2, z, then the quantized weights kept for the
     backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's; empty when the
     caller passed them, which the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8
     and its scales (f, ceil(M / 128)), else two empty tensors); only y2 carries a gradient."""
@@ -117,23 +122,24 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
-    (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales,
+    row = row_scaling
+    (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
                                                                          w_gu=w_gu, w_down=w_down)
-    act = lambda t: quantize_fp8(t, "1x128", None, FP8, pow2_scales)  # noqa: E731
-    fused = _fused(y)
+    fused = _fused(y, row)
     tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
-    out = project(OP, tree, *act(y), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps))
-    res = project(OP, residual_norm_stats_tree(), *act(out["h"]), down_q, down_s, {"residual": y})
+    out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row)
+    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row), down_q, down_s,
+                  {"residual": y}, row=row)
     h_t = out["h_t"] if fused else _no_h_t(y)
     if given[0] is not None:
         return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True), *h_t
     return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s, *h_t
 
 
-def _fused(y) -> bool:
-    """Whether this call quantizes h^T and dz' in their GEMMs: ``FUSED_QUANT`` and M a multiple of
-    16 (the transposed FP8 rows)."""
-    return FUSED_QUANT and y.shape[0] % 16 == 0
+def _fused(y, row: bool) -> bool:
+    """Whether this call quantizes h^T and dz' in their GEMMs: ``FUSED_QUANT``, the block recipe and
+    M a multiple of 16 (the transposed FP8 rows)."""
+    return FUSED_QUANT and not row and y.shape[0] % 16 == 0
 
 
 def _no_h_t(y):
@@ -142,28 +148,31 @@ def _no_h_t(y):
 
 @mlp_block_fp8.register_fake
 def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=None, gu_s=None, gu_qt=None,
-          down_q=None, down_s=None, down_qt=None):
+          down_q=None, down_s=None, down_qt=None, row_scaling=False):
     m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps)
+    row = row_scaling
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
     cached = gu_q is not None
     if cached or any(t is not None for t in given):
-        quantized_weights(OP, given, pow2_scales, w_gu=w_gu, w_down=w_down)
+        quantized_weights(OP, given, pow2_scales, row, w_gu=w_gu, w_down=w_down)
     d = y.shape[1]
     sms = dispatch.num_sms_or_default(y.device)
-    t = -(-d // tile_n_of(residual_norm_stats_tree(), m, d, f, sms, y.device.type, block_scaled=True))
-    h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y)
+    res_tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
+    t = -(-d // tile_n_of(res_tree, m, d, f, sms, y.device.type, block_scaled=not row, fp8=True))
+    h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y, row)
            else _no_h_t(y))
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
-            *kept_weights(w_gu, cached), *kept_weights(w_down, cached), *h_t)
+            *kept_weights(w_gu, cached, row), *kept_weights(w_down, cached, row), *h_t)
 
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
-                     needs=(True, True, True), pow2: bool = False, h_t=None):
+                     needs=(True, True, True), pow2: bool = False, h_t=None, row: bool = False):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
     the weights' FP8 transposes and scales; ``pow2``: power-of-two scales; ``h_t``: the
-    forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too)."""
+    forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too);
+    ``row``: the row-wise recipe."""
     d = y.shape[1]
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
     inputs = dict(norm_inputs(d, ss, eps), z=z)
     if h_t is not None:
         bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
@@ -173,25 +182,27 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
         dw_down = gemm_blockwise(dyt_q, dyt_s, *h_t, dy2.dtype, "1x128") if needs[2] else None
         dw_gu = gemm_blockwise(dzt_q, dzt_s, yt_q, yt_s, dy2.dtype, "1x128") if needs[1] else None
     else:
-        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True)
+        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row)
         dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2)
-        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2) if needs[2] else None
-        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2) if needs[1] else None
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row)
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
-        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True)["dy"]
+        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True,
+                     row=row)["dy"]
     return dy, dw_gu, dw_down
 
 
 def _setup(ctx, inputs, output):
-    y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales, _gu_q, gu_s_in, gu_qt_in, _down_q, down_s_in, down_qt_in = inputs
+    (y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales, _gu_q, gu_s_in, gu_qt_in, _down_q, down_s_in, down_qt_in,
+     row_scaling) = inputs
     _y2, ss2, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = output
     if gu_qt_in is not None:  # the caller's copies
         gu_qt, gu_s, down_qt, down_s = gu_qt_in, gu_s_in, down_qt_in, down_s_in
     ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts)
-    ctx.eps, ctx.grad_dtype, ctx.pow2 = eps, grad_format(e5m2_grads), pow2_scales
+    ctx.eps, ctx.grad_dtype, ctx.pow2, ctx.row = eps, grad_format(e5m2_grads), pow2_scales, row_scaling
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -199,12 +210,12 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy2, *_):
     y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = ctx.saved_tensors
     if dy2 is None:
-        return (None,) * 13
+        return (None,) * 14
     n = ctx.needs_input_grad
     h_t = (h_tq, h_ts) if h_tq.numel() else None
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
-                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t)
-    return (dy, None, dw_gu, dw_down) + (None,) * 9
+                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row)
+    return (dy, None, dw_gu, dw_down) + (None,) * 10
 
 
 mlp_block_fp8.register_autograd(_backward, setup_context=_setup)

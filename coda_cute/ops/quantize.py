@@ -158,21 +158,24 @@ def _dual_fake(x, dtype=torch.float8_e4m3fn, pow2_scales=False):
 OP_ROWWISE = "coda.quantize_fp8_rowwise"
 
 
-def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, pow2_scales: bool = False):
+def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
+                         pow2_scales: bool = False):
     """(q, s, qt, st): x (M, K) in FP8 with one scale per whole row, s (M, 1), and x^T (K, M) with
     one per whole column of x, st (K, 1): ``quantize_blocks_ref`` with blocks (1, K) and (1, M),
     the operands of the row-wise GEMM (x @ B with ``scale_a=s``; a weight gradient x^T @ B over the
-    tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules; ``rows`` False: (None, None,
-    qt, st). The kernel on CUDA (``elementwise.quantize_rowwise``), the reference inside
-    ``reference_on_cpu``."""
-    m, k = check_dual(x, dtype, OP_ROWWISE)
+    tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules (M a multiple of 16 only with
+    ``cols``); ``rows`` / ``cols`` False: None for that pair. The kernel on CUDA
+    (``elementwise.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
+    if cols:
+        m, k = check_dual(x, dtype, OP_ROWWISE)
+    else:
+        m, k, _ = check_quantize(x, "1x128", None, dtype, OP_ROWWISE)
     if x.device.type == "cuda":
-        return quantize_rowwise(x, dtype, rows, pow2_scales)
+        return quantize_rowwise(x, dtype, rows, cols, pow2_scales)
     dispatch.require_reference(OP_ROWWISE)
-    qt, st = quantize_blocks_ref(x.t().contiguous().float(), (1, m), dtype, pow2_scales)
-    if not rows:
-        return None, None, qt, st
-    return (*quantize_blocks_ref(x.float(), (1, k), dtype, pow2_scales), qt, st)
+    q_s = quantize_blocks_ref(x.float(), (1, k), dtype, pow2_scales) if rows else (None, None)
+    qt_st = quantize_blocks_ref(x.t().contiguous().float(), (1, m), dtype, pow2_scales) if cols else (None, None)
+    return (*q_s, *qt_st)
 
 
 @torch.library.custom_op("coda::quantize_fp8_rowwise", mutates_args=())

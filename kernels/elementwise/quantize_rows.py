@@ -17,6 +17,10 @@ they add nothing to the amax), then per row: its 8-value amax, a butterfly over 
 lanes (every lane shuffles, in or out of range: ``shfl.sync`` wants the whole warp), the scale,
 the 8 quantized values; lane 0 of the half-warp writes the scale. Rows must start 16-byte aligned
 (K a multiple of 8).
+
+``whole`` (the row-wise recipe, ``Fp8Recipe(scaling="row")``): one scale per whole row, from the
+given ``row_amax`` (M,) (max |x| over the row, found beforehand), scales (M, 1) written by the
+first column block's half-warps; exactly ``quantize_blocks_ref`` with blocks (1, K).
 """
 
 from __future__ import annotations
@@ -42,23 +46,32 @@ class QuantizeRows:
     """``q, scales = quantize 1 x 128`` for 16-bit ``x`` (M, K) to ``out_dtype`` (E4M3 / E5M2),
     scales (M, ceil(K / 128)) fp32 of any strides."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool = False):
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool = False, whole: bool = False):
         self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
+        self.whole = whole
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
+        self._launch(x, q, scales, scales, stream)  # no amaxes: scales holds their place unread
+
+    @cute.jit
+    def rowwise(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, row_amax: cute.Tensor, stream):
+        self._launch(x, q, scales, row_amax, stream)
+
+    @cute.jit
+    def _launch(self, x, q, scales, row_amax, stream):
         gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
         gq = cute.zipped_divide(q, (1, VEC))
         rows, groups = gx.shape[1]
         blocks = cute.ceil_div(groups, LANES)
-        self.kernel(gx, gq, scales).launch(
+        self.kernel(gx, gq, scales, row_amax).launch(
             grid=(cute.ceil_div(blocks, THREADS // LANES), cute.ceil_div(rows, ROWS), 1),
             block=(THREADS, 1, 1),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor):
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor, row_amax: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         rows, groups = gx.shape[1]
@@ -74,11 +87,17 @@ class QuantizeRows:
         fmax = Float32(self.fp8_max)
         for r in cutlass.range_constexpr(ROWS):
             v = buf[(None, r)].load().to(Float32)
-            amax = abs_max(Float32(0.0), v, VEC)
-            for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+            if cutlass.const_expr(self.whole):  # rows past M read the last row's: never stored
+                amax = row_amax[cutlass.select_(row0 + r < rows, row0 + r, rows - 1)]
+            else:
+                amax = abs_max(Float32(0.0), v, VEC)
+                for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
             scale, inv = block_scale(amax, fmax, self.pow2)
             if row0 + r < rows and col < groups:
                 gq[(None, (row0 + r, col))].store(quantize(v, inv, VEC).to(self.out_dtype))
-                if lane == 0:
+                if cutlass.const_expr(self.whole):
+                    if lane == 0 and block == 0:
+                        scales[(row0 + r, 0)] = scale
+                elif lane == 0:
                     scales[(row0 + r, block)] = scale
