@@ -19,7 +19,7 @@ __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseC
            "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
            "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual",
-           "quantize_rowwise"]
+           "quantize_rowwise", "AbsMaxSpec", "abs_max"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -267,14 +267,52 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
 
+@dataclass(frozen=True)
+class AbsMaxSpec:
+    """The row and column absolute maxima of a 16-bit matrix in one read
+    (``kernels.elementwise.amax``): the input dtype, and which of the two."""
+
+    dtype: str
+    rows: bool = True
+    cols: bool = True
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        part = "_".join(p for p, on in (("rows", self.rows), ("cols", self.cols)) if on)
+        return f"amax_{part}_{self.arch}_{short_dtype(self.dtype)}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.amax import AbsMax
+
+        vec = lambda: _fake("float32", (cute.sym_int(),), (1,))  # noqa: E731
+        return AbsMax(cutlass_dtype(self.dtype), self.rows, self.cols), (
+            _fake(self.dtype, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(divisibility=8), 1), 16), vec(), vec())
+
+
+def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True):
+    """(row_amax (M,), col_amax (K,)) fp32 of 16-bit ``x`` (M, K), rows 16-byte aligned: max |x|
+    over each row and each column, NaN where one holds a NaN; None for the one not asked for."""
+    from . import dispatch
+
+    m, k = x.shape
+    row_amax = torch.zeros(m if rows else 1, dtype=torch.float32, device=x.device)
+    col_amax = torch.zeros(k if cols else 1, dtype=torch.float32, device=x.device)
+    get_kernel(AbsMaxSpec(str(x.dtype).removeprefix("torch."), rows, cols, dispatch.arch_of(x.device))).fn(
+        x, row_amax, col_amax)
+    return row_amax if rows else None, col_amax if cols else None
+
+
 def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
                      pow2: bool = False):
     """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 (and M of 16 with ``cols``), in
     the row-wise recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1)
     one per whole column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M));
-    ``rows`` / ``cols`` False: None for that pair. The amaxes are torch's inf-norm reductions
-    (one read of x each; the max is exact in x's dtype), the quantization one pass of
-    ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)."""
+    ``rows`` / ``cols`` False: None for that pair. Two passes: :func:`abs_max` reads x for both
+    amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
+    scales and casts."""
     from . import dispatch
 
     if not (rows or cols):
@@ -282,14 +320,13 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     m, k = x.shape
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
+    row_amax, col_amax = abs_max(x, rows, cols)
     if rows:
-        row_amax = torch.linalg.vector_norm(x, float("inf"), dim=1).float()
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if not cols:
         get_kernel(QuantizeRowsSpec(*dtypes, arch, pow2, whole=True)).fn(x, q, s, row_amax)
         return q, s, None, None
-    col_amax = torch.linalg.vector_norm(x, float("inf"), dim=0).float()
     qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
     st = torch.empty((k, 1), dtype=torch.float32, device=x.device)
     if not rows:  # placeholders: the kernel reads and writes none of them

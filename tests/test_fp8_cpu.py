@@ -287,6 +287,19 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
     assert spill_bytes(k) == 0
 
 
+@pytest.mark.parametrize("rows, cols", [(True, True), (True, False), (False, True)])
+def test_abs_max_kernel_reads_once_and_folds_by_atomic_max(rows, cols):
+    """The row-wise recipe's amaxes: x read with 16-byte loads, one atomic max on the bits per
+    row of a tile (after a half-warp butterfly) and per column (after one barrier), no spills."""
+    from coda_cute.elementwise import AbsMaxSpec
+
+    k = compile_elementwise(AbsMaxSpec("bfloat16", rows, cols), keep_artifacts=True)
+    ptx = k.ptx
+    assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("atom.global.max.s32") == 8 * rows + cols
+    assert ("shfl.sync.bfly" in ptx) == rows and ptx.count("bar.sync") == int(cols)
+    assert spill_bytes(k) == 0
+
+
 @pytest.mark.parametrize("op", ["quantize_fp8_dual", "quantize_fp8_rowwise"])
 def test_dual_ops_on_the_reference_path_are_both_quantizations(op):
     """x along K and x^T along M: 1 x 128 blocks, or the row-wise recipe's whole rows (1, K) and

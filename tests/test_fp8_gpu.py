@@ -1,6 +1,7 @@
 """GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128,
 ``quantize_weight``, the fold + 128 x 128, ``quantize_dual``, 1 x 128 of x and of x^T, and
-``quantize_rowwise``, the row-wise recipe's whole rows and columns) against the oracle
+``quantize_rowwise``, the row-wise recipe's whole rows and columns, with ``abs_max``, its amaxes)
+against the oracle
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
 buffer, every output written (values and scales NaN-poisoned first: an unwritten one stays NaN
@@ -145,6 +146,31 @@ def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, ro
         assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
     if not rows:
         assert bool(s.isnan().all())  # untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k", [(1, 8), (37, 200), (1000, 4104), (4096, 4096)])
+def test_abs_max_kernel_is_torchs_amax_bit_for_bit(m, k, dtype):
+    """``abs_max``: every row's and column's max |x| (atomic max on the bits across tiles),
+    ragged tiles, a zero row, an inf and a NaN (their row and column NaN / inf); rows or columns
+    alone."""
+    from coda_cute.elementwise import abs_max
+
+    x = _input(m, k, dtype)
+    if m > 3:
+        x[1, :] = 0
+        x[2, k - 1] = float("inf")
+        x[m - 1, 3] = float("nan")
+    a = x.float().abs()
+    want_r, want_c = a.amax(1), a.amax(0)
+    for rows, cols in ((True, True), (True, False), (False, True)):
+        got_r, got_c = abs_max(x, rows, cols)
+        for got, want, on in ((got_r, want_r, rows), (got_c, want_c, cols)):
+            if not on:
+                assert got is None
+                continue
+            assert bool((got.isnan() == want.isnan()).all())
+            assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])

@@ -1,0 +1,92 @@
+"""The row and column absolute maxima of a 16-bit matrix in one read, for the row-wise FP8 recipe's
+quantization (``coda_cute.precision.Fp8Recipe(scaling="row")``): for x (M, K),
+
+    row_amax[m] = max_k |x[m, k]|,   col_amax[k] = max_m |x[m, k]|   (NaN where a NaN is among them)
+
+into fp32 vectors the caller zeroes first. No tile sees a whole row or column, so each CTA folds
+its tile's maxima into the vectors with atomic max on the values' bits (``atomic_fmax``: |x| has
+its sign bit clear, so the bits order like the values, NaN above inf). A max is exact and its
+order does not matter: the result is deterministic, the reference's bit for bit.
+
+Roles: no specialization. One CTA of 256 threads per 128 x 128 tile. Half-warp ``h`` owns the
+tile's rows ``h + 16 i`` (i < 8), its lane ``j`` the 8 columns ``8 j ..`` (one 16-byte load per
+row, zeros past the matrix, which add nothing to an amax). Rows: per row a butterfly over the
+half-warp, lane 0 folds the row's maximum in. Columns: each thread's 8 column maxima over its 8
+rows go to shared memory, and after one barrier each of 128 threads takes one column's 16 and
+folds it in. K must be a multiple of 8 (16-byte rows).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..common.fp8_math import abs_max
+
+THREADS = 256
+BLOCK = 128
+#: columns per thread and row: one 16-byte load of 16-bit values
+VEC = 8
+#: lanes per row: a half-warp
+LANES = BLOCK // VEC
+#: rows per thread
+ROWS = BLOCK // (THREADS // LANES)
+#: half-warps: the partial column maxima of a tile per column
+HALVES = THREADS // LANES
+
+
+class AbsMax:
+    """``row_amax``, ``col_amax`` (zeroed fp32 (M,), (K,)) of 16-bit ``x`` (M, K); ``rows`` /
+    ``cols`` False: that vector is not touched (pass any fp32 vector)."""
+
+    def __init__(self, dtype, rows: bool = True, cols: bool = True):
+        self.dtype, self.rows, self.cols = dtype, rows, cols
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, stream):
+        gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
+        m, k = x.shape
+        self.kernel(gx, row_amax, col_amax, m, k).launch(
+            grid=(cute.ceil_div(k, BLOCK), cute.ceil_div(m, BLOCK), 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, gx: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, m: Int32, k: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        _, groups = gx.shape[1]
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((HALVES, BLOCK)), 16)
+        h, j = tidx // LANES, tidx % LANES
+        col = Int32(bx * LANES + j)
+        buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
+        buf.fill(0.0)
+        for i in cutlass.range_constexpr(ROWS):
+            row = by * BLOCK + h + LANES * i
+            if row < m and col < groups:
+                buf[(None, i)].store(gx[(None, (row, col))].load())
+        if cutlass.const_expr(self.rows):
+            for i in cutlass.range_constexpr(ROWS):
+                amax = abs_max(Float32(0.0), buf[(None, i)].load().to(Float32), VEC)
+                for off in (8, 4, 2, 1):  # within the half-warp: lanes differ in their low 4 bits
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+                row = by * BLOCK + h + LANES * i
+                if j == 0 and row < m:
+                    cute.arch.atomic_fmax(row_amax.iterator + row, amax, sign_bit=False)
+        if cutlass.const_expr(self.cols):
+            v = cute.make_rmem_tensor(cute.make_layout(ROWS), Float32)
+            for e in cutlass.range_constexpr(VEC):
+                for i in cutlass.range_constexpr(ROWS):
+                    v[i] = buf[(e, i)].to(Float32)
+                red[(h, VEC * j + e)] = abs_max(Float32(0.0), v.load(), ROWS)
+            cute.arch.sync_threads()
+            if tidx < BLOCK:
+                cmax = red[(0, tidx)]
+                for o in cutlass.range_constexpr(1, HALVES):
+                    cmax = cute.arch.fmax(cmax, red[(o, tidx)], nan=True)
+                kk = bx * BLOCK + tidx
+                if kk < k:
+                    cute.arch.atomic_fmax(col_amax.iterator + kk, cmax, sign_bit=False)
