@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..common.fp8_math import abs_max
+from .row_loads import load_row_groups
 
 THREADS = 256
 BLOCK = 128
@@ -57,17 +58,12 @@ class AbsMax:
     def kernel(self, gx: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, m: Int32, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
-        _, groups = gx.shape[1]
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout((HALVES, BLOCK)), 16)
         h, j = tidx // LANES, tidx % LANES
         col = Int32(bx * LANES + j)
         buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
-        buf.fill(0.0)
-        for i in cutlass.range_constexpr(ROWS):
-            row = by * BLOCK + h + LANES * i
-            if row < m and col < groups:
-                buf[(None, i)].store(gx[(None, (row, col))].load())
+        load_row_groups(gx, buf, by * BLOCK + h, LANES, col, ROWS)
         if cutlass.const_expr(self.rows):
             for i in cutlass.range_constexpr(ROWS):
                 amax = abs_max(Float32(0.0), buf[(None, i)].load().to(Float32), VEC)

@@ -36,6 +36,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..common.fp8_math import abs_max, block_scale, quantize
+from .row_loads import load_row_groups
 
 THREADS = 256
 BLOCK = 128
@@ -110,11 +111,7 @@ class QuantizeDual:
         h, j = tidx // LANES, tidx % LANES
         col = Int32(bx * LANES + j)
         buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
-        buf.fill(0.0)
-        for i in cutlass.range_constexpr(ROWS):
-            row = by * BLOCK + h + LANES * i
-            if row < m and col < groups:
-                buf[(None, i)].store(gx[(None, (row, col))].load())
+        load_row_groups(gx, buf, by * BLOCK + h, LANES, col, ROWS)
         tile_v = cute.zipped_divide(tile, (1, VEC))
         for i in cutlass.range_constexpr(ROWS):
             tile_v[(None, (h + LANES * i, j))].store(buf[(None, i)].load())

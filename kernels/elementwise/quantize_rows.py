@@ -30,6 +30,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..common.fp8_math import abs_max, block_scale, quantize
+from .row_loads import load_row_groups
 
 THREADS = 128
 #: columns per scale block (the recipe's 1 x 128)
@@ -80,10 +81,7 @@ class QuantizeRows:
         col = Int32(block * LANES + lane)
         row0 = Int32(by * ROWS)
         buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
-        buf.fill(0.0)
-        for r in cutlass.range_constexpr(ROWS):
-            if row0 + r < rows and col < groups:
-                buf[(None, r)].store(gx[(None, (row0 + r, col))].load())
+        load_row_groups(gx, buf, row0, 1, col, ROWS)
         fmax = Float32(self.fp8_max)
         for r in cutlass.range_constexpr(ROWS):
             v = buf[(None, r)].load().to(Float32)
