@@ -8,16 +8,19 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
 * weights: E4M3, one scale per 128 x 128 block (so the transposed copy for dgrad reuses them);
 * weight gradients dW = dY^T X from both operands in 1 x 128 blocks along the token dimension,
   accumulated in fp32;
-* ``scaling="row"``: one scale per row instead (the GEMM's row-wise FP8), the second recipe;
+* ``scaling="row"``: the second recipe, one scale per whole row along K of every GEMM operand
+  (activations and gradients per token, a weight per row and, for the dgrad, per column, the
+  weight gradient's operands per feature over the tokens): the GEMM's row-wise FP8, the scales
+  applied to the accumulator in the sublayers' epilogue trees;
 * ``pow2_scales``: scales rounded up to powers of two (TE's default; DeepGEMM's users report it
   costs accuracy, so off here);
 * the LM head and the attention core stay bf16; ``lm_head_fp8`` puts the LM head in FP8.
 
-The models (``LlamaConfig``, ``apply_coda``) run the block recipe, with E4M3 or E5M2 gradients,
+The models (``LlamaConfig``, ``apply_coda``) run either recipe, with E4M3 or E5M2 gradients,
 fp32 or power-of-two scales (every quantizer kernel and FP8 op takes ``pow2_scales``; the scale is
 rounded up on its bits, so no value overflows), and the LM head in bf16 or, with ``lm_head_fp8``,
-in FP8 (``coda.lm_head_ce_train_fp8``); they refuse ``scaling="row"`` rather than run another
-recipe than the one asked for.
+in FP8 (``coda.lm_head_ce_train_fp8``, block recipe only: ``scaling="row"`` with ``lm_head_fp8``
+is refused rather than run another recipe than the one asked for).
 
 ``coda_cute.reference.quantize_blocks_ref`` defines the quantization exactly (zeros, inf, NaN).
 """
