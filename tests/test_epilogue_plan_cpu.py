@@ -7,7 +7,7 @@ import pytest
 from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED,
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPUT_COST_FP8,
                                        _epilogue_factor, choose_config, ranked_configs, spills,
                                        tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
@@ -152,23 +152,27 @@ def test_heuristic_charges_cooperative_configs_for_tile_inputs():
         assert choose_config(tree, *shape).schedule == "pingpong"
 
 
+@pytest.mark.parametrize("block_scaled", [True, False], ids=["block-scaled", "row-wise"])
 @pytest.mark.parametrize("m, d, f", [(16384, 2048, 8192), (16384, 4096, 14336), (8192, 8192, 28672)])
-def test_block_scaled_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f):
-    """On the block-scaled FP8 kernel a double-width tile input (the SwiGLU backward's z) costs a
-    cooperative config its measured extra and moves the tree to ping-pong 64 x 128; the trees
-    with plain tile inputs (the residual, the norm backward) stay cooperative, where they ran
-    faster; the bf16 factors do not change."""
+def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block_scaled):
+    """On the FP8 kernels (block-scaled, and the plain one the row-wise recipe's trees run on) a
+    double-width tile input (the SwiGLU backward's z) costs a cooperative config its measured
+    extra and moves the tree to ping-pong 64 x 128; the trees with plain tile inputs (the
+    residual, the norm backward) stay cooperative, where they ran faster; the bf16 factors do not
+    change."""
+    from coda_cute.ops.fp8_gemms import row_scaled
     from coda_cute.ops.rmsnorm import norm_backward_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree
 
     coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
     swiglu = swiglu_backward_tree()
-    assert _epilogue_factor(swiglu, coop, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED
+    assert _epilogue_factor(swiglu, coop, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
     assert _epilogue_factor(swiglu, coop) == 1.0 + COOP_TILE_INPUT_COST
     assert _epilogue_factor(norm_backward_tree(True), coop, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
-    picks = {name: choose_config(tree, *shape, 1, True, False, 132, True)
-             for name, tree, shape in (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
-                                       ("residual", residual_norm_stats_tree(), (m, d, f)))}
+    trees = (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
+             ("residual", residual_norm_stats_tree(), (m, d, f)))
+    picks = {name: choose_config(tree if block_scaled else row_scaled(tree), *shape, 1, True, False, 132, block_scaled)
+             for name, tree, shape in trees}
     assert (picks["swiglu"].schedule, picks["swiglu"].tile_m) == ("pingpong", 64)
     assert picks["norm"].schedule == picks["residual"].schedule == "cooperative"
 

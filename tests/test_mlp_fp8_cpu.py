@@ -278,3 +278,15 @@ def test_fused_quantization_trees_build_without_spills_on_the_block_scaled_kerne
     cfg = ranked_configs(t, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
     assert cfg.schedule == "cooperative" and cfg.tile_m == 128
     assert not spills(t, cfg, True, 132, block_scaled=True)
+
+
+def test_row_wise_weights_take_fp32_masters_through_bf16():
+    """The row-wise quantizer reads 16-bit rows: an fp32 master weight (a cached fold under
+    autocast) is rounded to bf16 first, and quantizes as that bf16 weight does."""
+    from coda_cute.ops.fp8_gemms import weight
+
+    w = torch.randn(160, 144)
+    with coda_cute.reference_on_cpu():
+        got, want = weight(w, row=True), weight(w.bfloat16(), row=True)
+    for g, t in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))

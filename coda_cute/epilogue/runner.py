@@ -66,22 +66,23 @@ def segment_widths(tree: N.Epilogue) -> set:
 #: ping-pong 128x128 2x1: the plain GEMM +5 % (the rates in ``dispatch`` carry that), trees
 #: without a tile input the same (+4 to +7 %), the four trees with one +10 to +17 %.
 COOP_TILE_INPUT_COST = 0.07
-#: The extra a double-width tile input costs on the block-scaled FP8 kernel's cooperative
-#: configs, whose mainloop runs twice as fast. Measured on the H200 (``scripts/exp_block_scaled_
+#: The extra a double-width tile input costs on the FP8 kernels' cooperative configs, whose
+#: mainloop runs twice as fast. Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_
 #: trees.py``, in turns): the SwiGLU backward (a double-width z, heavy arithmetic) ran on
 #: cooperative 128x128 2x1 at 1.17x / 1.11x / 1.04x the time of ping-pong 64x128 2x1 (16384 x 8192
 #: x 2048 / 16384 x 14336 x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x
 #: its predicted time. Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST``
 #: ranks them: the residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at
-#: 0.77x (8b).
-COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED = 0.6
+#: 0.77x (8b). The plain FP8 kernel (the row-wise recipe's trees) takes it too: its mainloop is
+#: no slower than the block-scaled one's (not timed with such a tree yet).
+COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
 
 
-def _epilogue_factor(tree, cfg: GemmConfig, block_scaled: bool = False) -> float:
+def _epilogue_factor(tree, cfg: GemmConfig, fp8: bool = False) -> float:
     if cfg.schedule != "cooperative":
         return 1.0
     tiles = [i for i in tree.inputs if i.kind == "tile"]
-    wide = COOP_WIDE_TILE_INPUT_COST_BLOCK_SCALED if block_scaled else COOP_TILE_INPUT_COST
+    wide = COOP_WIDE_TILE_INPUT_COST_FP8 if fp8 else COOP_TILE_INPUT_COST
     return 1.0 + sum(wide if i.wide else COOP_TILE_INPUT_COST for i in tiles)
 
 
@@ -106,7 +107,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows)
-                  * _epilogue_factor(tree, c, block_scaled))
+                  * _epilogue_factor(tree, c, fp8))
 
 
 def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False,

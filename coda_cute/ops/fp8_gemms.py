@@ -53,10 +53,12 @@ def check_fp8_widths(op: str, **widths) -> None:
 def weight(w: torch.Tensor, pow2: bool = False, row: bool = False):
     """W (N, K) in FP8 128 x 128 blocks: (q, scales, qt = q^T (K, N)); N a multiple of 16
     (:func:`check_fp8_widths`); ``pow2``: power-of-two scales; ``row``: the row-wise recipe, q with
-    one scale per row of W, qt with one per column, scales (N + K, 1) those two. The kernel on
-    CUDA, the reference inside ``reference_on_cpu``."""
+    one scale per row of W, qt with one per column, scales (N + K, 1) those two (fp32 masters
+    rounded to bf16 first: 2^-9 relative, far inside FP8's 2^-4). The kernel on CUDA, the
+    reference inside ``reference_on_cpu``."""
     if row:
-        q, s, qt, st = quantize_rowwise_fp8(w, FP8, pow2_scales=pow2)
+        w16 = w if w.dtype in (torch.bfloat16, torch.float16) else w.to(torch.bfloat16)
+        q, s, qt, st = quantize_rowwise_fp8(w16, FP8, pow2_scales=pow2)
         return q, torch.cat([s, st]), qt
     if w.device.type == "cuda":
         return quantize_weight(w, None, FP8, transposed=True, pow2=pow2)

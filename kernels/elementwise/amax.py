@@ -59,7 +59,8 @@ class AbsMax:
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout((HALVES, BLOCK)), 16)
+        # row-major: the column reads below are conflict-free, the writes 4-way (8 per thread)
+        red = smem.allocate_tensor(Float32, cute.make_layout((HALVES, BLOCK), stride=(BLOCK, 1)), 16)
         h, j = tidx // LANES, tidx % LANES
         col = Int32(bx * LANES + j)
         buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
