@@ -200,7 +200,8 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
         scales = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=x.device)
     spec = QuantizeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
                             dispatch.arch_of(x.device), pow2)
-    get_kernel(spec).fn(x, q, scales)
+    if x.numel():  # an empty x has no blocks (and a grid of no CTAs is no launch)
+        get_kernel(spec).fn(x, q, scales)
     return q, scales
 
 
@@ -263,7 +264,8 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
         q, s = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1]
     spec = QuantizeDualSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."), rows,
                             dispatch.arch_of(x.device), pow2)
-    get_kernel(spec).fn(x, q, s, qt, st)
+    if x.numel():  # an empty x has no blocks (and a grid of no CTAs is no launch)
+        get_kernel(spec).fn(x, q, s, qt, st)
     return (q, s, qt, st) if rows else (None, None, qt, st)
 
 
@@ -300,6 +302,8 @@ def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True):
     m, k = x.shape
     row_amax = torch.zeros(m if rows else 1, dtype=torch.float32, device=x.device)
     col_amax = torch.zeros(k if cols else 1, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:  # the max over no values is 0 here: a zero block's scale is 1
+        return row_amax if rows else None, col_amax if cols else None
     get_kernel(AbsMaxSpec(str(x.dtype).removeprefix("torch."), rows, cols, dispatch.arch_of(x.device))).fn(
         x, row_amax, col_amax)
     return row_amax if rows else None, col_amax if cols else None
@@ -320,6 +324,11 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     m, k = x.shape
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
+    if x.numel() == 0:  # rows or columns without values: zero blocks, scale 1, nothing to launch
+        ones = lambda n: torch.ones((n, 1), dtype=torch.float32, device=x.device)  # noqa: E731
+        empty = lambda r, c: torch.empty((r, c), dtype=out_dtype, device=x.device)  # noqa: E731
+        return (empty(m, k) if rows else None, ones(m) if rows else None,
+                empty(k, m) if cols else None, ones(k) if cols else None)
     row_amax, col_amax = abs_max(x, rows, cols)
     if rows:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
@@ -397,7 +406,8 @@ def quantize_weight(w: torch.Tensor, gamma: torch.Tensor | None = None, out_dtyp
     name = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
     spec = QuantizeWeightSpec(name(w), None if gamma is None else name(gamma),
                               str(out_dtype).removeprefix("torch."), dispatch.arch_of(w.device), transposed, pow2)
-    get_kernel(spec).fn(w, gamma, q, scales, qt)
+    if w.numel():  # an empty w has no blocks (and a grid of no CTAs is no launch)
+        get_kernel(spec).fn(w, gamma, q, scales, qt)
     return (q, scales, qt) if transposed else (q, scales)
 
 

@@ -381,3 +381,19 @@ def test_rowwise_op_passes_opcheck_and_its_fake_matches():
     with FakeTensorMode():
         out = torch.ops.coda.quantize_fp8_rowwise(torch.empty(16384, 4096, dtype=torch.bfloat16, device="cuda"))
     assert [tuple(t.shape) for t in out] == [(16384, 4096), (16384, 1), (4096, 16384), (4096, 1)]
+
+
+def test_quantizers_take_no_tokens():
+    """An empty batch: empty values, the scales of no blocks, and in the row-wise recipe's
+    transposed layout a column without values is a zero block with scale 1, like the
+    reference's zero blocks; nothing is launched on the GPU path (``elementwise``'s launchers
+    skip it)."""
+    from coda_cute.ops.quantize import quantize_rowwise_fp8
+
+    x = torch.empty(0, 256).bfloat16()
+    with coda_cute.reference_on_cpu():
+        q, s = torch.ops.coda.quantize_fp8(x)
+        assert q.shape == (0, 256) and s.shape == (0, 2)
+        q, s, qt, st = quantize_rowwise_fp8(x, E4M3)
+    assert q.shape == (0, 256) and s.shape == (0, 1) and qt.shape == (256, 0)
+    assert torch.equal(st, torch.ones(256, 1))

@@ -217,3 +217,19 @@ def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype,
         nan = want_q.float().isnan()
         assert bool((got_q.float().isnan() == nan).all())
         assert torch.equal(got_q.view(torch.uint8)[~nan], want_q.view(torch.uint8)[~nan])
+
+
+def test_quantize_launchers_take_no_tokens():
+    """An empty batch launches nothing (a grid of no CTAs is an error): empty values, no block
+    scales, and the row-wise recipe's columns without values scale 1 (zero blocks)."""
+    from coda_cute.elementwise import abs_max, quantize_dual, quantize_rows, quantize_rowwise
+
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
+    q, s = quantize_rows(x)
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+    assert [tuple(t.shape) for t in quantize_dual(x)] == [(0, 256), (0, 2), (256, 0), (256, 0)]
+    assert abs_max(x)[0].shape == (0,) and bool((abs_max(x)[1] == 0).all())
+    q, s, qt, st = quantize_rowwise(x)
+    assert q.shape == (0, 256) and s.shape == (0, 1) and qt.shape == (256, 0)
+    assert bool((st == 1).all()) and st.shape == (256, 1)
+    torch.cuda.synchronize()

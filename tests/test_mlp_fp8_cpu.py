@@ -290,3 +290,13 @@ def test_row_wise_weights_take_fp32_masters_through_bf16():
         got, want = weight(w, row=True), weight(w.bfloat16(), row=True)
     for g, t in zip(got, want):
         assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
+
+
+@RECIPES
+def test_an_empty_batch_runs_forward_and_backward(row):
+    """No tokens: empty outputs and dy, and weight gradients of zeros (a sum over no tokens)."""
+    y, ss, w_gu, w_down, dy2 = _inputs(16, 128, 128, 5)
+    y2, (dy, dw_gu, dw_down) = _grads(torch.ops.coda.mlp_block_fp8, y[:0], ss[:0], w_gu, w_down, dy2[:0],
+                                      row_scaling=row)
+    assert y2.shape == (0, 128) and dy.shape == (0, 128)
+    assert dw_gu.shape == w_gu.shape and not dw_gu.any() and dw_down.shape == w_down.shape and not dw_down.any()

@@ -124,3 +124,16 @@ def test_fused_quantization_keeps_the_gradients(m, monkeypatch):
     for f, p, leaf in zip(fg, pg, leaves):
         assert rel_err(f.double(), leaf.grad) < 0.08
         assert rel_err(f.double(), p.double()) < 0.04
+
+
+@RECIPES
+def test_an_empty_batch_runs_forward_and_backward(row):
+    """No tokens on the GPU: no quantize or GEMM launch fails, dy is empty, the weight gradients
+    are zeros (a sum over no tokens)."""
+    y, ss, w_gu, w_down, dy2 = _inputs(16, 256, 256)
+    leaves = [t.clone().requires_grad_() for t in (y[:0], w_gu, w_down)]
+    out = torch.ops.coda.mlp_block_fp8(leaves[0], ss[:0], leaves[1], leaves[2], EPS, row_scaling=row)[0]
+    out.backward(dy2[:0])
+    torch.cuda.synchronize()
+    assert out.shape == (0, 256) and leaves[0].grad.shape == (0, 256)
+    assert not leaves[1].grad.any() and not leaves[2].grad.any()

@@ -152,7 +152,9 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
     transposed quantization given, :func:`grad_operands`; x's scales powers of two with
     ``pow2``), or bf16 where there is none; ``row``: one scale per feature over all the tokens,
-    on the plain FP8 GEMM."""
+    on the plain FP8 GEMM. No tokens: dW = 0, a sum over none."""
+    if dy.shape[0] == 0:
+        return dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
         return gemm_op(dy.t(), x)
     if row:

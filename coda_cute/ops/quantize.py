@@ -173,8 +173,13 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool 
     if x.device.type == "cuda":
         return quantize_rowwise(x, dtype, rows, cols, pow2_scales)
     dispatch.require_reference(OP_ROWWISE)
-    q_s = quantize_blocks_ref(x.float(), (1, k), dtype, pow2_scales) if rows else (None, None)
-    qt_st = quantize_blocks_ref(x.t().contiguous().float(), (1, m), dtype, pow2_scales) if cols else (None, None)
+
+    def whole_rows(t):  # a row without values is a zero block: scale 1
+        if t.numel() == 0:
+            return t.to(dtype), torch.ones((t.shape[0], 1), dtype=F32)
+        return quantize_blocks_ref(t.float(), (1, t.shape[1]), dtype, pow2_scales)
+    q_s = whole_rows(x) if rows else (None, None)
+    qt_st = whole_rows(x.t().contiguous()) if cols else (None, None)
     return (*q_s, *qt_st)
 
 
