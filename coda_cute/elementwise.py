@@ -18,8 +18,8 @@ from .precision import block_scales_m_major
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseCombineSpec", "RopeBackwardSpec",
            "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
-           "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight", "quantize_dual",
-           "quantize_rowwise", "AbsMaxSpec", "abs_max"]
+           "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight",
+           "quantize_dual", "quantize_rowwise", "AbsMaxSpec", "abs_max"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -322,13 +322,13 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     if not (rows or cols):
         raise ValueError("quantize_rowwise: ask for the rows, the columns or both")
     m, k = x.shape
-    dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
-    arch = dispatch.arch_of(x.device)
     if x.numel() == 0:  # rows or columns without values: zero blocks, scale 1, nothing to launch
         ones = lambda n: torch.ones((n, 1), dtype=torch.float32, device=x.device)  # noqa: E731
         empty = lambda r, c: torch.empty((r, c), dtype=out_dtype, device=x.device)  # noqa: E731
         return (empty(m, k) if rows else None, ones(m) if rows else None,
                 empty(k, m) if cols else None, ones(k) if cols else None)
+    dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
+    arch = dispatch.arch_of(x.device)
     row_amax, col_amax = abs_max(x, rows, cols)
     if rows:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)

@@ -11,8 +11,8 @@ Kernels: ``quantize_rows`` (1 x 128 along the rows: y, h, the attention output f
 transposed layout alone: h, y along the tokens for the weight gradients), and the row-wise recipe's
 ``quantize_rowwise`` (both layouts, columns alone, rows alone: one scale per whole row or column,
 its time including the launcher's amax pass, ``abs_max``, which reads x once more; the bytes
-counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts). Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336,
-2 ffn) and a ragged one.
+counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts).
+Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
 """

@@ -38,10 +38,10 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .fp8_gemms import (activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, row_scaled, wgrad)
+                        quantized_weights, residual_stats_tiles, wgrad)
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .residual import residual_norm_stats_tree
-from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
+from .rmsnorm import norm_backward_tree, norm_inputs
 
 OP = "coda.attention_block_fp8"
 
@@ -80,9 +80,10 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     scale rounded up to a power of two (``Fp8Recipe.pow2_scales``); ``qkv_q, qkv_s, qkv_qt``,
     ``o_q, o_s, o_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)``
     returns them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``),
-    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. d, n_heads * head_dim (hence the QKV width) multiples of
-    16. Returns the bf16 op's eight outputs, then the quantized weights kept for the backward
-    (W_qkv's FP8 transpose and its 128 x 128 scales, W_o's; empty when the caller passed them,
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. d, n_heads *
+    head_dim (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the
+    quantized weights kept for the backward (W_qkv's FP8 transpose and its scales, 128 x 128 or
+    row-wise (N + K, 1), W_o's; empty when the caller passed them,
     which the backward then uses); only y carries a gradient."""
     if x.device.type == "cpu":
         dispatch.require_reference(OP)
@@ -122,9 +123,7 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = _core_fake(q, k, v)
-    sms = dispatch.num_sms_or_default(x.device)
-    res_tree = row_scaled(residual_norm_stats_tree()) if row_scaling else residual_norm_stats_tree()
-    t = -(-d // tile_n_of(res_tree, m, d, hh, sms, x.device.type, block_scaled=not row_scaling, fp8=True))
+    t = residual_stats_tiles(m, d, hh, x.device, row_scaling)
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
     return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
             *kept_weights(w_qkv, cached, row_scaling), *kept_weights(w_o, cached, row_scaling))

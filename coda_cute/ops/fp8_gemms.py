@@ -32,6 +32,8 @@ from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
 from .quantize import quantize_dual_fp8, quantize_fp8, quantize_rowwise_fp8
+from .residual import residual_norm_stats_tree
+from .rmsnorm import tile_n_of
 
 FP8 = torch.float8_e4m3fn
 
@@ -82,9 +84,9 @@ def quantized_weights(op: str, given: list, pow2: bool, row: bool = False, **ws)
         for what, t, dtype, shape in (("q", q, FP8, tuple(w.shape)), ("scales", s, torch.float32, tuple(s_want.shape)),
                                       ("qt", qt, FP8, tuple(qt_want.shape))):
             if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device != w.device:
+                form = "row-wise" if row else "in 128 x 128 blocks"
                 raise ValueError(f"{op}: {name}'s quantized {what} must be a contiguous {dtype} {shape} "
-                                 f"tensor on {w.device} ({name} {'row-wise' if row else 'in 128 x 128 blocks'}), got {t.dtype} "
-                                 f"{tuple(t.shape)} on {t.device}")
+                                 f"tensor on {w.device} ({name} {form}), got {t.dtype} {tuple(t.shape)} on {t.device}")
         out.append((q, s, qt))
     return out
 
@@ -119,6 +121,15 @@ def row_scaled(tree: E.Epilogue) -> E.Epilogue:
     """``tree`` on the row-wise recipe's accumulator (one tree object per tree: plans are cached by
     it)."""
     return E.scale_acc(tree, "scale_a", "scale_b")
+
+
+def residual_stats_tiles(m: int, d: int, k: int, device, row: bool = False) -> int:
+    """The column tiles of the norm-statistics partials the FP8 residual tree (out-proj or
+    down-proj, (M, d) from K) writes: those of the config it runs on, block-scaled or with
+    ``row`` the plain FP8 kernel's (the fake implementations size their ``ss`` output by it)."""
+    tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
+    sms = dispatch.num_sms_or_default(device)
+    return -(-d // tile_n_of(tree, m, d, k, sms, device.type, block_scaled=not row, fp8=True))
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,

@@ -59,12 +59,12 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .fp8_gemms import (FP8, activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, row_scaled, wgrad)
+                        quantized_weights, residual_stats_tiles, wgrad)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_dual_fp8
 from .residual import residual_norm_stats_tree
-from .rmsnorm import norm_backward_tree, norm_inputs, tile_n_of
+from .rmsnorm import norm_backward_tree, norm_inputs
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
 
 OP = "coda.mlp_block_fp8"
@@ -104,7 +104,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
                   gu_q: Optional[torch.Tensor] = None, gu_s: Optional[torch.Tensor] = None,
                   gu_qt: Optional[torch.Tensor] = None, down_q: Optional[torch.Tensor] = None,
                   down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None,
-                  row_scaling: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  row_scaling: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
 
@@ -114,10 +115,11 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     up to a power of two (``Fp8Recipe.pow2_scales``); ``gu_q, gu_s, gu_qt``, ``down_q, down_s,
     down_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)`` returns
     them, kept by the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``),
-    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. Returns (y2, ss2, z, then the quantized weights kept for the
-    backward: W_gu's FP8 transpose (d, 2f) and its 128 x 128 scales, W_down's; empty when the
-    caller passed them, which the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8
-    and its scales (f, ceil(M / 128)), else two empty tensors); only y2 carries a gradient."""
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. Returns (y2, ss2,
+    z, then the quantized weights kept for the backward: W_gu's FP8 transpose (d, 2f) and its
+    scales (128 x 128, or row-wise (N + K, 1)), W_down's; empty when the caller passed them, which
+    the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8 and its scales (f, ceil(M
+    / 128)), else two empty tensors); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps)
@@ -156,9 +158,7 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
     if cached or any(t is not None for t in given):
         quantized_weights(OP, given, pow2_scales, row, w_gu=w_gu, w_down=w_down)
     d = y.shape[1]
-    sms = dispatch.num_sms_or_default(y.device)
-    res_tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
-    t = -(-d // tile_n_of(res_tree, m, d, f, sms, y.device.type, block_scaled=not row, fp8=True))
+    t = residual_stats_tiles(m, d, f, y.device, row)
     h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y, row)
            else _no_h_t(y))
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
