@@ -289,14 +289,17 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
 
 @pytest.mark.parametrize("rows, cols", [(True, True), (True, False), (False, True)])
 def test_abs_max_kernel_reads_once_and_folds_by_atomic_max(rows, cols):
-    """The row-wise recipe's amaxes: x read with 16-byte loads, one atomic max on the bits per
-    row of a tile (after a half-warp butterfly) and per column (after one barrier), no spills."""
+    """The row-wise recipe's amaxes: x read with 16-byte loads, 8 rows of STRIP tiles per thread;
+    one atomic max on the bits per row of the strip (after a half-warp butterfly, once) and per
+    column of each tile (after one barrier per tile), no spills."""
     from coda_cute.elementwise import AbsMaxSpec
+    from coda_cute.kernels.elementwise.amax import STRIP
 
     k = compile_elementwise(AbsMaxSpec("bfloat16", rows, cols), keep_artifacts=True)
     ptx = k.ptx
-    assert ptx.count("ld.global.v4.b32") == 8 and ptx.count("atom.global.max.s32") == 8 * rows + cols
-    assert ("shfl.sync.bfly" in ptx) == rows and ptx.count("bar.sync") == int(cols)
+    assert ptx.count("ld.global.v4.b32") == 8 * STRIP
+    assert ptx.count("atom.global.max.s32") == 8 * rows + STRIP * cols
+    assert ptx.count("shfl.sync.bfly") == 4 * 8 * rows and ptx.count("bar.sync") == STRIP * cols
     assert spill_bytes(k) == 0
 
 

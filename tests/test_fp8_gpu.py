@@ -149,7 +149,8 @@ def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, ro
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m, k", [(1, 8), (37, 200), (1000, 4104), (4096, 4096)])
+# the last: strips of 4 tiles along a wide row, the last strip holding one partial tile
+@pytest.mark.parametrize("m, k", [(1, 8), (37, 200), (1000, 4104), (4096, 4096), (130, 28680)])
 def test_abs_max_kernel_is_torchs_amax_bit_for_bit(m, k, dtype):
     """``abs_max``: every row's and column's max |x| (atomic max on the bits across tiles),
     ragged tiles, a zero row, an inf and a NaN (their row and column NaN / inf); rows or columns
