@@ -310,13 +310,16 @@ def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True):
 
 
 def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
-                     pow2: bool = False):
+                     pow2: bool = False, row_amax: torch.Tensor | None = None,
+                     col_amax: torch.Tensor | None = None):
     """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 (and M of 16 with ``cols``), in
     the row-wise recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1)
     one per whole column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M));
     ``rows`` / ``cols`` False: None for that pair. Two passes: :func:`abs_max` reads x for both
     amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
-    scales and casts."""
+    scales and casts. ``row_amax`` (M,) / ``col_amax`` (K,) fp32: amaxes already known (the
+    producing GEMM's epilogue reduced them), which spare :func:`abs_max` its pass where they
+    cover every one asked for."""
     from . import dispatch
 
     if not (rows or cols):
@@ -329,7 +332,11 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
                 empty(k, m) if cols else None, ones(k) if cols else None)
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
-    row_amax, col_amax = abs_max(x, rows, cols)
+    need_rows, need_cols = rows and row_amax is None, cols and col_amax is None
+    if need_rows or need_cols:
+        found = abs_max(x, need_rows, need_cols)
+        row_amax = found[0] if need_rows else row_amax
+        col_amax = found[1] if need_cols else col_amax
     if rows:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)

@@ -5,7 +5,9 @@ block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
 with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
-FP8 kernel), timed in the same turns.
+FP8 kernel) with a separate amax pass before each quantization, ``coda fp8 row-wise, amax fused``
+the same with the amaxes of h and dz' reduced in their GEMMs (``mlp_fp8.FUSED_AMAX`` on), all
+timed in the same turns.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -56,17 +58,18 @@ def coda_step(op, y, ss, w_gu, w_down, dy2):
     return step
 
 
-def with_fused_quant(step):
-    """``step`` with ``mlp_fp8.FUSED_QUANT`` on while it runs (the forward decides; the backward
-    follows what the forward saved)."""
+def with_switch(step, name: str, value: bool):
+    """``step`` with ``mlp_fp8.<name>`` (``FUSED_QUANT``, ``FUSED_AMAX``) set to ``value`` while it
+    runs (the forward decides; the backward follows what the forward saved)."""
     from coda_cute.ops import mlp_fp8
 
     def run():
-        before, mlp_fp8.FUSED_QUANT = mlp_fp8.FUSED_QUANT, True
+        before = getattr(mlp_fp8, name)
+        setattr(mlp_fp8, name, value)
         try:
             step()
         finally:
-            mlp_fp8.FUSED_QUANT = before
+            setattr(mlp_fp8, name, before)
     return run
 
 
@@ -259,10 +262,12 @@ def main(argv=None) -> int:
     fns = {"fp8 shadow (6 row-wise _scaled_mm)": shadow_step(m, d, f)}
     if not args.baselines_only:
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
-        fns["coda fp8, quantize fused"] = with_fused_quant(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
-                                                                     w_down, dy2))
-        fns["coda fp8 row-wise"] = coda_step(functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True),
-                                             y, ss, w_gu, w_down, dy2)
+        fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
+                                                                w_down, dy2), "FUSED_QUANT", True)
+        row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
+        fns["coda fp8 row-wise"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2), "FUSED_AMAX", False)
+        fns["coda fp8 row-wise, amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2),
+                                                           "FUSED_AMAX", True)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     fns.update(torchao_steps(y, dy2, d, f, console))
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
                   f"{alone[name][1]:.3f}")
     console.print(t)
     if args.profile:
-        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise"):
+        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", "coda fp8 row-wise, amax fused"):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows = quantize_bytes(m, d, f)

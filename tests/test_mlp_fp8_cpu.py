@@ -300,3 +300,73 @@ def test_an_empty_batch_runs_forward_and_backward(row):
                                       row_scaling=row)
     assert y2.shape == (0, 128) and dy.shape == (0, 128)
     assert dw_gu.shape == w_gu.shape and not dw_gu.any() and dw_down.shape == w_down.shape and not dw_down.any()
+
+
+@pytest.mark.parametrize("m", [256, 77])  # M a multiple of 16 (FP8 weight gradients), and ragged
+@pytest.mark.parametrize("e5m2_grads", [False, True])
+def test_row_wise_amax_in_the_epilogue_changes_nothing(m, e5m2_grads, monkeypatch):
+    """``FUSED_AMAX`` (the row-wise recipe's amaxes of h and dz' reduced in their GEMMs' epilogues)
+    gives the separate amax pass's results bit for bit: the forward and every gradient."""
+    from coda_cute.ops import mlp_fp8
+
+    y, ss, w_gu, w_down, dy2 = _inputs(m, 256, 384, 11)
+    kw = dict(e5m2_grads=e5m2_grads, row_scaling=True)
+    monkeypatch.setattr(mlp_fp8, "FUSED_AMAX", True)
+    fused_out, fused = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, **kw)
+    monkeypatch.setattr(mlp_fp8, "FUSED_AMAX", False)
+    plain_out, plain = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, **kw)
+    assert torch.equal(fused_out, plain_out)
+    for name, f, p in zip(("dy", "dw_gu", "dw_down"), fused, plain):
+        assert torch.equal(f, p), name
+
+
+def _amax_tree_outputs(m, d, f, poison_row=None):
+    """The row-wise down-proj dgrad with the amax sinks on the reference path, (outputs, z): the
+    operands quantized row-wise, z the saved pre-activation (a NaN in ``poison_row``)."""
+    from coda_cute.ops import mlp_fp8
+    from coda_cute.ops.fp8_gemms import project, weight
+    from coda_cute.ops.quantize import quantize_rowwise_fp8
+    from coda_cute.ops.rmsnorm import norm_inputs
+
+    y, ss, _, w_down, dy2 = _inputs(m, d, f, 12)
+    z = (torch.randn(m, 2 * f) * 3).bfloat16()
+    if poison_row is not None:
+        z[poison_row, 5] = float("nan")
+    with coda_cute.reference_on_cpu():
+        _, _, qt = weight(w_down, row=True)
+        s = weight(w_down, row=True)[1]
+        dy_q, dy_s = quantize_rowwise_fp8(dy2, cols=False)[:2]
+        out = project("test", mlp_fp8.swiglu_backward_amax_tree(), dy_q, dy_s, qt, s,
+                      dict(norm_inputs(d, ss, EPS), z=z), transposed=True, row=True)
+    return out
+
+
+@pytest.mark.parametrize("m", [200, 77])
+def test_row_wise_amax_partials_are_the_stored_tensors_amax(m):
+    """The down-proj dgrad's amax partials finish to max |x| of the bf16 dz' (per row, per
+    column) and h (per column) it stores, exactly; a NaN in a row of z makes that row's and its
+    columns' amax inf (the quantizer then gives them NaN scales, as ``quantize_blocks_ref`` does
+    a row holding NaN)."""
+    from coda_cute.ops.fp8_gemms import finish_amax
+
+    out = _amax_tree_outputs(m, 256, 384)
+    dz, h = out["dz"].float(), out["h"].float()
+    assert torch.equal(finish_amax(out["dz_amax"]), dz.abs().amax(1))
+    assert torch.equal(finish_amax(out["dzg_amax_t"]), dz[:, 0::2].abs().amax(0))
+    assert torch.equal(finish_amax(out["dzu_amax_t"]), dz[:, 1::2].abs().amax(0))
+    assert torch.equal(finish_amax(out["h_amax_t"]), h.abs().amax(0))
+    bad = _amax_tree_outputs(m, 256, 384, poison_row=3)
+    row_amax, h_cols = finish_amax(bad["dz_amax"]), finish_amax(bad["h_amax_t"])
+    assert row_amax[3] == float("inf") and torch.isfinite(row_amax[torch.arange(m) != 3]).all()
+    assert h_cols[2] == float("inf") and finish_amax(bad["dzg_amax_t"])[2] == float("inf")
+
+
+@pytest.mark.parametrize("tree, n, k", [("forward", 28672, 4096), ("backward", 14336, 4096)])
+def test_row_wise_amax_trees_build_without_spills(tree, n, k):
+    """The two trees with amax sinks on the plain FP8 kernel, scales on the accumulator, the
+    config the runner picks at Llama-3-8B's shapes."""
+    from coda_cute.ops import mlp_fp8
+
+    t = row_scaled(mlp_fp8.norm_swiglu_amax_tree() if tree == "forward" else mlp_fp8.swiglu_backward_amax_tree())
+    cfg = choose_config(t, 16384, n, k, 1, True, False, 132, block_scaled=False)
+    assert not spills(t, cfg, True, 132, block_scaled=False)

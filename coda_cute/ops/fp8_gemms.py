@@ -108,12 +108,29 @@ def weight_fake(w: torch.Tensor, row: bool = False):
     return w.new_empty((k, n), dtype=FP8), w.new_empty(grid, dtype=torch.float32)
 
 
-def activation(x: torch.Tensor, pow2: bool = False, row: bool = False):
+def activation(x: torch.Tensor, pow2: bool = False, row: bool = False, amax: torch.Tensor | None = None):
     """(q, scales) of an activation x (M, K) for a forward GEMM: 1 x 128 blocks, or with ``row``
-    one scale per token, (M, 1)."""
+    one scale per token, (M, 1); ``amax``: x's row amaxes (M,) where its GEMM reduced them."""
     if row:
-        return quantize_rowwise_fp8(x, FP8, cols=False, pow2_scales=pow2)[:2]
+        return quantize_rowwise_fp8(x, FP8, cols=False, pow2_scales=pow2, row_amax=amax)[:2]
     return quantize_fp8(x, "1x128", None, FP8, pow2)
+
+
+def amax_value(x: E.Node) -> E.Node:
+    """|x| for an amax reduction in an epilogue (``E.row_reduce`` / ``E.col_reduce`` with op
+    "max", whose partials :func:`finish_amax` finishes), NaN read as +inf: the epilogue's max may
+    drop a NaN, and an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
+    row holding NaN. Apply it to the value as stored (its bf16 rounding), so the amax is that of
+    the tensor the quantizer reads, bit for bit."""
+    return E.where(x.ne(x), float("inf"), E.absolute(x))
+
+
+def finish_amax(partials: torch.Tensor) -> torch.Tensor:
+    """The amax (R,) fp32 from an epilogue's per-tile max partials (R, tiles); 0 over no tiles (an
+    empty batch: a zero block's scale is 1)."""
+    if partials.shape[-1] == 0:
+        return partials.new_zeros(partials.shape[:-1])
+    return E.finalize_max(partials).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,28 +165,33 @@ def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = 
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
-def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False):
+def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False, amax=(None, None)):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
     multiple of 16, along M transposed for its wgrad (else qt, st None); ``pow2``: power-of-two
-    scales; ``row``: one scale per row of g and, transposed, per column."""
+    scales; ``row``: one scale per row of g and, transposed, per column, ``amax`` their amaxes
+    (M,), (N,) where the GEMM that produced g reduced them (else None)."""
     if row:
-        return quantize_rowwise_fp8(g, grad_dtype, cols=g.shape[0] % 16 == 0, pow2_scales=pow2)
+        cols = g.shape[0] % 16 == 0
+        return quantize_rowwise_fp8(g, grad_dtype, cols=cols, pow2_scales=pow2, row_amax=amax[0],
+                                    col_amax=amax[1] if cols else None)
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
     return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)
 
 
-def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False) -> torch.Tensor:
+def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
+          x_amax: torch.Tensor | None = None) -> torch.Tensor:
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
     transposed quantization given, :func:`grad_operands`; x's scales powers of two with
     ``pow2``), or bf16 where there is none; ``row``: one scale per feature over all the tokens,
-    on the plain FP8 GEMM. No tokens: dW = 0, a sum over none."""
+    on the plain FP8 GEMM (``x_amax``: x's column amaxes where its GEMM reduced them). No
+    tokens: dW = 0, a sum over none."""
     if dy.shape[0] == 0:
         return dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
         return gemm_op(dy.t(), x)
     if row:
-        _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2)
+        _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, col_amax=x_amax)
         return gemm_op(dyt_q, xt_q.t(), dyt_s, xt_s[:, 0], dy.dtype)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

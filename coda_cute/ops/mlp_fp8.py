@@ -35,7 +35,21 @@ and two barriers per sub-tile, in a cooperative epilogue the tensor cores wait f
 ``row_scaling`` runs the second recipe, ``Fp8Recipe(scaling="row")`` (``ops.fp8_gemms``): every
 operand with one scale per whole row along K, the six GEMMs on the plain FP8 kernel with the
 scales applied to the accumulator in the same trees; ``FUSED_QUANT`` does not apply (its sinks
-quantize 1 x 128 blocks).
+quantize 1 x 128 blocks). A whole row's scale needs the whole row's amax, which no tile has, so
+each tensor is quantized in a pass after its GEMM; with ``FUSED_AMAX`` the GEMM that produces it
+reduces the amaxes that pass needs in its epilogue (per-tile max partials, ``fp8_gemms.amax_value``):
+
+    gate/up GEMM     max_j |h[m, j]|                  h's row scales (the down-proj's operand)
+    down-proj dgrad  max_j |dz'[m, j]|, max_m |dz'[m, j]|, max_m |h[m, j]|
+                     dz' both ways (gate/up dgrad, wgrad), h^T (the down-proj wgrad)
+
+so those quantize passes read their tensor once instead of twice (``elementwise.abs_max`` first).
+The amaxes are those of the bf16 values the quantizer reads, bit for bit: the same scales. Off: its
+GPU tests pass (``tests/test_mlp_fp8_gpu.py``), but on the H200 (2026-12-03,
+``scripts/bench_fp8.py``, d 4096, ffn 14336, 16384 tokens, in turns) it is slower: 21.24 ms per
+forward + backward against 18.50 with the amax passes. The gate/up GEMM took 3.34 ms against 3.14
++ the 0.15 ms pass it saves; the down dgrad 4.22 ms against 2.04 + 0.63 ms of passes (its three
+column maxima: shuffles and shared-memory partials in an epilogue the tensor cores wait for).
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
@@ -58,18 +72,20 @@ from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (FP8, activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, residual_stats_tiles, wgrad)
+from .fp8_gemms import (FP8, activation, amax_value, check_fp8_widths, finish_amax, grad_format, grad_operands,
+                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_dual_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
-from .swiglu import norm_swiglu_tree, swiglu_backward_tree
+from .swiglu import norm_swiglu_tree, swiglu_backward_sinks, swiglu_backward_tree, swiglu_backward_values
 
 OP = "coda.mlp_block_fp8"
 #: quantize h^T and dz' in the GEMMs that produce them (module docstring)
 FUSED_QUANT = False
+#: the row-wise recipe: the amaxes of h and dz' reduced in the GEMMs that produce them (module docstring)
+FUSED_AMAX = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +106,26 @@ def swiglu_backward_fp8_tree(grad_dtype: str, pow2: bool) -> E.Epilogue:
     dz = E.cast(next(s for s in base.sinks if s.name == "dz").x, "bfloat16")
     zdz = next(s for s in base.sinks if s.name == "zdz")
     return E.Epilogue(zdz, E.quantize(dz, "dz_q", grad_dtype, pow2), E.quantize(dz, "dz_t", grad_dtype, pow2, True))
+
+
+@functools.lru_cache(maxsize=None)
+def norm_swiglu_amax_tree() -> E.Epilogue:
+    """``norm_swiglu_tree`` plus h's row amax partials "h_amax" (the row-wise recipe)."""
+    base = norm_swiglu_tree()
+    h = next(s for s in base.sinks if s.name == "h").x
+    return E.Epilogue(*base.sinks, E.row_reduce(amax_value(E.cast(h, "bfloat16")), "max", "h_amax"))
+
+
+@functools.lru_cache(maxsize=None)
+def swiglu_backward_amax_tree() -> E.Epilogue:
+    """``swiglu_backward_tree`` plus the row-wise recipe's amax partials: dz' per row
+    ("dz_amax"), per column of its gate and up halves ("dzg_amax_t", "dzu_amax_t"), h per column
+    ("h_amax_t")."""
+    v = swiglu_backward_values()
+    dz_g, dz_u, h = (amax_value(E.cast(v[k], "bfloat16")) for k in ("dz_g", "dz_u", "h"))
+    return E.Epilogue(*swiglu_backward_sinks(v), E.row_reduce(E.maximum(dz_g, dz_u), "max", "dz_amax"),
+                      E.col_reduce(dz_g, "max", "dzg_amax_t"), E.col_reduce(dz_u, "max", "dzu_amax_t"),
+                      E.col_reduce(h, "max", "h_amax_t"))
 
 
 def check_mlp_fp8(y, ss, w_gu, w_down, eps):
@@ -128,9 +164,11 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
                                                                          w_gu=w_gu, w_down=w_down)
     fused = _fused(y, row)
-    tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
+    amax = row and FUSED_AMAX
+    tree = norm_swiglu_fp8_tree(pow2_scales) if fused else (norm_swiglu_amax_tree() if amax else norm_swiglu_tree())
     out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row)
-    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row), down_q, down_s,
+    h_amax = finish_amax(out["h_amax"]) if amax else None
+    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row, h_amax), down_q, down_s,
                   {"residual": y}, row=row)
     h_t = out["h_t"] if fused else _no_h_t(y)
     if given[0] is not None:
@@ -182,10 +220,16 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
         dw_down = gemm_blockwise(dyt_q, dyt_s, *h_t, dy2.dtype, "1x128") if needs[2] else None
         dw_gu = gemm_blockwise(dzt_q, dzt_s, yt_q, yt_s, dy2.dtype, "1x128") if needs[1] else None
     else:
-        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row)
+        amax = row and FUSED_AMAX
+        tree = swiglu_backward_amax_tree() if amax else swiglu_backward_tree()
+        bwd = project(OP, tree, dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row)
         dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row)
-        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row) if needs[2] else None
+        dz_amax, h_amax = (None, None), None
+        if amax:  # dz' columns alternate gate, up
+            dz_cols = torch.stack((finish_amax(bwd["dzg_amax_t"]), finish_amax(bwd["dzu_amax_t"])), -1).flatten()
+            dz_amax, h_amax = (finish_amax(bwd["dz_amax"]), dz_cols), finish_amax(bwd["h_amax_t"])
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row, dz_amax)
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, h_amax) if needs[2] else None
         dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row) if needs[1] else None
     dy = None
     if needs[0]:

@@ -159,27 +159,36 @@ OP_ROWWISE = "coda.quantize_fp8_rowwise"
 
 
 def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
-                         pow2_scales: bool = False):
+                         pow2_scales: bool = False, row_amax: Optional[torch.Tensor] = None,
+                         col_amax: Optional[torch.Tensor] = None):
     """(q, s, qt, st): x (M, K) in FP8 with one scale per whole row, s (M, 1), and x^T (K, M) with
     one per whole column of x, st (K, 1): ``quantize_blocks_ref`` with blocks (1, K) and (1, M),
     the operands of the row-wise GEMM (x @ B with ``scale_a=s``; a weight gradient x^T @ B over the
     tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules (M a multiple of 16 only with
-    ``cols``); ``rows`` / ``cols`` False: None for that pair. The kernel on CUDA
+    ``cols``); ``rows`` / ``cols`` False: None for that pair. ``row_amax`` (M,), ``col_amax`` (K,):
+    fp32 amaxes of x's rows / columns known already (reduced in the epilogue of the GEMM that
+    produced x), used instead of reading x for them. The kernel on CUDA
     (``elementwise.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
     if cols:
         m, k = check_dual(x, dtype, OP_ROWWISE)
     else:
         m, k, _ = check_quantize(x, "1x128", None, dtype, OP_ROWWISE)
+    for name, t, n in (("row_amax", row_amax, m), ("col_amax", col_amax, k)):
+        if t is not None and (t.dtype != F32 or tuple(t.shape) != (n,) or t.stride(0) != 1):
+            raise ValueError(f"{OP_ROWWISE}: {name} must be a contiguous ({n},) fp32 tensor (one per "
+                             f"{name[:3]} of x), got {t.dtype} {tuple(t.shape)}")
+    check_same_device(OP_ROWWISE, x=x, row_amax=row_amax, col_amax=col_amax)
     if x.device.type == "cuda":
-        return quantize_rowwise(x, dtype, rows, cols, pow2_scales)
+        return quantize_rowwise(x, dtype, rows, cols, pow2_scales, row_amax, col_amax)
     dispatch.require_reference(OP_ROWWISE)
 
-    def whole_rows(t):  # a row without values is a zero block: scale 1
+    def whole_rows(t, amax):  # a row without values is a zero block: scale 1
         if t.numel() == 0:
             return t.to(dtype), torch.ones((t.shape[0], 1), dtype=F32)
-        return quantize_blocks_ref(t.float(), (1, t.shape[1]), dtype, pow2_scales)
-    q_s = whole_rows(x) if rows else (None, None)
-    qt_st = whole_rows(x.t().contiguous()) if cols else (None, None)
+        return quantize_blocks_ref(t.float(), (1, t.shape[1]), dtype, pow2_scales,
+                                   None if amax is None else amax[:, None])
+    q_s = whole_rows(x, row_amax) if rows else (None, None)
+    qt_st = whole_rows(x.t().contiguous(), col_amax) if cols else (None, None)
     return (*q_s, *qt_st)
 
 
