@@ -302,7 +302,7 @@ def test_an_empty_batch_runs_forward_and_backward(row):
     assert dw_gu.shape == w_gu.shape and not dw_gu.any() and dw_down.shape == w_down.shape and not dw_down.any()
 
 
-@pytest.mark.parametrize("m", [256, 77])  # M a multiple of 16 (FP8 weight gradients), and ragged
+@pytest.mark.parametrize("m", [256, 77, 0])  # M a multiple of 16 (FP8 weight gradients), ragged, none
 @pytest.mark.parametrize("e5m2_grads", [False, True])
 def test_row_wise_amax_in_the_epilogue_changes_nothing(m, e5m2_grads, monkeypatch):
     """``FUSED_AMAX`` (the row-wise recipe's amaxes of h and dz' reduced in their GEMMs' epilogues)

@@ -48,8 +48,10 @@ The amaxes are those of the bf16 values the quantizer reads, bit for bit: the sa
 GPU tests pass (``tests/test_mlp_fp8_gpu.py``), but on the H200 (2026-12-03,
 ``scripts/bench_fp8.py``, d 4096, ffn 14336, 16384 tokens, in turns) it is slower: 21.24 ms per
 forward + backward against 18.50 with the amax passes. The gate/up GEMM took 3.34 ms against 3.14
-+ the 0.15 ms pass it saves; the down dgrad 4.22 ms against 2.04 + 0.63 ms of passes (its three
-column maxima: shuffles and shared-memory partials in an epilogue the tensor cores wait for).
++ the 0.15 ms pass it saves; the down dgrad 4.22 ms against 2.04 + 0.63 ms of passes. The down
+dgrad's epilogue is at the edge of its registers: with the amax sinks every config the runner
+ranks above ping-pong 64 x 64 spills (sm_90a builds: one more row reduction alone spills ping-pong
+64 x 128, the base tree's config; two column reductions do not), so it runs on that small tile.
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
