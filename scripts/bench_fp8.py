@@ -60,7 +60,7 @@ def coda_step(op, y, ss, w_gu, w_down, dy2):
 
 def with_switch(step, name: str, value: bool):
     """``step`` with ``mlp_fp8.<name>`` (``FUSED_QUANT``, ``FUSED_AMAX``) set to ``value`` while it
-    runs (the forward decides; the backward follows what the forward saved)."""
+    runs: its forward and its backward both."""
     from coda_cute.ops import mlp_fp8
 
     def run():
