@@ -42,6 +42,11 @@ GEMM of the step with its training layout (torch.mm, bf16), M = batch x seq toke
   (B, Hkv, S, hd) k, v; torch.autograd.grad through it) once per layer. Each distinct piece is
   timed in turns with the others; shadow_ms = sum of count x piece + layers x attention, and the
   step's target is coda / shadow <= 1. "chain" times the same sequence back to back as one launch.
+  With ``--fp8`` / ``--fp8-row`` also the FP8 shadow: the layers' GEMMs as FP8 row-wise
+  ``torch._scaled_mm`` on pre-quantized operands, the LM head's in bf16, attention as above
+  (shadow_fp8_ms; each piece's ``fp8_ms``; the same sequence back to back as one launch,
+  shadow_fp8_chain_ms): shadow / FP8 shadow is what the FP8 step could gain on the bf16 one if
+  its quantization cost nothing.
 
 Block: CodaLlamaBlock (layer 0 of the CODA model) forward + backward on a random residual stream
 x (B, S, d) bf16 (grad w.r.t. x, its norm stats ss = embedding_norm_stats(x) as a leaf that needs
@@ -64,10 +69,12 @@ top 15 with their share of all GPU time and their call counts.
 JSON (``--json``): a list, one record per config: config, tokens, batch, seq, layers;
 {coda,hf_eager,hf_compile,liger}_ms, _peak_gib and _j_per_step (null when not run or failed;
 ``energy``: each variant's joules_per_call record); ratio_to_coda
-(baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_gemm_ms,
-shadow_attention_ms, shadow_chain_ms, coda_over_shadow, gemm_flops, shadow_pieces (name, layout,
-m, n, k, count, ms, tflops), attention_ms (one layer); block_ms, block_gemm_ms, block_ratio;
-profile (total_ms, kernels, rows: name, ms, share, calls); errors (what failed, why); env.
+(baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_fp8_ms,
+shadow_fp8_chain_ms, shadow_gemm_ms, shadow_attention_ms, shadow_chain_ms, coda_over_shadow,
+gemm_flops, shadow_pieces (name, layout, m, n, k, count, ms, tflops, fp8_ms), attention_ms (one
+layer); block_ms, block_gemm_ms, block_ratio; profile (total_ms, kernels, rows: name, ms, share,
+calls) and, with --fp8 / --fp8-row, coda_fp8_profile / coda_fp8_row_profile; errors (what
+failed, why); env.
 
 Running it on the GPU machine (torch >= 2.11 with CUDA, triton, transformers, coda_cute importable):
 Liger-Kernel 0.8.x is a pure-Python wheel. Fetch it on a machine with PyPI access into .wheels/
@@ -121,8 +128,9 @@ from coda_cute.sol.energy import joules_per_call  # noqa: E402
 #: milliseconds of back-to-back steps per variant for its joules per step
 ENERGY_RUN_MS = 2500
 
-SHADOW_KEYS = ("shadow_ms", "shadow_gemm_ms", "shadow_attention_ms", "shadow_chain_ms", "attention_ms",
-               "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio", "gemm_flops")
+SHADOW_KEYS = ("shadow_ms", "shadow_fp8_ms", "shadow_fp8_chain_ms", "shadow_gemm_ms", "shadow_attention_ms",
+               "shadow_chain_ms", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio",
+               "gemm_flops")
 VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "hf_eager", "hf_compile", "liger")
 BASELINES = VARIANTS[3:]
 
@@ -288,12 +296,14 @@ def run_config(spec: ModelSpec, args, device) -> dict:
 
     # Per-kernel profile of the CODA step.
     rec["profile"] = None
-    if "coda" in steps:
-        say("profiling one coda step")
+    for name in ("coda", "coda_fp8", "coda_fp8_row"):
+        if name not in steps:
+            continue
+        say(f"profiling one {name} step")
         try:
-            rec["profile"] = profile_step(steps["coda"][0], device)
+            rec["profile" if name == "coda" else f"{name}_profile"] = profile_step(steps[name][0], device)
         except Exception as exc:  # noqa: BLE001
-            report_failure("coda: profile", exc, errors, "coda_profile")
+            report_failure(f"{name}: profile", exc, errors, f"{name}_profile")
         zero_grads(all_params)
 
     # Shadow pieces and the block, in turns among themselves; the variants' models stay resident
@@ -353,7 +363,8 @@ def report(rec: dict, console: Console = out_console):
     for col in ("piece", "layout", "M x N x K", "count", "ms", "TFLOP/s"):
         pieces.add_column(col, justify="left" if col in ("piece", "layout", "M x N x K") else "right")
     for p in rec["shadow_pieces"]:
-        pieces.add_row(p["name"], p["layout"], f"{p['m']}x{p['n']}x{p['k']}", str(p["count"]), _ms(p["ms"]),
+        pieces.add_row(p["name"], p["layout"], f"{p['m']}x{p['n']}x{p['k']}", str(p["count"]),
+                       _ms(p["ms"]) + ("" if p.get("fp8_ms") is None else f" (FP8 {p['fp8_ms']:.3f})"),
                        "-" if p["tflops"] is None else f"{p['tflops']:.4g}")
     pieces.add_row("attention", "sdpa causal gqa", f"B{rec['batch']} S{rec['seq']}", str(rec["layers"]),
                    _ms(rec["attention_ms"]), "")
@@ -363,28 +374,42 @@ def report(rec: dict, console: Console = out_console):
             f"{_ms(rec['shadow_attention_ms'])} (back to back as one launch: {_ms(rec['shadow_chain_ms'])} ms); "
             f"coda / shadow = {'-' if rec['coda_over_shadow'] is None else format(rec['coda_over_shadow'], '.3f')}")
     console.print(line)
+    if rec.get("shadow_fp8_ms"):
+        fp8_line = (f"FP8 shadow (the layers' GEMMs as FP8 row-wise _scaled_mm, LM head bf16, attention) "
+                    f"{rec['shadow_fp8_ms']:.3f} ms (back to back as one launch: {_ms(rec.get('shadow_fp8_chain_ms'))} "
+                    f"ms): shadow / FP8 shadow = {rec['shadow_ms'] / rec['shadow_fp8_ms']:.3f} "
+                    f"(what an FP8 step with free quantization would gain on the bf16 one)")
+        for v in ("coda_fp8", "coda_fp8_row"):
+            if rec.get(f"{v}_ms"):
+                fp8_line += f"; {v} / FP8 shadow = {rec[f'{v}_ms'] / rec['shadow_fp8_ms']:.3f}"
+        console.print(fp8_line)
     if rec["block_ratio"] is not None:
         console.print(f"block (layer 0) fwd + bwd {rec['block_ms']:.3f} ms, attention {rec['attention_ms']:.3f} "
                       f"ms, its 12 GEMMs on cuBLAS {rec['block_gemm_ms']:.3f} ms: (block - attention) / GEMMs "
                       f"= {rec['block_ratio']:.3f}")
     else:
         console.print("block ratio: -")
-    prof = rec.get("profile")
-    if prof:
-        what = "CPU self time per op (smoke)" if smoke else "GPU time per kernel"
-        pt = Table(title=f"{rec['config']}: coda step, {what}: top {len(prof['rows'])} of {prof['kernels']}, "
-                         f"total {prof['total_ms']:.3f} ms")
-        pt.add_column("kernel", overflow="fold")
-        for col in ("ms", "share", "calls"):
-            pt.add_column(col, justify="right")
-        for r in prof["rows"]:
-            name = r["name"] if len(r["name"]) <= 120 else r["name"][:117] + "..."
-            pt.add_row(Text(name), f"{r['ms']:.3f}", f"{100 * r['share']:.1f}%", str(r["calls"]))
-        console.print(pt)
+    for variant in ("coda", "coda_fp8", "coda_fp8_row"):
+        prof = rec.get("profile" if variant == "coda" else f"{variant}_profile")
+        if prof:
+            _print_profile(rec, variant, prof, smoke, console)
     if rec["errors"]:
         console.print(f"[red]{rec['config']} errors:[/]")
         for k, v in rec["errors"].items():
             console.print(f"  {k}: {v}", markup=False)
+
+
+def _print_profile(rec: dict, variant: str, prof: dict, smoke: bool, console: Console):
+    what = "CPU self time per op (smoke)" if smoke else "GPU time per kernel"
+    pt = Table(title=f"{rec['config']}: {variant} step, {what}: top {len(prof['rows'])} of {prof['kernels']}, "
+                     f"total {prof['total_ms']:.3f} ms")
+    pt.add_column("kernel", overflow="fold")
+    for col in ("ms", "share", "calls"):
+        pt.add_column(col, justify="right")
+    for r in prof["rows"]:
+        name = r["name"] if len(r["name"]) <= 120 else r["name"][:117] + "..."
+        pt.add_row(Text(name), f"{r['ms']:.3f}", f"{100 * r['share']:.1f}%", str(r["calls"]))
+    console.print(pt)
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -403,6 +428,8 @@ def parse_args(argv=None):
                     help="also time CodaLlama in the row-wise FP8 recipe, Fp8Recipe(scaling='row') (coda_fp8_row)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
+    ap.add_argument("--fused-amax", action="store_true",
+                    help="coda_fp8_row with mlp_fp8.FUSED_AMAX on (the amaxes of h and dz' reduced in their GEMMs)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
     ap.add_argument("--smoke", action="store_true",
                     help="run every variant once on a tiny config on CPU (no timing, compile, Liger)")
@@ -444,11 +471,12 @@ def main(argv=None) -> int:
             sys.exit("bench_train needs a CUDA GPU (or --smoke)")
         device = "cuda"
         ctx = contextlib.nullcontext()
-    if args.fused_quant:
+    if args.fused_quant or args.fused_amax:
         from coda_cute.ops import mlp_fp8
-        mlp_fp8.FUSED_QUANT = True
+        mlp_fp8.FUSED_QUANT = mlp_fp8.FUSED_QUANT or args.fused_quant
+        mlp_fp8.FUSED_AMAX = mlp_fp8.FUSED_AMAX or args.fused_amax
     env = environment(device)
-    env["fused_quant"] = args.fused_quant
+    env["fused_quant"], env["fused_amax"] = args.fused_quant, args.fused_amax
     say(f"torch {env['torch']}, transformers {env['transformers']}, {env.get('gpu', device)}")
     if CODA_IMPORT_ERROR:
         say(f"[bold red]{CODA_IMPORT_ERROR}[/]: the coda variant is recorded as null")

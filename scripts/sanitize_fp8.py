@@ -7,7 +7,8 @@ quantizations of a gradient in one pass, the row-wise recipe's whole rows and co
 E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and backward in each recipe:
 the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the weight-gradient form)
 and the FP8 LM head, then their row-wise GEMMs (the scales on the accumulator), on a token count
-that is no multiple of the tiles.
+that is no multiple of the tiles; the row-wise model once more with ``mlp_fp8.FUSED_AMAX`` on
+(the amaxes of h and dz' reduced in their GEMMs' epilogues).
 """
 
 import torch
@@ -32,8 +33,12 @@ def main():
     from coda_cute.nn import CodaLlama, LlamaConfig
     from coda_cute.precision import Fp8Recipe
 
+    from coda_cute.ops import mlp_fp8
+
     tokens = torch.randint(0, 1008, (3, 112), device="cuda")  # 336 tokens: a multiple of 16, not of 128
-    for recipe in (Fp8Recipe(lm_head_fp8=True), Fp8Recipe(scaling="row")):
+    for recipe, fused_amax in ((Fp8Recipe(lm_head_fp8=True), False), (Fp8Recipe(scaling="row"), False),
+                               (Fp8Recipe(scaling="row"), True)):
+        mlp_fp8.FUSED_AMAX = fused_amax  # the row-wise MLP with and without its epilogue amaxes
         cfg = LlamaConfig(256, 1, 4, 2, 384, 1008, head_dim=64, qk_norm=True, precision=recipe)
         model = CodaLlama(cfg, device="cuda")
         model(tokens, torch.roll(tokens, -1, 1)).backward()

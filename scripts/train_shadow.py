@@ -111,6 +111,29 @@ def gemm_fns(gemms: list, device, dtype=BF16) -> dict:
     return fns
 
 
+def fp8_gemm_fns(gemms: list, device) -> dict:
+    """name + ".fp8" -> the decoder layers' GEMMs (not the LM head's) as FP8 row-wise
+    ``torch._scaled_mm`` (E4M3 operands quantized with one fp32 scale per row of A and per column
+    of B, as an FP8 step's are, bf16 out) on random operands: A (m, k) row-major, B (k, n)
+    column-major, the layouts each GEMM of an FP8 step takes its operands in. No quantization is
+    timed: tensor-core time only."""
+    fp8 = torch.float8_e4m3fn
+
+    def rowwise(rows, k):
+        x = torch.randn(rows, k, device=device)
+        s = x.abs().amax(1, keepdim=True) / torch.finfo(fp8).max
+        return (x / s).to(fp8), s
+
+    fns = {}
+    for g in gemms:
+        if not g.per_layer:
+            continue
+        (a, sa), (b, sb) = rowwise(g.m, g.k), rowwise(g.n, g.k)
+        fns[g.name + ".fp8"] = (lambda a=a, b=b.t(), sa=sa, sb=sb.t():
+                                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16))
+    return fns
+
+
 def attention_fn(c: dict, batch: int, seq: int, device, dtype=BF16) -> Callable:
     """SDPA forward + backward (causal, GQA) on (B, H, S, hd) q and (B, Hkv, S, hd) k, v."""
     hd = c["head_dim"]
@@ -242,6 +265,9 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
     rec["shadow_pieces"] = [dict(name=g.name, linear=g.linear, kind=g.kind, layout=g.layout, m=g.m, n=g.n,
                                  k=g.k, count=g.count, ms=None, tflops=None) for g in gemms]
     fns = gemm_fns(gemms, device)
+    fp8 = (getattr(args, "fp8", False) or getattr(args, "fp8_row", False)) and torch.device(device).type == "cuda"
+    if fp8:
+        fns.update(fp8_gemm_fns(gemms, device))
     attention = attention_fn(c, b, s, device)
     fns["attention"] = attention
 
@@ -252,6 +278,14 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
         for _ in range(layers):
             attention()
     fns["chain"] = chain
+    if fp8:
+        def chain_fp8():
+            for g in gemms:
+                for _ in range(g.count):
+                    fns[g.name + ".fp8" if g.per_layer else g.name]()
+            for _ in range(layers):
+                attention()
+        fns["chain.fp8"] = chain_fp8
     if coda is not None:
         try:
             fns["block"] = block_fn(coda, b, s, device)
@@ -262,6 +296,8 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
     for p, g in zip(rec["shadow_pieces"], gemms):
         p["ms"] = st.get(g.name)
         p["tflops"] = g.flops / p["ms"] / 1e9 if p["ms"] else None
+        p["fp8_ms"] = st.get(g.name + ".fp8")
+    rec["shadow_fp8_chain_ms"] = st.get("chain.fp8")
     rec["attention_ms"] = st.get("attention")
     rec["shadow_chain_ms"] = st.get("chain")
     rec["block_ms"] = st.get("block")
@@ -272,6 +308,10 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
     rec["shadow_ms"] = rec["shadow_gemm_ms"] + rec["shadow_attention_ms"]
     if rec["coda_ms"]:
         rec["coda_over_shadow"] = rec["coda_ms"] / rec["shadow_ms"]
+    if fp8 and all(st.get(g.name + ".fp8") is not None for g in gemms if g.per_layer):
+        # the FP8 step's shadow: the layers' GEMMs in FP8, the LM head's in bf16, attention
+        rec["shadow_fp8_ms"] = rec["shadow_attention_ms"] + sum(
+            (st[g.name + ".fp8"] if g.per_layer else st[g.name]) * g.count for g in gemms)
     rec["block_gemm_ms"] = sum(st[g.name] for g in gemms if g.per_layer)
     if rec["block_ms"] is not None:
         rec["block_ratio"] = (rec["block_ms"] - rec["attention_ms"]) / rec["block_gemm_ms"]

@@ -13,7 +13,7 @@ from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPU
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue import nodes as N
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
-from coda_cute.kernels.epilogue.edges import zero_past_edge
+from coda_cute.kernels.epilogue.edges import nonnegative, unmasked_max, zero_past_edge, zero_past_rows
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
 from coda_cute.ops.qkv import norm_rope_qkv_tree
 from coda_cute.ops.residual import residual_norm_stats_tree
@@ -75,11 +75,11 @@ def test_qkv_tree_splits_q_k_tiles_from_v_tiles_and_prunes_each_side():
 
 @pytest.mark.parametrize("x, zero", [
     (E.acc(), True), (E.row_vec("r") * E.acc() - E.acc(), True), (E.acc() * E.rsqrt(E.row_sum("s")), True),
-    (E.square(-E.acc()), True), (E.acc() + E.col_vec("b"), False), (E.exp(E.acc()), False),
+    (E.square(-E.acc()), True), (E.exp(E.acc()), False),
     # tile inputs are zero-filled past N by their TMA loads
     (E.tile("t"), True), (E.cast(E.acc() + E.tile("t"), "bfloat16"), True),
     # column vectors are zero-padded past N: rsqrt(0) * 0 would be NaN there
-    (E.acc() * E.col_vec("w"), False), (E.acc() * E.rsqrt(E.col_vec("v")), False),
+    (E.acc() * E.col_vec("w"), False), (E.acc() + E.col_vec("b"), False), (E.acc() * E.rsqrt(E.col_vec("v")), False),
     # f(0) worked out: sigmoid(0) = 0.5, silu(0) = 0, 1 / 0 * 0 = NaN
     (E.sigmoid(E.acc()), False), (E.silu(E.acc()), True), (E.acc() * E.sigmoid(E.acc()) * (1 - E.acc()), True),
     (E.recip(E.acc()) * E.acc(), False), (E.acc() * E.exp(E.row_vec("lse")), True),
@@ -95,6 +95,33 @@ def test_qkv_tree_splits_q_k_tiles_from_v_tiles_and_prunes_each_side():
 def test_zero_past_edge(x, zero):
     # row and segment sums skip the bounds mask exactly for these summands
     assert zero_past_edge(x) is zero
+
+
+@pytest.mark.parametrize("x, zero", [
+    (E.acc(), True), (E.tile("t"), True), (E.exp(E.acc()), False), (E.silu(E.acc()) * E.tile("u"), True),
+    # row vectors read row M - 1 past M, column vectors the columns' own: numbers from inside
+    (E.acc() * E.row_vec("s") * E.col_vec("w"), True), (E.acc() * E.rsqrt(E.col_vec("v")), True),
+    (E.acc() + E.col_vec("b"), False), (E.acc() + E.row_vec("r"), False),
+    # pairs are columns of one row: no pair crosses M
+    (E.pairwise(lambda a, b: (b, a), E.acc()), True),
+    (E.where(E.row_index() < 64, E.acc(), 1.0), False), (E.where(E.col_index() < 64, E.acc(), 0.0), True)])
+def test_zero_past_rows(x, zero):
+    # column sums skip the row mask exactly for these summands
+    assert zero_past_rows(x) is zero
+
+
+def test_maxima_of_values_zero_past_the_edge_and_never_negative_go_unmasked():
+    a, b = E.silu(E.acc()) * E.tile("u"), E.acc() * E.col_vec("w")
+    assert nonnegative(E.absolute(a)) and nonnegative(E.maximum(E.absolute(a), b)) and nonnegative(E.square(b))
+    assert not nonnegative(a) and not nonnegative(E.absolute(a) - 1.0) and not nonnegative(E.minimum(E.absolute(a), b))
+    for axis in ("col", "row"):
+        assert unmasked_max(E.absolute(a), axis)
+        assert unmasked_max(E.maximum(E.absolute(a), E.absolute(E.acc() * E.row_vec("s"))), axis)
+        assert not unmasked_max(a, axis)  # max over negative values: a zero past the edge could win
+        assert not unmasked_max(E.exp(E.acc()), axis)  # >= 0, but 1 past the edge
+    # a column vector is unknown past N, a number from inside past M
+    assert unmasked_max(E.absolute(E.acc() * E.col_vec("w")), "row")
+    assert not unmasked_max(E.absolute(E.acc() * E.col_vec("w")), "col")
 
 
 def test_row_sums_of_values_zero_past_n_build_without_the_column_mask():

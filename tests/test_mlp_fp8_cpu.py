@@ -9,6 +9,7 @@ import torch
 
 import coda_cute
 from coda_cute import reference as R
+from coda_cute.compiler import KernelSpec, compile_gemm
 from coda_cute.epilogue.runner import choose_config, ranked_configs, spills
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.ops.fp8_gemms import row_scaled
@@ -370,3 +371,16 @@ def test_row_wise_amax_trees_build_without_spills(tree, n, k):
     t = row_scaled(mlp_fp8.norm_swiglu_amax_tree() if tree == "forward" else mlp_fp8.swiglu_backward_amax_tree())
     cfg = choose_config(t, 16384, n, k, 1, True, False, 132, block_scaled=False)
     assert not spills(t, cfg, True, 132, block_scaled=False)
+    if tree == "backward":  # its config is the plain tree's, no longer a smaller tile
+        assert cfg == choose_config(row_scaled(swiglu_backward_tree()), 16384, n, k, 1, True, False, 132)
+        # every max one FMNMX (max.NaN.f32), no NaN-to-inf or bf16 round trip per element (the
+        # plain tree's bf16 -> fp32 conversions, z's, and no more), and no row mask in the column
+        # maxima (|x| is zero past M, and a zero cannot raise a max of values >= 0): the only
+        # selects beyond the plain tree's are the row max's column mask (the column scale is
+        # unknown past N), one per element
+        ptx, base = (compile_gemm(KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, x, "sm_90a", 132),
+                                  keep_artifacts=True).ptx for x in (t, row_scaled(swiglu_backward_tree())))
+        assert ptx.count("max.NaN.f32") >= 4 * 64  # four reductions over 64 elements per thread
+        assert "setp.nan" not in ptx
+        assert ptx.count("selp.f32") == base.count("selp.f32") + 64
+        assert ptx.count("cvt.f32.bf16") == base.count("cvt.f32.bf16") > 0

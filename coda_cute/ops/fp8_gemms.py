@@ -23,6 +23,7 @@ then its column scales, where the block recipe has its 128 x 128 grid.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -118,19 +119,23 @@ def activation(x: torch.Tensor, pow2: bool = False, row: bool = False, amax: tor
 
 def amax_value(x: E.Node) -> E.Node:
     """|x| for an amax reduction in an epilogue (``E.row_reduce`` / ``E.col_reduce`` with op
-    "max", whose partials :func:`finish_amax` finishes), NaN read as +inf: the epilogue's max may
-    drop a NaN, and an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
-    row holding NaN. Apply it to the value as stored (its bf16 rounding), so the amax is that of
-    the tensor the quantizer reads, bit for bit."""
-    return E.where(x.ne(x), float("inf"), E.absolute(x))
+    "max", whose partials :func:`finish_amax` finishes), x the fp32 value whose bf16 rounding the
+    tree stores. Rounding is monotonic, so the rounding of the max is the max of the rounded
+    values: :func:`finish_amax` rounds once per amax instead of the epilogue once per element,
+    and the amax is that of the tensor the quantizer reads, bit for bit. A NaN propagates through
+    the epilogue's max (``fastmath.fast_max``)."""
+    return E.absolute(x)
 
 
-def finish_amax(partials: torch.Tensor) -> torch.Tensor:
-    """The amax (R,) fp32 from an epilogue's per-tile max partials (R, tiles); 0 over no tiles (an
-    empty batch: a zero block's scale is 1)."""
+def finish_amax(partials: torch.Tensor, stored=torch.bfloat16) -> torch.Tensor:
+    """The amax (R,) fp32 from an epilogue's per-tile max partials (R, tiles) of
+    :func:`amax_value`: their max rounded to ``stored`` (the dtype the tree stores the values in),
+    NaN read as +inf (an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
+    row holding NaN); 0 over no tiles (an empty batch: a zero block's scale is 1)."""
     if partials.shape[-1] == 0:
         return partials.new_zeros(partials.shape[:-1])
-    return E.finalize_max(partials).contiguous()
+    amax = E.finalize_max(partials).to(stored).float()
+    return amax.nan_to_num_(nan=math.inf, posinf=math.inf).contiguous()
 
 
 @functools.lru_cache(maxsize=None)

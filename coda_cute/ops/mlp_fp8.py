@@ -44,14 +44,17 @@ reduces the amaxes that pass needs in its epilogue (per-tile max partials, ``fp8
                      dz' both ways (gate/up dgrad, wgrad), h^T (the down-proj wgrad)
 
 so those quantize passes read their tensor once instead of twice (``elementwise.abs_max`` first).
-The amaxes are those of the bf16 values the quantizer reads, bit for bit: the same scales. Off: its
-GPU tests pass (``tests/test_mlp_fp8_gpu.py``), but on the H200 (2026-12-03,
-``scripts/bench_fp8.py``, d 4096, ffn 14336, 16384 tokens, in turns) it is slower: 21.24 ms per
-forward + backward against 18.50 with the amax passes. The gate/up GEMM took 3.34 ms against 3.14
-+ the 0.15 ms pass it saves; the down dgrad 4.22 ms against 2.04 + 0.63 ms of passes. The down
-dgrad's epilogue is at the edge of its registers: with the amax sinks every config the runner
-ranks above ping-pong 64 x 64 spills (sm_90a builds: one more row reduction alone spills ping-pong
-64 x 128, the base tree's config; two column reductions do not), so it runs on that small tile.
+The amaxes are those of the bf16 values the quantizer reads, bit for bit: the same scales. Off:
+its GPU tests pass (``tests/test_mlp_fp8_gpu.py``), but on the H200 (``scripts/bench_fp8.py``, d
+4096, ffn 14336, 16384 tokens, in turns) it is still slower: 18.69 ms per forward + backward
+against 18.17 with the amax passes (2026-12-03, fifth session). The gate/up GEMM took 3.37 ms
+against 3.16 + the 0.12 ms pass it saves, the down dgrad 2.53 ms against 2.07 + 0.36 ms of passes.
+That epilogue's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then); they
+fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
+they cost 34 % fewer instructions since maxima are one FMNMX each, the rounding to bf16 and the
+NaN check moved to ``finish_amax`` and the column maxima skip the row mask (|x| is zero past M;
+8160 -> 5416 SASS instructions against the plain tree's 3496 there), but the sinks still cost the epilogue, where ping-pong's
+tensor cores wait on it, more than the passes they replace.
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
@@ -115,7 +118,7 @@ def norm_swiglu_amax_tree() -> E.Epilogue:
     """``norm_swiglu_tree`` plus h's row amax partials "h_amax" (the row-wise recipe)."""
     base = norm_swiglu_tree()
     h = next(s for s in base.sinks if s.name == "h").x
-    return E.Epilogue(*base.sinks, E.row_reduce(amax_value(E.cast(h, "bfloat16")), "max", "h_amax"))
+    return E.Epilogue(*base.sinks, E.row_reduce(amax_value(h), "max", "h_amax"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +127,7 @@ def swiglu_backward_amax_tree() -> E.Epilogue:
     ("dz_amax"), per column of its gate and up halves ("dzg_amax_t", "dzu_amax_t"), h per column
     ("h_amax_t")."""
     v = swiglu_backward_values()
-    dz_g, dz_u, h = (amax_value(E.cast(v[k], "bfloat16")) for k in ("dz_g", "dz_u", "h"))
+    dz_g, dz_u, h = (amax_value(v[k]) for k in ("dz_g", "dz_u", "h"))
     return E.Epilogue(*swiglu_backward_sinks(v), E.row_reduce(E.maximum(dz_g, dz_u), "max", "dz_amax"),
                       E.col_reduce(dz_g, "max", "dzg_amax_t"), E.col_reduce(dz_u, "max", "dzu_amax_t"),
                       E.col_reduce(h, "max", "h_amax_t"))

@@ -42,3 +42,17 @@ def fast_sin(x):
 
 def fast_cos(x):
     return cute.math.cos(reduce_angle(x), fastmath=True)
+
+
+def fast_max(a, b):
+    """max(a, b) of fp32 values in one FMNMX.NaN. NaN propagates, as in ``cutlass.max``
+    (``arith.maximumf``), whose lowering also orders -0 below +0 with compares and selects around
+    each max (the row-wise FP8 SwiGLU backward with four amax reductions: 8160 SASS instructions
+    with it, 6408 with this); here a max of zeros of opposite signs may return either (they
+    compare equal)."""
+    return cute.arch.fmax(Float32(a), Float32(b), nan=True)
+
+
+def fast_min(a, b):
+    """min(a, b) of fp32 values in one FMNMX.NaN (as :func:`fast_max`)."""
+    return cute.arch.fmin(Float32(a), Float32(b), nan=True)

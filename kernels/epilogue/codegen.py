@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import cutlass_arith
 
-from ..common.fastmath import fast_cos, fast_exp, fast_sigmoid, fast_sin
+from ..common.fastmath import fast_cos, fast_exp, fast_max, fast_min, fast_sigmoid, fast_sin
 from . import nodes as N
 
 _LN2 = math.log(2.0)
@@ -82,7 +82,7 @@ def _unary(op: str, x):
     if op == "gelu":  # tanh approximation (torch's approximate="tanh")
         return 0.5 * x * (1.0 + cute.math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
     if op == "relu":
-        return cutlass.max(x, Float32(0.0))
+        return fast_max(x, Float32(0.0))
     if op == "square":
         return x * x
     raise N.EpilogueError(f"no code for unary op {op!r}")
@@ -108,14 +108,14 @@ def _binary(op: str, x, y, as_int: bool):
     if op == "div":
         return x / y
     if op == "max":
-        return cutlass.max(x, y)
+        return cutlass.max(x, y) if as_int else fast_max(x, y)
     if op == "floordiv":
         return x // y
     if op == "mod":
         # The DSL's % truncates (C); the tree's mod is Python's / torch.remainder's, which pairs
         # with the flooring // so that x == (x // y) * y + x % y also for negative x.
         return x - (x // y) * y
-    return cutlass.min(x, y)
+    return cutlass.min(x, y) if as_int else fast_min(x, y)
 
 
 def _compare(op: str, x, y):

@@ -3,12 +3,16 @@
 A tile that straddles N evaluates the tree on its columns past N too; sinks never write them, but
 a row sum over the tile has to leave them out. Where a value is provably zero there, a sum (of
 squares) of it needs no per-element column mask (a compare and a select per element, and the
-registers of the flags: with the mask the LM head's dlogits tree spilled on ping-pong 128 x 128).
+registers of the flags: with the mask the LM head's dlogits tree spilled on ping-pong 128 x 128);
+nor does a max of it where it is also never negative (an amax's |x|): a zero cannot raise a
+max over values >= 0.
 
 Past N the accumulator is zero (TMA fills B's elements past N with zeros, and the block-scaled
 kernel's scales with them) and so are tile inputs (their TMA loads fill the same way). Column
 vectors are zero-padded too, but rsqrt or 1 / x of one is inf there, so they count as unknown;
-so do indices, lookups and segment sums. Row-uniform values (row vectors, scalars, row sums) are
+so do indices, lookups and segment sums. (Taking a bare one as zero unmasked the row-wise FP8
+SwiGLU backward's zdz sum, and that build then spilled 56 bytes on ping-pong 64 x 128: its down
+dgrad went from 2.00 to 2.36 ms on the H200.) Row-uniform values (row vectors, scalars, row sums) are
 unknown numbers, the same past the edge as inside it: a product of one with a value that is zero
 past N is taken as zero (0 * inf only where that row is inf inside the problem as well); a
 column-dependent expression of them (acc + r) is unknown. Known numbers are worked out in double
@@ -17,6 +21,12 @@ and finiteness (with a margin for fp32 and the fast approximations). With N odd,
 pairwise of a full-width value pairs column N with column N - 1: unknown. (In the block-scaled
 kernel a tile straddling N reads its in-range block's scale, times a zero partial product; with
 an inf or NaN in a row's operands, the unmasked sum can be NaN where the masked one is inf.)
+
+The rows past M, where a tile straddles M, mirror this (``axis="row"``): the accumulator and tile
+inputs are zero there (TMA fills A's rows past M, and the tiles', with zeros), row vectors and row
+sums read row M - 1's value (``acc_vectors`` clamps them), column vectors and column indices are
+those of the rows inside: all of them unknown numbers the same as inside the problem. A column
+sum, or a column max of a value >= 0, of a value zero past M needs no row mask.
 """
 
 from __future__ import annotations
@@ -121,47 +131,60 @@ def _binary(op: str, a: Edge, b: Edge) -> Edge:
     return Known(0.0 if zero else _ieee(_BINARY[op], a.value, b.value), zero)
 
 
-def edge_value(x: N.Node, pair: Optional[tuple] = None) -> Edge:
-    """``x``'s value past N: :class:`Known` where it follows from the zeros there and constants,
-    :data:`ROW` where ``x`` is row-uniform (an unknown number per row), None where unknown.
-    ``pair``: the edges of a pairwise body's (even, odd) arguments."""
+#: leaves whose value past M is one of the problem's own (``axis="row"``)
+_SAME_PAST_M = (N.Const, N.Scalar, N.ScalarTensor, N.RowVec, N.RowSum, N.ColVec, N.ColIndex)
+
+
+def _same_past_edge(x: N.Node, axis: str) -> bool:
+    """Whether every leaf of ``x`` reads, past the edge, a number it also has inside the problem."""
+    if axis == "col":
+        return N.is_row_uniform(x)
+    return all(isinstance(n, _SAME_PAST_M) or not isinstance(n, (N.Leaf, N.Pairwise, N.SegmentReduce))
+               for n in N.walk(x))
+
+
+def edge_value(x: N.Node, pair: Optional[tuple] = None, axis: str = "col") -> Edge:
+    """``x``'s value past N (``axis="row"``: past M): :class:`Known` where it follows from the
+    zeros there and constants, :data:`ROW` where ``x`` is a number it also has inside the problem
+    (row-uniform; past M, see the module docstring), None where unknown. ``pair``: the edges of a
+    pairwise body's (even, odd) arguments."""
     if isinstance(x, N.Const):
         return Known(float(x.value), float(x.value) == 0.0)
-    if N.is_row_uniform(x):
+    if _same_past_edge(x, axis):
         return ROW
     if isinstance(x, (N.Acc, N.Tile)):
         return Known(0.0, True)
     if isinstance(x, N.PairArg):
         return pair[x.which] if pair is not None else None
     if isinstance(x, N.Cast):  # rounding keeps zeros and infinities
-        v = edge_value(x.children[0], pair)
+        v = edge_value(x.children[0], pair, axis)
         return v if isinstance(v, Known) else None
     if isinstance(x, N.Unary):
-        v = edge_value(x.children[0], pair)
+        v = edge_value(x.children[0], pair, axis)
         if not isinstance(v, Known):
             return None
         return Known(_ieee(_UNARY[x.op], v.value), v.zero and x.op in _ZERO_KEEPING)
     if isinstance(x, N.Binary) and x.op in _BINARY:
-        return _binary(x.op, *(edge_value(c, pair) for c in x.children))
+        return _binary(x.op, *(edge_value(c, pair, axis) for c in x.children))
     if isinstance(x, N.Select):
-        a, b = (edge_value(c, pair) for c in x.children[1:])
+        a, b = (edge_value(c, pair, axis) for c in x.children[1:])
         both = isinstance(a, Known) and isinstance(b, Known)
         return Known(0.0, True) if both and a.zero and b.zero else None
     if isinstance(x, N.Pairwise):
         src = x.children[0]
-        if src.domain == N.FULL and len(x.body) == 2:
+        if axis == "col" and src.domain == N.FULL and len(x.body) == 2:
             return None  # with N odd, column N pairs with column N - 1, inside the problem
         if isinstance(src, N.Interleave):
-            args = tuple(edge_value(c, pair) for c in src.children)
+            args = tuple(edge_value(c, pair, axis) for c in src.children)
         else:
-            v = edge_value(src, pair)
+            v = edge_value(src, pair, axis)
             args = (v, v)
-        outs = [edge_value(b, args) for b in x.body]
+        outs = [edge_value(b, args, axis) for b in x.body]
         if all(isinstance(o, Known) and o.zero for o in outs):
             return Known(0.0, True)
         return outs[0] if len(outs) == 1 else None
     if isinstance(x, N.Interleave):
-        a, b = (edge_value(c, pair) for c in x.children)
+        a, b = (edge_value(c, pair, axis) for c in x.children)
         return Known(0.0, True) if isinstance(a, Known) and isinstance(b, Known) and a.zero and b.zero else None
     return None
 
@@ -173,3 +196,37 @@ def zero_past_edge(x: N.Node) -> bool:
     epilogue asks once per element while it traces a kernel."""
     v = edge_value(x)
     return isinstance(v, Known) and v.zero
+
+
+#: unary ops whose result is never negative (NaN aside)
+_NONNEGATIVE = ("abs", "square", "relu", "exp", "sqrt", "sigmoid")
+
+
+def nonnegative(x: N.Node) -> bool:
+    """Whether ``x`` is >= 0 (or NaN) everywhere, structurally: |.|, squares, exp and the like,
+    constants >= 0, and sums, products, maxima and minima of such values."""
+    if isinstance(x, N.Const):
+        return float(x.value) >= 0.0
+    if isinstance(x, N.Cast):
+        return nonnegative(x.children[0])
+    if isinstance(x, N.Unary):
+        return x.op in _NONNEGATIVE
+    if isinstance(x, N.Binary):
+        a, b = (nonnegative(c) for c in x.children)
+        return (a or b) if x.op == "max" else (a and b and x.op in ("add", "mul", "min"))
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def zero_past_rows(x: N.Node) -> bool:
+    """Whether ``x`` is exactly zero in every row past M, so that a column sum over a tile may add
+    those rows unmasked (as :func:`zero_past_edge` for the columns past N)."""
+    v = edge_value(x, axis="row")
+    return isinstance(v, Known) and v.zero
+
+
+@functools.lru_cache(maxsize=None)
+def unmasked_max(x: N.Node, axis: str = "col") -> bool:
+    """Whether a row max of ``x`` over a tile may take its columns past N unmasked (``axis="row"``:
+    a column max its rows past M): ``x`` is zero there and never negative (:func:`nonnegative`)."""
+    return nonnegative(x) and (zero_past_edge(x) if axis == "col" else zero_past_rows(x))

@@ -506,6 +506,7 @@ class Sm90TreeEpilogue(SinkFolds):
             if id(q.x) not in shared:
                 shared[id(q.x)] = (q, cute.make_rmem_tensor(2 * n_frag if q.wide else n_frag, Float32))
         quant_vals = [shared[id(q.x)][1] for q in quants]
+        col_parts = [self._col_parts(c, n_frag) for c in self.col_reds]
         for v in range(n_frag):
             for q, vals in shared.values():
                 if q.half and v % 2:  # a half-width value lives at its pair's even element
@@ -528,15 +529,20 @@ class Sm90TreeEpilogue(SinkFolds):
                 if r.op == "lse" and (v + 1) % LSE_FOLD == 0:
                     row_acc[k] = _lse_fold(row_acc[k], lse_items[k])
                     lse_items[k] = {}
+            for k, c in enumerate(self.col_reds):
+                self._col_step(c, col_parts[k], emit, ctx, v, problem_mnl)
             for k, g in enumerate(self.gathers):
                 if self.gather_select:
                     found[k] = self._gather_step(g, found[k], emit, ctx, v, problem_mnl)
                 else:
                     self._gather_now(g, emit, ctx, v, outs_g[k], problem_mnl, tl)
-        # Column reductions after the sub-tile's elements: their shuffles interleaved with the
-        # element math made ptxas spill (e.g. 152 bytes on cooperative 128 x 256 tiles).
+        # Column reductions: each column's two row halves fold in the element loop (``_col_step``;
+        # evaluating the reduced values after it kept n_frag of them live per reduction, and the
+        # SwiGLU backward's three amax columns spilled ping-pong 64 x 128), their shuffles after
+        # it (interleaved with the element math they made ptxas spill, e.g. 152 bytes on
+        # cooperative 128 x 256 tiles).
         for k, c in enumerate(self.col_reds):
-            self._col_fold(c, scratch[k], emit, ctx, n_frag, warp_in_epi, problem_mnl)
+            self._col_fold(c, col_parts[k], scratch[k], n_frag, warp_in_epi, ctx)
         first_quant = len(self.full_stores) + len(self.half_stores)
         for k, q in enumerate(self.quants):
             self._quantize(q, quant_vals[k], ctx, n_frag, bufs[first_quant + k], buf, outs_q[k], problem_mnl, tl)

@@ -16,10 +16,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..common.fastmath import fast_exp
+from ..common.fastmath import fast_exp, fast_max
 from ..common.fp8_math import block_scale
 from ..epilogue import nodes as N
-from ..epilogue.edges import zero_past_edge
+from ..epilogue.edges import unmasked_max, zero_past_edge, zero_past_rows
 
 _NEG_INF = -math.inf
 #: the largest finite value of each quantize sink dtype
@@ -48,7 +48,8 @@ class SinkFolds:
         quad's values per row first (its rescale costs an exp per quad, not per value). Columns
         past N are masked out, except in a sum of a value that is zero there
         (``edges.zero_past_edge``: the residual stream's sum of squares, the SwiGLU backward's
-        zdz), which saves a compare and a select per element."""
+        zdz) or a max of one that is also never negative (``edges.unmasked_max``: an amax),
+        which saves a compare and a select per element."""
         x = _as_float(emit.value(r.x, v))
         if r.op == "sumsq":
             x = x * x
@@ -57,12 +58,15 @@ class SinkFolds:
         if r.op in ("sum", "sumsq") and zero_past_edge(r.x):  # the columns past N add zero
             out[slot] = out[slot] + Float32(x)
             return out
+        if r.op == "max" and unmasked_max(r.x):  # a zero past N cannot raise a max of values >= 0
+            out[slot] = fast_max(out[slot], x)
+            return out
         valid = ctx.col_index(v) < problem_mnl[1]
         if r.op == "lse":
             lse_items.setdefault(slot, []).append((valid, x))
             return accum
         if r.op == "max":
-            out[slot] = cutlass.max(out[slot], Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+            out[slot] = fast_max(out[slot], cutlass.select_(valid, x, Float32(_NEG_INF)))
         else:
             out[slot] = out[slot] + Float32(cutlass.select_(valid, x, Float32(0.0)))
         return out
@@ -80,7 +84,7 @@ class SinkFolds:
                 for off in cutlass.range_constexpr(2):
                     m_o = cute.arch.shuffle_sync_bfly(mx, offset=1 << off)
                     s_o = cute.arch.shuffle_sync_bfly(sm, offset=1 << off)
-                    m_new = cutlass.max(mx, m_o)
+                    m_new = fast_max(mx, m_o)
                     sm = _rescale(sm, mx, m_new) + _rescale(s_o, m_o, m_new)
                     mx = m_new
                 if lane % 4 == 0:
@@ -99,26 +103,43 @@ class SinkFolds:
         """Accumulator coordinate of the first register in row slot ``slot``."""
         return ((0, slot % 2, 0), slot // 2, 0)
 
-    @cute.jit
-    def _col_fold(self, c, scratch, emit, ctx, n_frag: cutlass.Constexpr, warp_in_epi, problem_mnl):
-        """Sum (or max) this sub-tile's rows per column into the warp's scratch row."""
+    def _col_parts(self, c, n_frag: int):
+        """A sub-tile's per-column partials of ``c`` in this thread: one per column it holds
+        (n_frag / 2, its two row halves folded as they are computed)."""
+        return cute.make_rmem_tensor(n_frag // 2, Float32)
+
+    def _col_step(self, c, parts, emit, ctx, v: int, problem_mnl):
+        """Fold element v into its column's partial once both of that column's row halves are
+        computed (sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk), so that a
+        column-reduced value dies with its element instead of living to the sub-tile's end."""
+        if v % 4 < 2:
+            return
         is_max = c.op == "max"
         identity = Float32(_NEG_INF) if is_max else Float32(0.0)
-        # Sub-tile element v = pair bit + 2 * row-half bit + 4 * chunk: fold the two row halves
-        # in-thread, then the warp's 8 row groups (lanes 4 apart), then warps via scratch.
+        # rows past M are masked out, unless the value is zero there and the op cannot tell
+        # (``edges``: a sum, or a max of values >= 0)
+        masked = not (unmasked_max(c.x, "row") if is_max else zero_past_rows(c.x))
+        parts_in = []
+        for w in (v - 2, v):
+            x = _as_float(emit.value(c.x, w))
+            if c.op == "sumsq":
+                x = x * x
+            if masked:
+                x = Float32(cutlass.select_(ctx.row_index(w) < problem_mnl[0], x, identity))
+            parts_in.append(x)
+        parts[(v // 4) * 2 + v % 2] = _combine(is_max, parts_in[0], parts_in[1])
+
+    @cute.jit
+    def _col_fold(self, c, parts, scratch, n_frag: cutlass.Constexpr, warp_in_epi, ctx):
+        """This sub-tile's column partials over the warp's 8 row groups (lanes 4 apart), then
+        into the warp's scratch row (warps combine in ``_col_finish``)."""
+        is_max = c.op == "max"
         for j in cutlass.range_constexpr(n_frag // 4):
             for pair in cutlass.range_constexpr(2):
-                v = 4 * j + pair
-                parts = []
-                for w in (v, v + 2):
-                    x = _as_float(emit.value(c.x, w))
-                    if const_expr(c.op == "sumsq"):
-                        x = x * x
-                    parts.append(Float32(cutlass.select_(ctx.row_index(w) < problem_mnl[0], x, identity)))
-                x = _combine(is_max, parts[0], parts[1])
+                x = parts[2 * j + pair]
                 for off in cutlass.range_constexpr(3):
                     x = _combine(is_max, x, cute.arch.shuffle_sync_bfly(x, offset=4 << off))
-                nl = ctx.tile_local(v)[1]
+                nl = ctx.tile_local(4 * j + pair)[1]
                 if cute.arch.lane_idx() < 4:
                     scratch[(warp_in_epi, nl)] = _combine(is_max, scratch[(warp_in_epi, nl)], x)
 
@@ -306,7 +327,7 @@ def _fp8_pair(fp8, a, b):
 
 
 def _combine(is_max: bool, a, b):
-    return cutlass.max(a, b) if is_max else a + b
+    return fast_max(a, b) if is_max else a + b
 
 
 def _as_float(x):
@@ -319,7 +340,7 @@ def _lse_fold(accum, items: dict):
     for slot, vals in items.items():
         m_sub = mx[slot]
         for valid, x in vals:
-            m_sub = cutlass.max(m_sub, Float32(cutlass.select_(valid, x, Float32(_NEG_INF))))
+            m_sub = fast_max(m_sub, cutlass.select_(valid, x, Float32(_NEG_INF)))
         s_new = _rescale(sm[slot], mx[slot], m_sub)
         for valid, x in vals:
             s_new = s_new + Float32(cutlass.select_(valid, fast_exp(x - m_sub), Float32(0.0)))
