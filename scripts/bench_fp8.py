@@ -1,4 +1,5 @@
-"""Benchmark the MLP sublayer in FP8, forward + backward (the FP8 training issue's first table):
+"""Benchmark the MLP (or attention) sublayer in FP8, forward + backward (the FP8 training issue's
+first table):
 ``coda.mlp_block_fp8`` against its FP8 GEMM shadow, our bf16 ``coda.mlp_block``, and torchao's
 float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, and the prototype
 block-wise one, which is ours, where torchao imports).
@@ -20,6 +21,12 @@ medians). Also printed: the bytes our separate quantization passes move per step
     python scripts/bench_fp8.py [--tokens 16384] [--dim 4096] [--ffn 14336] [--rounds 20] [--json out.json]
         [--profile]                                  # also the kernels of one coda fp8 step (both variants)
     python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
+    python scripts/bench_fp8.py --sublayer attention [--heads 32 --kv-heads 8 --head-dim 128 --seq 4096]
+
+``--sublayer attention``: the attention sublayer (``coda.attention_block_fp8`` in both recipes and
+the bf16 ``coda.attention_block``: QKV with the RMSNorm and RoPE in its epilogue, the causal GQA
+core, out-proj with the residual) against its shadow: its six projection GEMMs in FP8 (QKV and
+out-proj, forward, dgrad, wgrad) plus SDPA forward + backward in bf16; no torchao rows.
 
 Each variant is also timed alone, five calls back to back, with the host time to issue them (the
 table's last two columns).
@@ -79,20 +86,36 @@ def rowwise(x):
     return (x.float() / s).to(FP8), s
 
 
-def shadow_step(m, d, f):
-    """The six FP8 row-wise GEMMs of the sublayer's forward + backward, operands pre-quantized."""
+def shadow_step(gemms, extra=None):
+    """The FP8 row-wise GEMMs ``gemms`` ((rows of A, K, N) each) of a sublayer's forward +
+    backward, operands pre-quantized, then ``extra`` (the attention core) if given."""
     def pair(rows_a, k, n):  # a (rows_a, k) row-major, b (k, n) column-major, their scales
         a, sa = rowwise(torch.randn(rows_a, k, device="cuda"))
         b, sb = rowwise(torch.randn(n, k, device="cuda"))
         return a, sa, b.t(), sb.t()
-    gemms = [pair(m, d, 2 * f), pair(m, f, d),          # gate/up, down
-             pair(m, d, f), pair(d, m, f),              # down dgrad, down wgrad (d x f over tokens)
-             pair(2 * f, m, d), pair(m, 2 * f, d)]      # gate/up wgrad, gate/up dgrad
+    operands = [pair(*g) for g in gemms]
 
     def step():
-        for a, sa, b, sb in gemms:
+        for a, sa, b, sb in operands:
             torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        if extra is not None:
+            extra()
     return step
+
+
+def mlp_gemms(m, d, f):
+    """The MLP sublayer's six GEMMs: gate/up, down; the two dgrads and the two wgrads."""
+    return [(m, d, 2 * f), (m, f, d),          # gate/up, down
+            (m, d, f), (d, m, f),              # down dgrad, down wgrad (d x f over tokens)
+            (2 * f, m, d), (m, 2 * f, d)]      # gate/up wgrad, gate/up dgrad
+
+
+def attention_gemms(m, d, qkv, hq):
+    """The attention sublayer's six projection GEMMs: QKV (``qkv`` wide) and out-proj (from the
+    ``hq`` = heads x head_dim columns of the core's output), forward, dgrad, wgrad."""
+    return [(m, d, qkv), (m, hq, d),           # QKV, out-proj
+            (m, d, hq), (d, m, hq),            # out-proj dgrad, wgrad
+            (m, qkv, d), (qkv, m, d)]          # QKV dgrad, wgrad
 
 
 class Mlp(torch.nn.Module):
@@ -154,6 +177,35 @@ def torchao_blockwise_step(y, dy2, d, f, console) -> dict:
         module.zero_grad(set_to_none=True)
         compiled(leaf).backward(dy2)
     return {"torchao blockwise (prototype) + compile": step}
+
+
+def attention_case(m, d, heads, kv_heads, head_dim, seq):
+    """(args of ``coda.attention_block[_fp8]`` after (x, ss, w_qkv, w_o), x (B, S, d), w_qkv, w_o,
+    dy, the attention core's forward + backward for the shadow) at ``m`` tokens in sequences of
+    ``seq``."""
+    from coda_cute.reference import rope_inv_freq
+    from train_shadow import attention_fn
+
+    x = torch.randn(m, d, device="cuda").bfloat16()
+    qkv = (heads + 2 * kv_heads) * head_dim
+    w_qkv = (torch.randn(qkv, d, device="cuda") * d ** -0.5).bfloat16()
+    w_o = (torch.randn(d, heads * head_dim, device="cuda") * (heads * head_dim) ** -0.5).bfloat16()
+    pos = torch.arange(seq, dtype=torch.int32, device="cuda").repeat(m // seq)
+    rest = (pos, rope_inv_freq(head_dim, 500000.0, "cuda"), EPS, heads, kv_heads, head_dim)
+    core = attention_fn(dict(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim), m // seq, seq, "cuda")
+    b = m // seq
+    return rest, x.view(b, seq, d), w_qkv, w_o, torch.randn_like(x).view(b, seq, d), core
+
+
+def attention_step(op, rest, x, ss, w_qkv, w_o, dy, **kw):
+    """One forward + backward of a CODA attention sublayer op (as :func:`coda_step`)."""
+    leaves = [t.clone().requires_grad_() for t in (x, w_qkv, w_o)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        op(leaves[0], ss, leaves[1], leaves[2], *rest, **kw)[0].backward(dy)
+    return step
 
 
 #: bytes per element: an FP8 value and its share of a 1 x 128 block's fp32 scale
@@ -239,28 +291,19 @@ def print_profile(fn, console, label: str = "coda fp8") -> None:
     console.print(t)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--json")
-    p.add_argument("--profile", action="store_true", help="print the kernels of one coda fp8 step")
-    p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
-    args = p.parse_args(argv)
-    console = Console()
-    if not torch.cuda.is_available():
-        console.print("[red]bench_fp8 needs a CUDA GPU[/]")
-        return 2
-    m, d, f = args.tokens, args.dim, args.ffn
+#: the shadow's row label: the sublayer's six FP8 row-wise GEMMs (and, for attention, its core)
+SHADOW = "fp8 shadow (6 row-wise _scaled_mm)"
+
+
+def mlp_fns(m, d, f, baselines_only: bool, console) -> dict:
+    """{label: step} of the MLP sublayer: the shadow, our variants, torchao's."""
     y = torch.randn(m, d, device="cuda").bfloat16()
-    ss = None if args.baselines_only else embedding_norm_stats(y)
+    ss = None if baselines_only else embedding_norm_stats(y)
     w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
     w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
     dy2 = torch.randn(m, d, device="cuda").bfloat16()
-    fns = {"fp8 shadow (6 row-wise _scaled_mm)": shadow_step(m, d, f)}
-    if not args.baselines_only:
+    fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
+    if not baselines_only:
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
         fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
                                                                 w_down, dy2), "FUSED_QUANT", True)
@@ -270,6 +313,47 @@ def main(argv=None) -> int:
                                                            "FUSED_AMAX", True)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
     fns.update(torchao_steps(y, dy2, d, f, console))
+    return fns
+
+
+def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool) -> dict:
+    """{label: step} of the attention sublayer (QKV with RMSNorm and RoPE, the causal GQA core,
+    out-proj with the residual): the shadow (its six GEMMs in FP8 plus SDPA forward + backward in
+    bf16), ``coda.attention_block_fp8`` in both recipes and the bf16 ``coda.attention_block``."""
+    if m % seq:
+        raise SystemExit(f"--tokens {m} must be a multiple of --seq {seq}")
+    rest, x, w_qkv, w_o, dy, core = attention_case(m, d, heads, kv_heads, head_dim, seq)
+    fns = {SHADOW: shadow_step(attention_gemms(m, d, w_qkv.shape[0], w_o.shape[1]), core)}
+    if not baselines_only:
+        case = (rest, x, embedding_norm_stats(x.view(m, d)), w_qkv, w_o, dy)
+        fns["coda fp8"] = attention_step(torch.ops.coda.attention_block_fp8, *case)
+        fns["coda fp8 row-wise"] = attention_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True)
+        fns["coda bf16"] = attention_step(torch.ops.coda.attention_block, *case)
+    return fns
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="print the kernels of one coda fp8 step")
+    p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
+    p.add_argument("--sublayer", choices=("mlp", "attention"), default="mlp")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq", type=int, default=4096, help="attention: tokens per sequence")
+    args = p.parse_args(argv)
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]bench_fp8 needs a CUDA GPU[/]")
+        return 2
+    m, d, f = args.tokens, args.dim, args.ffn
+    fns = mlp_fns(m, d, f, args.baselines_only, console) if args.sublayer == "mlp" else \
+        attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only)
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:
             fn()
@@ -278,9 +362,10 @@ def main(argv=None) -> int:
             del fns[name]
     ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=2000)
     alone = {name: back_to_back_ms(fn) for name, fn in fns.items()}
-    shadow = ms["fp8 shadow (6 row-wise _scaled_mm)"]
+    shadow = ms[SHADOW]
     ao = [v for k, v in ms.items() if k.startswith("torchao")]
-    t = Table(title=f"MLP sublayer forward + backward, M {m}, d {d}, ffn {f} (median ms)")
+    shape = f"ffn {f}" if args.sublayer == "mlp" else f"{args.heads} / {args.kv_heads} heads of {args.head_dim}"
+    t = Table(title=f"{args.sublayer} sublayer forward + backward, M {m}, d {d}, {shape} (median ms)")
     for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms", "host ms"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in ms.items():
@@ -291,13 +376,15 @@ def main(argv=None) -> int:
         for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", "coda fp8 row-wise, amax fused"):
             if name in fns:
                 print_profile(fns[name], console, name)
-    bytes_rows = quantize_bytes(m, d, f)
-    gb = print_quantize_bytes(bytes_rows, console)
-    console.print(f"our separate quantize passes move {gb:.2f} GB per step "
-                  f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
+    bytes_rows, gb = [], None
+    if args.sublayer == "mlp":
+        bytes_rows = quantize_bytes(m, d, f)
+        gb = print_quantize_bytes(bytes_rows, console)
+        console.print(f"our separate quantize passes move {gb:.2f} GB per step "
+                      f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"shape": [m, d, f], "ms": ms, "back_to_back_ms": {k: v[0] for k, v in alone.items()},
+            json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms, "back_to_back_ms": {k: v[0] for k, v in alone.items()},
                        "host_ms": {k: v[1] for k, v in alone.items()}, "quantize_gb": gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0

@@ -1,0 +1,40 @@
+"""CPU tests of scripts/bench_fp8.py's pure-Python pieces: its shadows' GEMM lists are the
+training step's GEMMs of the same sublayer (``scripts/train_shadow.step_gemms``)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return mod
+
+
+@pytest.fixture(scope="module")
+def mods():
+    return _load("bench_fp8"), _load("train_shadow")
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, d, f", [(32, 8, 128, 4096, 14336), (12, 4, 96, 1024, 2816)])
+def test_shadow_gemms_are_the_sublayers_training_gemms(mods, heads, kv_heads, head_dim, d, f):
+    bench, shadow = mods
+    m = 2048
+    c = dict(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, dim=d, ffn_dim=f, n_layers=1,
+             vocab_size=1000)
+    step = shadow.step_gemms(c, m)
+    as_bench = lambda names: sorted((g.m, g.k, g.n) for g in step if g.linear in names)  # noqa: E731
+    qkv = (heads + 2 * kv_heads) * head_dim
+    assert sorted(bench.attention_gemms(m, d, qkv, heads * head_dim)) == as_bench(("qkv", "o"))
+    assert sorted(bench.mlp_gemms(m, d, f)) == as_bench(("gate_up", "down"))
