@@ -49,19 +49,20 @@ from rich.table import Table
 
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.sol.timing import interleaved_medians
+from train_shadow import attention_fn, fp8_gemm
 
 EPS = 1e-5
-FP8 = torch.float8_e4m3fn
 
 
-def coda_step(op, y, ss, w_gu, w_down, dy2):
-    """One forward + backward of a CODA MLP op (leaf copies made once, gradients set to None)."""
-    leaves = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
+    """One forward + backward of a CODA sublayer op, ``op(x, ss, w_a, w_b, *rest, **kw)`` (leaf
+    copies of x and the two weights made once, gradients set to None)."""
+    leaves = [t.clone().requires_grad_() for t in (x, w_a, w_b)]
 
     def step():
         for t in leaves:
             t.grad = None
-        op(leaves[0], ss, leaves[1], leaves[2], EPS)[0].backward(dy2)
+        op(leaves[0], ss, leaves[1], leaves[2], *rest, **kw)[0].backward(dy)
     return step
 
 
@@ -80,24 +81,15 @@ def with_switch(step, name: str, value: bool):
     return run
 
 
-def rowwise(x):
-    """(FP8 values, fp32 row scales (rows, 1)) of x, current scaling."""
-    s = x.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / torch.finfo(FP8).max
-    return (x.float() / s).to(FP8), s
-
-
 def shadow_step(gemms, extra=None):
     """The FP8 row-wise GEMMs ``gemms`` ((rows of A, K, N) each) of a sublayer's forward +
-    backward, operands pre-quantized, then ``extra`` (the attention core) if given."""
-    def pair(rows_a, k, n):  # a (rows_a, k) row-major, b (k, n) column-major, their scales
-        a, sa = rowwise(torch.randn(rows_a, k, device="cuda"))
-        b, sb = rowwise(torch.randn(n, k, device="cuda"))
-        return a, sa, b.t(), sb.t()
-    operands = [pair(*g) for g in gemms]
+    backward on pre-quantized operands (``train_shadow.fp8_gemm``), then ``extra`` (the attention
+    core) if given."""
+    runs = [fp8_gemm(rows_a, n, k, "cuda") for rows_a, k, n in gemms]
 
     def step():
-        for a, sa, b, sb in operands:
-            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        for run in runs:
+            run()
         if extra is not None:
             extra()
     return step
@@ -184,7 +176,6 @@ def attention_case(m, d, heads, kv_heads, head_dim, seq):
     dy, the attention core's forward + backward for the shadow) at ``m`` tokens in sequences of
     ``seq``."""
     from coda_cute.reference import rope_inv_freq
-    from train_shadow import attention_fn
 
     x = torch.randn(m, d, device="cuda").bfloat16()
     qkv = (heads + 2 * kv_heads) * head_dim
@@ -195,17 +186,6 @@ def attention_case(m, d, heads, kv_heads, head_dim, seq):
     core = attention_fn(dict(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim), m // seq, seq, "cuda")
     b = m // seq
     return rest, x.view(b, seq, d), w_qkv, w_o, torch.randn_like(x).view(b, seq, d), core
-
-
-def attention_step(op, rest, x, ss, w_qkv, w_o, dy, **kw):
-    """One forward + backward of a CODA attention sublayer op (as :func:`coda_step`)."""
-    leaves = [t.clone().requires_grad_() for t in (x, w_qkv, w_o)]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        op(leaves[0], ss, leaves[1], leaves[2], *rest, **kw)[0].backward(dy)
-    return step
 
 
 #: bytes per element: an FP8 value and its share of a 1 x 128 block's fp32 scale
@@ -304,14 +284,14 @@ def mlp_fns(m, d, f, baselines_only: bool, console) -> dict:
     dy2 = torch.randn(m, d, device="cuda").bfloat16()
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
     if not baselines_only:
-        fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2)
+        fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS)
         fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
-                                                                w_down, dy2), "FUSED_QUANT", True)
+                                                                w_down, dy2, EPS), "FUSED_QUANT", True)
         row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
-        fns["coda fp8 row-wise"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2), "FUSED_AMAX", False)
-        fns["coda fp8 row-wise, amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2),
+        fns["coda fp8 row-wise"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS), "FUSED_AMAX", False)
+        fns["coda fp8 row-wise, amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS),
                                                            "FUSED_AMAX", True)
-        fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2)
+        fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2, EPS)
     fns.update(torchao_steps(y, dy2, d, f, console))
     return fns
 
@@ -325,10 +305,10 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool) ->
     rest, x, w_qkv, w_o, dy, core = attention_case(m, d, heads, kv_heads, head_dim, seq)
     fns = {SHADOW: shadow_step(attention_gemms(m, d, w_qkv.shape[0], w_o.shape[1]), core)}
     if not baselines_only:
-        case = (rest, x, embedding_norm_stats(x.view(m, d)), w_qkv, w_o, dy)
-        fns["coda fp8"] = attention_step(torch.ops.coda.attention_block_fp8, *case)
-        fns["coda fp8 row-wise"] = attention_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True)
-        fns["coda bf16"] = attention_step(torch.ops.coda.attention_block, *case)
+        case = (x, embedding_norm_stats(x.view(m, d)), w_qkv, w_o, dy, *rest)
+        fns["coda fp8"] = coda_step(torch.ops.coda.attention_block_fp8, *case)
+        fns["coda fp8 row-wise"] = coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True)
+        fns["coda bf16"] = coda_step(torch.ops.coda.attention_block, *case)
     return fns
 
 
@@ -384,7 +364,8 @@ def main(argv=None) -> int:
                       f"(~{gb / 4.24:.2f} ms at the H200's 4.24 TB/s copy bandwidth)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms, "back_to_back_ms": {k: v[0] for k, v in alone.items()},
+            json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms,
+                       "back_to_back_ms": {k: v[0] for k, v in alone.items()},
                        "host_ms": {k: v[1] for k, v in alone.items()}, "quantize_gb": gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0

@@ -31,9 +31,8 @@ def main():
         quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
                         transposed=True, pow2=pow2)
     from coda_cute.nn import CodaLlama, LlamaConfig
-    from coda_cute.precision import Fp8Recipe
-
     from coda_cute.ops import mlp_fp8
+    from coda_cute.precision import Fp8Recipe
 
     tokens = torch.randint(0, 1008, (3, 112), device="cuda")  # 336 tokens: a multiple of 16, not of 128
     for recipe, fused_amax in ((Fp8Recipe(lm_head_fp8=True), False), (Fp8Recipe(scaling="row"), False),

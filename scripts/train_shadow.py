@@ -111,27 +111,26 @@ def gemm_fns(gemms: list, device, dtype=BF16) -> dict:
     return fns
 
 
-def fp8_gemm_fns(gemms: list, device) -> dict:
-    """name + ".fp8" -> the decoder layers' GEMMs (not the LM head's) as FP8 row-wise
-    ``torch._scaled_mm`` (E4M3 operands quantized with one fp32 scale per row of A and per column
-    of B, as an FP8 step's are, bf16 out) on random operands: A (m, k) row-major, B (k, n)
-    column-major, the layouts each GEMM of an FP8 step takes its operands in. No quantization is
-    timed: tensor-core time only."""
+def fp8_gemm(m: int, n: int, k: int, device) -> Callable:
+    """An (m, n, k) GEMM as FP8 row-wise ``torch._scaled_mm`` (E4M3 operands quantized with one
+    fp32 scale per row of A and per column of B, as an FP8 step's are, bf16 out) on random
+    operands: A (m, k) row-major, B (k, n) column-major, the layouts each GEMM of an FP8 step takes
+    its operands in. No quantization is timed: tensor-core time only."""
     fp8 = torch.float8_e4m3fn
 
-    def rowwise(rows, k):
+    def rowwise(rows):
         x = torch.randn(rows, k, device=device)
-        s = x.abs().amax(1, keepdim=True) / torch.finfo(fp8).max
+        s = x.abs().amax(1, keepdim=True).clamp_min(1e-12) / torch.finfo(fp8).max
         return (x / s).to(fp8), s
 
-    fns = {}
-    for g in gemms:
-        if not g.per_layer:
-            continue
-        (a, sa), (b, sb) = rowwise(g.m, g.k), rowwise(g.n, g.k)
-        fns[g.name + ".fp8"] = (lambda a=a, b=b.t(), sa=sa, sb=sb.t():
-                                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16))
-    return fns
+    (a, sa), (b, sb) = rowwise(m), rowwise(n)
+    b, sb = b.t(), sb.t()
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16)
+
+
+def fp8_gemm_fns(gemms: list, device) -> dict:
+    """name + ".fp8" -> the decoder layers' GEMMs (not the LM head's) as :func:`fp8_gemm`."""
+    return {g.name + ".fp8": fp8_gemm(g.m, g.n, g.k, device) for g in gemms if g.per_layer}
 
 
 def attention_fn(c: dict, batch: int, seq: int, device, dtype=BF16) -> Callable:

@@ -127,14 +127,14 @@ def amax_value(x: E.Node) -> E.Node:
     return E.absolute(x)
 
 
-def finish_amax(partials: torch.Tensor, stored=torch.bfloat16) -> torch.Tensor:
+def finish_amax(partials: torch.Tensor) -> torch.Tensor:
     """The amax (R,) fp32 from an epilogue's per-tile max partials (R, tiles) of
-    :func:`amax_value`: their max rounded to ``stored`` (the dtype the tree stores the values in),
-    NaN read as +inf (an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
+    :func:`amax_value`: their max rounded to bf16 (the dtype the trees store the values in), NaN
+    read as +inf (an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
     row holding NaN); 0 over no tiles (an empty batch: a zero block's scale is 1)."""
     if partials.shape[-1] == 0:
         return partials.new_zeros(partials.shape[:-1])
-    amax = E.finalize_max(partials).to(stored).float()
+    amax = E.finalize_max(partials).to(torch.bfloat16).float()
     return amax.nan_to_num_(nan=math.inf, posinf=math.inf).contiguous()
 
 

@@ -53,8 +53,8 @@ That epilogue's sinks once spilled every config above ping-pong 64 x 64 (21.24 m
 fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
 they cost 34 % fewer instructions since maxima are one FMNMX each, the rounding to bf16 and the
 NaN check moved to ``finish_amax`` and the column maxima skip the row mask (|x| is zero past M;
-8160 -> 5416 SASS instructions against the plain tree's 3496 there), but the sinks still cost the epilogue, where ping-pong's
-tensor cores wait on it, more than the passes they replace.
+8160 -> 5416 SASS instructions against the plain tree's 3496 there), but the sinks still cost
+the epilogue, where ping-pong's tensor cores wait on it, more than the passes they replace.
 
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
