@@ -16,7 +16,7 @@ from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtyp
 from .precision import block_scales_m_major
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseCombineSpec", "RopeBackwardSpec",
-           "QuantizeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
+           "QuantizeRowsSpec", "QuantizeWholeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
            "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight",
            "quantize_dual", "quantize_rowwise", "AbsMaxSpec", "abs_max"]
@@ -185,6 +185,50 @@ class QuantizeRowsSpec:
         return kernel.rowwise, args + (_fake("float32", (cute.sym_int(),), (1,)),)
 
 
+@dataclass(frozen=True)
+class QuantizeWholeRowsSpec:
+    """The row-wise recipe's rows alone with each row's amax found in the kernel
+    (``kernels.elementwise.quantize_rows.QuantizeWholeRows``): dtypes, power-of-two scales, and
+    the 16-byte groups each thread holds (rows up to ``groups * 8 * 256`` values)."""
+
+    dtype: str
+    out_dtype: str = "float8_e4m3fn"
+    arch: str = "sm_90a"
+    pow2: bool = False
+    groups: int = 1
+
+    @property
+    def name(self) -> str:
+        return (f"quantize_rowwise_rows_amax_g{self.groups}_{self.arch}_{short_dtype(self.dtype)}_"
+                f"{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.quantize_rows import QuantizeWholeRows
+        from .reference import FP8_MAX
+
+        kernel = QuantizeWholeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype),
+                                   FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups)
+        m, k = cute.sym_int(), cute.sym_int()
+        return kernel, (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
+                        _fake("float32", (m, 1), (cute.sym_int64(), cute.sym_int64())))
+
+
+#: most 16-byte groups per thread of :class:`QuantizeWholeRowsSpec` (rows up to 32768 values);
+#: longer rows take the amax pass and the ``whole`` 1 x 128 build
+WHOLE_ROW_GROUPS = 16
+
+
+def whole_row_groups(k: int) -> int:
+    """The groups per thread a row of ``k`` values takes in one ``QuantizeWholeRows`` CTA
+    (0: too long for one)."""
+    from .kernels.elementwise.quantize_rows import VEC, WHOLE_THREADS
+
+    groups = -(-k // (VEC * WHOLE_THREADS))
+    return groups if groups <= WHOLE_ROW_GROUPS else 0
+
+
 def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.Tensor | None = None,
                   q: torch.Tensor | None = None, pow2: bool = False):
     """(q, scales): ``x`` (M, K) 16-bit, rows 16-byte aligned, in FP8 with one fp32 scale per
@@ -317,7 +361,8 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     one per whole column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M));
     ``rows`` / ``cols`` False: None for that pair. Two passes: :func:`abs_max` reads x for both
     amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
-    scales and casts. ``row_amax`` (M,) / ``col_amax`` (K,) fp32: amaxes already known (the
+    scales and casts; the rows alone, their amaxes not given, take one pass
+    (:class:`QuantizeWholeRowsSpec`) where a row fits one CTA's registers. ``row_amax`` (M,) / ``col_amax`` (K,) fp32: amaxes already known (the
     producing GEMM's epilogue reduced them), which spare :func:`abs_max` its pass where they
     cover every one asked for."""
     from . import dispatch
@@ -332,6 +377,11 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
                 empty(k, m) if cols else None, ones(k) if cols else None)
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
+    if rows and not cols and row_amax is None and whole_row_groups(k):  # one read: amax in the kernel
+        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        get_kernel(QuantizeWholeRowsSpec(*dtypes, arch, pow2, whole_row_groups(k))).fn(x, q, s)
+        return q, s, None, None
     need_rows, need_cols = rows and row_amax is None, cols and col_amax is None
     if need_rows or need_cols:
         found = abs_max(x, need_rows, need_cols)

@@ -6,8 +6,9 @@ block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
 with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
-FP8 kernel) with a separate amax pass before each quantization, ``coda fp8 row-wise, amax fused``
-the same with the amaxes of h and dz' reduced in their GEMMs (``mlp_fp8.FUSED_AMAX`` on), all
+FP8 kernel) with a separate amax pass before each quantization needing column amaxes (rows alone
+take one read), ``coda fp8 row-wise, amax fused``
+the same with the amaxes of dz' and h^T reduced in the down dgrad (``mlp_fp8.FUSED_AMAX`` on), all
 timed in the same turns.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs

@@ -363,6 +363,27 @@ def test_rowwise_rows_kernel_builds_from_the_1x128_one_without_the_butterfly():
     assert spill_bytes(whole) == 0
 
 
+@pytest.mark.parametrize("k, groups", [(4096, 2), (14336, 7), (32768, 16), (32776, 0)])
+def test_whole_rows_kernel_reads_each_row_once_without_spills(k, groups):
+    """The rows alone with their amaxes found in the kernel (``QuantizeWholeRowsSpec``, one CTA
+    per row): a row of K values takes ceil(K / 2048) 16-byte loads per thread, as many 8-byte FP8
+    stores, one warp butterfly and one barrier; no spills. Rows past 16 groups per thread take
+    the amax pass instead (0)."""
+    from coda_cute.elementwise import QuantizeWholeRowsSpec, whole_row_groups
+
+    assert whole_row_groups(k) == groups
+    if not groups:
+        return
+    kern = compile_elementwise(QuantizeWholeRowsSpec("bfloat16", groups=groups), keep_artifacts=True)
+    for op, n in (("ld.global.v4.b32", groups), ("st.global.v2.b32", groups), ("shfl.sync.bfly.b32", 5),
+                  ("bar.sync", 1)):
+        assert kern.ptx.count(op) == n, op
+    for op in ("cvt.rn.satfinite.e4m3x2.f32", "max.NaN.f32", "div.rn.f32"):
+        assert op in kern.ptx, op
+    assert "div.approx" not in kern.ptx and "div.full" not in kern.ptx
+    assert spill_bytes(kern) == 0
+
+
 def test_rowwise_scales_are_the_row_and_column_amaxes_and_the_rows_come_alone():
     x, seed = fresh(144, 264)
     x = x.to(torch.bfloat16)

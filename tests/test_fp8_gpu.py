@@ -176,7 +176,8 @@ def test_abs_max_kernel_is_torchs_amax_bit_for_bit(m, k, dtype):
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("rows", [True, False])
-@pytest.mark.parametrize("m, k", [(16, 8), (1008, 1000), (4096, 4096), (272, 136)])
+# the last two: a row in one CTA with a partial last group, and one past one CTA (the amax pass)
+@pytest.mark.parametrize("m, k", [(16, 8), (1008, 1000), (4096, 4096), (272, 136), (160, 14344), (112, 32776)])
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows, pow2):
     """``quantize_rowwise`` (the row-wise recipe): x with one scale per whole row and x^T with one
@@ -204,7 +205,8 @@ def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype,
     launched = quantize_rowwise(x, out_dtype, rows, pow2=pow2)
     for got, want in zip(launched, (q, s, qt, st) if rows else (None, None, qt, st)):
         assert got is None and want is None or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    if rows:  # the rows alone (the 1 x 128 kernel's whole build), M any
+    if rows:  # the rows alone (amaxes found in one CTA per row, or the amax pass then the 1 x 128
+        # kernel's whole build), M any
         rows_only = quantize_rowwise(x[: m - 1], out_dtype, cols=False, pow2=pow2)
         assert rows_only[2:] == (None, None)
         assert torch.equal(rows_only[0].view(torch.uint8), q[: m - 1].view(torch.uint8))

@@ -306,8 +306,8 @@ def test_an_empty_batch_runs_forward_and_backward(row):
 @pytest.mark.parametrize("m", [256, 77, 0])  # M a multiple of 16 (FP8 weight gradients), ragged, none
 @pytest.mark.parametrize("e5m2_grads", [False, True])
 def test_row_wise_amax_in_the_epilogue_changes_nothing(m, e5m2_grads, monkeypatch):
-    """``FUSED_AMAX`` (the row-wise recipe's amaxes of h and dz' reduced in their GEMMs' epilogues)
-    gives the separate amax pass's results bit for bit: the forward and every gradient."""
+    """``FUSED_AMAX`` (the row-wise recipe's amaxes of dz' and h^T reduced in the down dgrad's
+    epilogue) gives the separate amax pass's results bit for bit: the forward and every gradient."""
     from coda_cute.ops import mlp_fp8
 
     y, ss, w_gu, w_down, dy2 = _inputs(m, 256, 384, 11)
@@ -362,25 +362,25 @@ def test_row_wise_amax_partials_are_the_stored_tensors_amax(m):
     assert h_cols[2] == float("inf") and finish_amax(bad["dzg_amax_t"])[2] == float("inf")
 
 
-@pytest.mark.parametrize("tree, n, k", [("forward", 28672, 4096), ("backward", 14336, 4096)])
-def test_row_wise_amax_trees_build_without_spills(tree, n, k):
-    """The two trees with amax sinks on the plain FP8 kernel, scales on the accumulator, the
-    config the runner picks at Llama-3-8B's shapes."""
+def test_row_wise_amax_tree_builds_without_spills():
+    """The down-proj dgrad with amax sinks on the plain FP8 kernel, scales on the accumulator, at
+    the config the runner picks at Llama-3-8B's shape: the plain tree's."""
     from coda_cute.ops import mlp_fp8
 
-    t = row_scaled(mlp_fp8.norm_swiglu_amax_tree() if tree == "forward" else mlp_fp8.swiglu_backward_amax_tree())
+    n, k = 14336, 4096
+    t = row_scaled(mlp_fp8.swiglu_backward_amax_tree())
     cfg = choose_config(t, 16384, n, k, 1, True, False, 132, block_scaled=False)
     assert not spills(t, cfg, True, 132, block_scaled=False)
-    if tree == "backward":  # its config is the plain tree's, no longer a smaller tile
-        assert cfg == choose_config(row_scaled(swiglu_backward_tree()), 16384, n, k, 1, True, False, 132)
-        # every max one FMNMX (max.NaN.f32), no NaN-to-inf or bf16 round trip per element (the
-        # plain tree's bf16 -> fp32 conversions, z's, and no more), and no row mask in the column
-        # maxima (|x| is zero past M, and a zero cannot raise a max of values >= 0): the only
-        # selects beyond the plain tree's are the row max's column mask (the column scale is
-        # unknown past N), one per element
-        ptx, base = (compile_gemm(KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, x, "sm_90a", 132),
-                                  keep_artifacts=True).ptx for x in (t, row_scaled(swiglu_backward_tree())))
-        assert ptx.count("max.NaN.f32") >= 4 * 64  # four reductions over 64 elements per thread
-        assert "setp.nan" not in ptx
-        assert ptx.count("selp.f32") == base.count("selp.f32") + 64
-        assert ptx.count("cvt.f32.bf16") == base.count("cvt.f32.bf16") > 0
+    # the plain tree's config, no longer a smaller tile
+    assert cfg == choose_config(row_scaled(swiglu_backward_tree()), 16384, n, k, 1, True, False, 132)
+    # every max one FMNMX (max.NaN.f32), no NaN-to-inf or bf16 round trip per element (the
+    # plain tree's bf16 -> fp32 conversions, z's, and no more), and no row mask in the column
+    # maxima (|x| is zero past M, and a zero cannot raise a max of values >= 0): the only
+    # selects beyond the plain tree's are the row max's column mask (the column scale is
+    # unknown past N), one per element
+    ptx, base = (compile_gemm(KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, x, "sm_90a", 132),
+                              keep_artifacts=True).ptx for x in (t, row_scaled(swiglu_backward_tree())))
+    assert ptx.count("max.NaN.f32") >= 4 * 64  # four reductions over 64 elements per thread
+    assert "setp.nan" not in ptx
+    assert ptx.count("selp.f32") == base.count("selp.f32") + 64
+    assert ptx.count("cvt.f32.bf16") == base.count("cvt.f32.bf16") > 0

@@ -36,21 +36,26 @@ and two barriers per sub-tile, in a cooperative epilogue the tensor cores wait f
 operand with one scale per whole row along K, the six GEMMs on the plain FP8 kernel with the
 scales applied to the accumulator in the same trees; ``FUSED_QUANT`` does not apply (its sinks
 quantize 1 x 128 blocks). A whole row's scale needs the whole row's amax, which no tile has, so
-each tensor is quantized in a pass after its GEMM; with ``FUSED_AMAX`` the GEMM that produces it
-reduces the amaxes that pass needs in its epilogue (per-tile max partials, ``fp8_gemms.amax_value``):
+each tensor is quantized in a pass after its GEMM. A tensor needed along K only (h for the
+down-proj, y for gate/up) takes one read: a CTA holds a whole row, finds its amax and quantizes it
+(``elementwise.QuantizeWholeRowsSpec``). One needed both ways (dz', dy2) or along the tokens (h^T,
+y^T for the weight gradients) needs column amaxes over every row first: ``elementwise.abs_max``
+reads it, then the quantizer reads it again. With ``FUSED_AMAX`` the down-proj dgrad reduces
+those amaxes in its epilogue (per-tile max partials, ``fp8_gemms.amax_value``):
 
-    gate/up GEMM     max_j |h[m, j]|                  h's row scales (the down-proj's operand)
     down-proj dgrad  max_j |dz'[m, j]|, max_m |dz'[m, j]|, max_m |h[m, j]|
                      dz' both ways (gate/up dgrad, wgrad), h^T (the down-proj wgrad)
 
-so those quantize passes read their tensor once instead of twice (``elementwise.abs_max`` first).
-The amaxes are those of the bf16 values the quantizer reads, bit for bit: the same scales. Off:
-its GPU tests pass (``tests/test_mlp_fp8_gpu.py``), but on the H200 (``scripts/bench_fp8.py``, d
-4096, ffn 14336, 16384 tokens, in turns) it is still slower: 18.69 ms per forward + backward
-against 18.17 with the amax passes (2026-12-03, fifth session). The gate/up GEMM took 3.37 ms
-against 3.16 + the 0.12 ms pass it saves, the down dgrad 2.53 ms against 2.07 + 0.36 ms of passes.
-That epilogue's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then); they
-fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
+so those quantize passes read their tensor once. The amaxes are those of the bf16 values the
+quantizer reads, bit for bit: the same scales. Off: its GPU tests pass
+(``tests/test_mlp_fp8_gpu.py``), but on the H200 (``scripts/bench_fp8.py``, d 4096, ffn 14336,
+16384 tokens, in turns) it is still slower: 18.69 ms per forward + backward against 18.17 with the
+amax passes (2026-12-03, fifth session; the gate/up GEMM then also reduced h's row amaxes, which
+the one-read row quantizer has since made pointless: 3.37 ms against 3.16 + the 0.12 ms pass), the
+down dgrad 2.53 ms against 2.07 + 0.36 ms of passes. With the one-read rows (sixth session):
+17.76 ms against 18.41 with ``FUSED_AMAX`` (that run still had the gate/up sink), the shadow
+13.20 ms. The dgrad's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then);
+they fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
 they cost 34 % fewer instructions since maxima are one FMNMX each, the rounding to bf16 and the
 NaN check moved to ``finish_amax`` and the column maxima skip the row mask (|x| is zero past M;
 8160 -> 5416 SASS instructions against the plain tree's 3496 there), but the sinks still cost
@@ -114,14 +119,6 @@ def swiglu_backward_fp8_tree(grad_dtype: str, pow2: bool) -> E.Epilogue:
 
 
 @functools.lru_cache(maxsize=None)
-def norm_swiglu_amax_tree() -> E.Epilogue:
-    """``norm_swiglu_tree`` plus h's row amax partials "h_amax" (the row-wise recipe)."""
-    base = norm_swiglu_tree()
-    h = next(s for s in base.sinks if s.name == "h").x
-    return E.Epilogue(*base.sinks, E.row_reduce(amax_value(h), "max", "h_amax"))
-
-
-@functools.lru_cache(maxsize=None)
 def swiglu_backward_amax_tree() -> E.Epilogue:
     """``swiglu_backward_tree`` plus the row-wise recipe's amax partials: dz' per row
     ("dz_amax"), per column of its gate and up halves ("dzg_amax_t", "dzu_amax_t"), h per column
@@ -169,11 +166,9 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
                                                                          w_gu=w_gu, w_down=w_down)
     fused = _fused(y, row)
-    amax = row and FUSED_AMAX
-    tree = norm_swiglu_fp8_tree(pow2_scales) if fused else (norm_swiglu_amax_tree() if amax else norm_swiglu_tree())
+    tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
     out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row)
-    h_amax = finish_amax(out["h_amax"]) if amax else None
-    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row, h_amax), down_q, down_s,
+    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row), down_q, down_s,
                   {"residual": y}, row=row)
     h_t = out["h_t"] if fused else _no_h_t(y)
     if given[0] is not None:

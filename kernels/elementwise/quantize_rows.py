@@ -21,6 +21,13 @@ the 8 quantized values; lane 0 of the half-warp writes the scale. Rows must star
 ``whole`` (the row-wise recipe, ``Fp8Recipe(scaling="row")``): one scale per whole row, from the
 given ``row_amax`` (M,) (max |x| over the row, found beforehand), scales (M, 1) written by the
 first column block's half-warps; exactly ``quantize_blocks_ref`` with blocks (1, K).
+
+:class:`QuantizeWholeRows`: the same whole-row scales with each row's amax found in the kernel, so
+x is read once (the forward's activations, which need no column scales: a separate amax pass read
+them a second time). Roles: no specialization. One CTA of ``WHOLE_THREADS`` threads per row;
+thread ``t`` loads the row's 16-byte groups ``t + WHOLE_THREADS i`` (i < ``groups``, a build
+constant: the row lives in registers), then a butterfly per warp and the warps' maxima through
+shared memory give every thread the row's amax; each thread scales and stores its own groups.
 """
 
 from __future__ import annotations
@@ -99,3 +106,56 @@ class QuantizeRows:
                         scales[(row0 + r, 0)] = scale
                 elif lane == 0:
                     scales[(row0 + r, block)] = scale
+
+
+#: threads of a :class:`QuantizeWholeRows` CTA (one row)
+WHOLE_THREADS = 256
+WHOLE_WARPS = WHOLE_THREADS // 32
+
+
+class QuantizeWholeRows:
+    """``q, scales = quantize`` with one scale per whole row of 16-bit ``x`` (M, K), the amax found
+    here; K at most ``groups * VEC * WHOLE_THREADS``; scales (M, 1) fp32 of any strides."""
+
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int):
+        self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
+        self.groups = groups
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
+        gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
+        gq = cute.zipped_divide(q, (1, VEC))
+        rows, _ = gx.shape[1]
+        self.kernel(gx, gq, scales).launch(grid=(rows, 1, 1), block=(WHOLE_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        _, groups = gx.shape[1]
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout(WHOLE_WARPS), 16)
+        buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), self.groups)), self.dtype)
+        buf.fill(0.0)  # groups past K: zeros, which add nothing to the amax
+        for i in cutlass.range_constexpr(self.groups):
+            col = tidx + WHOLE_THREADS * i
+            if col < groups:
+                buf[(None, i)].store(gx[(None, (row, col))].load())
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(self.groups):
+            amax = abs_max(amax, buf[(None, i)].load().to(Float32), VEC)
+        for off in (16, 8, 4, 2, 1):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+        if tidx % 32 == 0:
+            red[tidx // 32] = amax
+        cute.arch.sync_threads()
+        amax = red[0]
+        for w in cutlass.range_constexpr(1, WHOLE_WARPS):
+            amax = cute.arch.fmax(amax, red[w], nan=True)
+        scale, inv = block_scale(amax, Float32(self.fp8_max), self.pow2)
+        for i in cutlass.range_constexpr(self.groups):
+            col = tidx + WHOLE_THREADS * i
+            if col < groups:
+                gq[(None, (row, col))].store(quantize(buf[(None, i)].load().to(Float32), inv, VEC).to(self.out_dtype))
+        if tidx == 0:
+            scales[(row, 0)] = scale
