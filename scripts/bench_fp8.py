@@ -203,32 +203,37 @@ def quantize_bytes(m, d, f) -> list[dict]:
     layout has a sink; along its columns a block-scaled tile holds half a block of each row), dz'
     the down dgrad's double-width one (both layouts); the weights are quantized by
     their own kernel with their FP8 transposes (read bf16, write both), once per version with
-    ``nn.fold.WeightQuantCache``."""
+    ``nn.fold.WeightQuantCache``. ``row_wise``: the same passes in the row-wise recipe, which
+    also read a tensor once more first wherever a column amax over all the tokens is needed (both
+    layouts, along the tokens, the weights' transposes: ``elementwise.abs_max``); a tensor needed
+    along K only is read once (``elementwise.QuantizeWholeRowsSpec``)."""
     rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM"),
             ("h (forward, along K)", m * f, 1, "no: a row of h is half a block per block-scaled tile"),
             ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad"),
             ("dz' (both layouts)", m * 2 * f, 2, "yes: the down dgrad (double-width, both layouts)"),
             ("h (along the tokens)", m * f, 1, "yes: the gate/up GEMM (half-width, transposed)"),
             ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)")]
-    out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink)
+    out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink,
+                row_wise=n * (2 + layouts * _FP8 + (0 if "along K" in name else 2)))
            for name, n, layouts, sink in rows]
     w = 3 * f * d
     out.append(dict(tensor="W_gu, W_down (128 x 128, with transposes)", elements=w, separate=w * (2 + 2),
-                    fused=None, sink="own kernel, once per version when cached"))
+                    fused=None, sink="own kernel, once per version when cached", row_wise=w * (2 + 2 + 2)))
     return out
 
 
 def print_quantize_bytes(rows: list, console) -> float:
     """The table of :func:`quantize_bytes`; returns the separate passes' total GB."""
     t = Table(title="bytes moved by quantization per MLP forward + backward (GB)")
-    for col in ("tensor", "separate passes", "in the producing epilogue", "sink today"):
+    for col in ("tensor", "separate passes (block recipe)", "row-wise recipe's passes", "in the producing epilogue",
+                "sink today"):
         t.add_column(col, justify="left" if col in ("tensor", "sink today") else "right")
     for r in rows:
-        t.add_row(r["tensor"], f"{r['separate'] / 1e9:.3f}",
+        t.add_row(r["tensor"], f"{r['separate'] / 1e9:.3f}", f"{r['row_wise'] / 1e9:.3f}",
                   "-" if r["fused"] is None else f"{r['fused'] / 1e9:.3f}", r["sink"])
     total = sum(r["separate"] for r in rows) / 1e9
     fused = sum(r["fused"] if r["fused"] is not None else r["separate"] for r in rows) / 1e9
-    t.add_row("total", f"{total:.3f}", f"{fused:.3f}", "")
+    t.add_row("total", f"{total:.3f}", f"{sum(r['row_wise'] for r in rows) / 1e9:.3f}", f"{fused:.3f}", "")
     console.print(t)
     return total
 
