@@ -362,9 +362,9 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     ``rows`` / ``cols`` False: None for that pair. Two passes: :func:`abs_max` reads x for both
     amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
     scales and casts; the rows alone, their amaxes not given, take one pass
-    (:class:`QuantizeWholeRowsSpec`) where a row fits one CTA's registers. ``row_amax`` (M,) / ``col_amax`` (K,) fp32: amaxes already known (the
-    producing GEMM's epilogue reduced them), which spare :func:`abs_max` its pass where they
-    cover every one asked for."""
+    (:class:`QuantizeWholeRowsSpec`) where a row fits one CTA's registers. ``row_amax`` (M,) /
+    ``col_amax`` (K,) fp32: amaxes already known (the producing GEMM's epilogue reduced them),
+    which spare :func:`abs_max` its pass where they cover every one asked for."""
     from . import dispatch
 
     if not (rows or cols):
@@ -377,10 +377,11 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
                 empty(k, m) if cols else None, ones(k) if cols else None)
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
-    if rows and not cols and row_amax is None and whole_row_groups(k):  # one read: amax in the kernel
+    groups = whole_row_groups(k)
+    if rows and not cols and row_amax is None and groups:  # one read: amax in the kernel
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        get_kernel(QuantizeWholeRowsSpec(*dtypes, arch, pow2, whole_row_groups(k))).fn(x, q, s)
+        get_kernel(QuantizeWholeRowsSpec(*dtypes, arch, pow2, groups)).fn(x, q, s)
         return q, s, None, None
     need_rows, need_cols = rows and row_amax is None, cols and col_amax is None
     if need_rows or need_cols:

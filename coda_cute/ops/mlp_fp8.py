@@ -52,9 +52,8 @@ quantizer reads, bit for bit: the same scales. Off: its GPU tests pass
 16384 tokens, in turns) it is still slower: 18.69 ms per forward + backward against 18.17 with the
 amax passes (2026-12-03, fifth session; the gate/up GEMM then also reduced h's row amaxes, which
 the one-read row quantizer has since made pointless: 3.37 ms against 3.16 + the 0.12 ms pass), the
-down dgrad 2.53 ms against 2.07 + 0.36 ms of passes. With the one-read rows (sixth session):
-17.76 ms against 18.41 with ``FUSED_AMAX`` (that run still had the gate/up sink), the shadow
-13.20 ms. The dgrad's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then);
+down dgrad 2.53 ms against 2.07 + 0.36 ms of passes. With the one-read rows and the dgrad's
+sinks alone (sixth session): 17.91 ms against 18.20 with ``FUSED_AMAX``, the shadow 13.38 ms. The dgrad's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then);
 they fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
 they cost 34 % fewer instructions since maxima are one FMNMX each, the rounding to bf16 and the
 NaN check moved to ``finish_amax`` and the column maxima skip the row mask (|x| is zero past M;
