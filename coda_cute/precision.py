@@ -12,6 +12,10 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
   (activations and gradients per token, a weight per row and, for the dgrad, per column, the
   weight gradient's operands per feature over the tokens): the GEMM's row-wise FP8, the scales
   applied to the accumulator in the sublayers' epilogue trees;
+* ``fast_accum`` (row-wise only): which GEMMs keep their FP8 products in the tensor core's
+  accumulator for the whole k-loop rather than promoting each k-tile's partial sum into fp32:
+  "none" (the default), "forward" (the forward GEMMs, as torchao's float8 training does by
+  default) or "all" (also the dgrads and weight gradients). The block recipe always promotes;
 * ``pow2_scales``: scales rounded up to powers of two (TE's default; DeepGEMM's users report it
   costs accuracy, so off here);
 * the LM head and the attention core stay bf16; ``lm_head_fp8`` puts the LM head in FP8.
@@ -34,6 +38,8 @@ import torch
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALINGS = ("block", "row")
+#: ``Fp8Recipe.fast_accum``: which GEMMs accumulate in the tensor core for the whole k-loop
+FAST_ACCUM = ("none", "forward", "all")
 BLOCK = 128
 
 
@@ -54,10 +60,16 @@ class Fp8Recipe:
     grad_format: str = "e4m3"
     pow2_scales: bool = False
     lm_head_fp8: bool = False
+    fast_accum: str = "none"
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.fast_accum not in FAST_ACCUM:
+            raise ValueError(f"Fp8Recipe: fast_accum must be one of {FAST_ACCUM}, got {self.fast_accum!r}")
+        if self.fast_accum != "none" and self.scaling != "row":
+            raise ValueError(f"Fp8Recipe: fast_accum must be 'none' with scaling='block' (block scales are "
+                             f"promoted per k-block), got {self.fast_accum!r}")
         if self.grad_format not in FORMATS:
             raise ValueError(f"Fp8Recipe: grad_format must be one of {tuple(FORMATS)}, got {self.grad_format!r}")
         for name in ("pow2_scales", "lm_head_fp8"):

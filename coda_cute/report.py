@@ -16,7 +16,9 @@ Kernel families compiled (no GPU needed):
     picks at that Llama-3-8B layer;
   * ``coda_fp8_row`` - the same sublayers' forward and dgrad trees in the row-wise recipe
     (``Fp8Recipe(scaling="row")``): the scales applied to the accumulator in the tree, on the
-    plain FP8 kernel's config each picks (their weight gradients are ``fp8`` GEMMs).
+    plain FP8 kernel's config each picks (their weight gradients are ``fp8`` GEMMs);
+  * ``coda_fp8_row_fast`` - the same with fast accumulation (``Fp8Recipe(fast_accum=...)``), on
+    the configs the heuristic picks for it.
 ``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
 square problem on a 132-SM Hopper part.
 
@@ -67,6 +69,8 @@ FAMILIES = {
                 "each at its Llama-3-8B layer",
     "coda_fp8_row": "FP8 sublayer ops, row-wise recipe (one scale per row along K, applied to the accumulator), "
                     "e4m3, each at its Llama-3-8B layer",
+    "coda_fp8_row_fast": "the same with fast accumulation (Fp8Recipe(scaling='row', fast_accum=...): the k-loop "
+                         "in the tensor core's accumulator), on the heuristic's fast-accumulation configs",
 }
 TRAINING_LAYOUTS = (("k", "n"), ("m", "n"), ("m", "k"))
 _PTX_TYPE = {"bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -94,7 +98,8 @@ def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec | KernelSpec]
     out += [("training", GemmSpec("bfloat16", "bfloat16", "bfloat16", am, bm, cfg, arch=ARCH))
             for am, bm in TRAINING_LAYOUTS]
     return (out + [("coda", spec) for spec in coda_op_specs()] + [("coda_fp8", s) for s in coda_fp8_specs()]
-            + [("coda_fp8_row", s) for s in coda_fp8_specs(row=True)])
+            + [("coda_fp8_row", s) for s in coda_fp8_specs(row=True)]
+            + [("coda_fp8_row_fast", s) for s in coda_fp8_specs(row=True, fast=True)])
 
 
 def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
@@ -131,13 +136,15 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
             for op, tree, mnk, majors in ops]
 
 
-def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132, row: bool = False) -> list[KernelSpec]:
+def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132, row: bool = False,
+                   fast: bool = False) -> list[KernelSpec]:
     """One kernel per block-scaled GEMM of the FP8 sublayers and the FP8 LM head, labelled with its role: the forward
     trees, the dgrads (dY @ W through W's FP8 transpose: K-major like every FP8 operand) and the
     weight-gradient form (dY^T X over the tokens, B scaled per row), on the config each one's
     heuristic picks (``choose_config`` with block scales) at the ``model`` layer. ``row``: the
     sublayers' forward and dgrad GEMMs in the row-wise recipe instead (``fp8_gemms.row_scaled``
-    trees on the plain FP8 kernel; no LM head, which runs the block recipe)."""
+    trees on the plain FP8 kernel; no LM head, which runs the block recipe); ``fast``: those with
+    fast accumulation (``Fp8Recipe.fast_accum``), on the configs the heuristic picks for it."""
     from .kernels.epilogue.plain import gemm_tree
     from .ops import lm_head_ce as lm
     from .ops import qkv, residual, rmsnorm, swiglu
@@ -165,8 +172,8 @@ def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132, row: bool = False) 
            ("fp8.lm_head.dw", lm.accumulate_tree("float32"), (c.vocab, c.d, m), True))
     if row:
         return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
-                              choose_config(row_scaled(tree), *mnk, 1, True, False, sms), row_scaled(tree), ARCH,
-                              sms, label=op.replace("fp8.", "fp8_row."))
+                              choose_config(row_scaled(tree), *mnk, 1, True, fast, sms), row_scaled(tree), ARCH,
+                              sms, label=op.replace("fp8.", "fp8_row_fast." if fast else "fp8_row."))
                 for op, tree, mnk, b_rows in ops if not b_rows and "lm_head" not in op and "quantize" not in op]
     return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
                           choose_config(tree, *mnk, 1, True, False, sms, True, b_rows), tree, ARCH, sms,

@@ -29,8 +29,9 @@ cosine decay to ``min_lr_ratio`` of the peak, gradient clipping at 1. The runs:
 * ``coda``: ``apply_coda`` on a copy of the same initial weights;
 * ``coda_fp8`` (``--precision fp8``): ``apply_coda(model, precision="fp8")``, the decoder layers'
   GEMMs in block-scaled FP8 (``--fp8-lm-head``: the LM head's too; ``--pow2-scales``: power-of-two
-  scales; ``--row-scaling``: the row-wise recipe instead), against the bf16 ``coda``
-  run on the same data.
+  scales; ``--row-scaling``: the row-wise recipe instead, ``--fast-accum forward|all`` with its
+  GEMMs of those roles accumulating in the tensor core), against the bf16 ``coda`` run on the
+  same data.
 
 Output: a rich progress bar (loss, tokens/s), a table (tokens/s, step ms, peak memory, final train
 and validation loss per run), a JSON log of every step and a PNG of the loss curves
@@ -56,7 +57,7 @@ import torch
 from .argtypes import positive_int
 from . import parallel
 from .parallel import Ranks, no_sync_needed
-from .precision import Fp8Recipe
+from .precision import FAST_ACCUM, Fp8Recipe
 
 PRECISIONS = ("bf16", "fp8")
 #: steps left out of the timing: the first ones compile kernels and warm the allocator
@@ -90,6 +91,7 @@ class TrainConfig:
     fp8_lm_head: bool = False  # with precision "fp8": the coda_fp8 run's LM head in FP8 too
     pow2_scales: bool = False  # with precision "fp8": the coda_fp8 run's scales powers of two
     row_scaling: bool = False  # with precision "fp8": the coda_fp8 run in the row-wise recipe
+    fast_accum: str = "none"  # with row_scaling: Fp8Recipe.fast_accum
     world: int = 1  # ranks; micro_batch is per rank
 
     @property
@@ -383,6 +385,9 @@ def add_arguments(p) -> None:
     p.add_argument("--row-scaling", action="store_true",
                    help="with --precision fp8: the coda_fp8 run in the row-wise recipe, one scale per whole "
                         "row along K of every GEMM operand (Fp8Recipe(scaling='row'))")
+    p.add_argument("--fast-accum", choices=FAST_ACCUM, default="none",
+                   help="with --row-scaling: which of the coda_fp8 run's GEMMs accumulate in the tensor core "
+                        "for the whole k-loop (Fp8Recipe(fast_accum=...); forward: torchao's default)")
     p.add_argument("--no-spread", action="store_true", help="skip the second plain-HF run (data seed + 1)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="train every run this many times (same seed; the GPU's nondeterminism alone moves "
@@ -411,12 +416,16 @@ def run(args) -> int:
         if getattr(args, flag) and args.precision != "fp8":
             console.print(f"[red]coda-cute train: --{flag.replace('_', '-')} goes with --precision fp8[/]")
             return 2
+    if args.fast_accum != "none" and not args.row_scaling:
+        console.print("[red]coda-cute train: --fast-accum goes with --precision fp8 --row-scaling (block scales "
+                      "are promoted per k-block)[/]")
+        return 2
     if args.fp8_lm_head and args.row_scaling:
         console.print("[red]coda-cute train: the FP8 LM head runs the block recipe; drop --fp8-lm-head or "
                       "--row-scaling[/]")
         return 2
     cfg = replace(cfg, precision=args.precision, fp8_lm_head=args.fp8_lm_head, pow2_scales=args.pow2_scales,
-                  row_scaling=args.row_scaling, world=ranks.world,
+                  row_scaling=args.row_scaling, fast_accum=args.fast_accum, world=ranks.world,
                   micro_batch=args.micro_batch or cfg.micro_batch, accum=args.accum or cfg.accum)
     if args.cuda_graphs and (args.tiny or ranks.mode):
         console.print("[red]coda-cute train: --cuda-graphs needs a CUDA GPU and one process; "
@@ -453,7 +462,8 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     runs.append(("coda", cfg.data_seed, "bf16"))
     if cfg.precision == "fp8":
         runs.append(("coda_fp8", cfg.data_seed, Fp8Recipe(scaling="row" if cfg.row_scaling else "block",
-                                                          lm_head_fp8=cfg.fp8_lm_head, pow2_scales=cfg.pow2_scales)))
+                                                          lm_head_fp8=cfg.fp8_lm_head, pow2_scales=cfg.pow2_scales,
+                                                          fast_accum=cfg.fast_accum)))
     results = []
     mode = reference_on_cpu() if args.tiny else contextlib.nullcontext()
     with mode, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -473,7 +483,8 @@ def _train_all(args, cfg: TrainConfig, ranks: Ranks, device, console) -> int:
     if not ranks.main:
         return 0
     head = ((" (LM head too)" if cfg.fp8_lm_head else "") + (", power-of-two scales" if cfg.pow2_scales else "")
-            + (", row-wise scales" if cfg.row_scaling else ""))
+            + (", row-wise scales" if cfg.row_scaling else "")
+            + (f", fast accumulation ({cfg.fast_accum})" if cfg.fast_accum != "none" else ""))
     t = Table(title=f"coda-cute train: {cfg.steps} steps x {cfg.tokens_per_step:,} tokens, {cfg.precision}{head}{spread}")
     for col in ("run", "tokens/s", "step ms", "peak GiB", "train loss", "val loss"):
         t.add_column(col, justify="left" if col == "run" else "right")

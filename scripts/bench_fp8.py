@@ -9,7 +9,10 @@ second recipe (``row_scaling``: one scale per row along K, the shadow's own scal
 FP8 kernel) with a separate amax pass before each quantization needing column amaxes (rows alone
 take one read), ``coda fp8 row-wise, amax fused``
 the same with the amaxes of dz' and h^T reduced in the down dgrad (``mlp_fp8.FUSED_AMAX`` on), all
-timed in the same turns.
+timed in the same turns. ``--fast-accum forward|all`` adds ``coda fp8 row-wise, fast accum`` (the
+GEMMs of those roles accumulating in the tensor core, ``fast_accum``; for the MLP also with
+``FUSED_AMAX``) with a shadow of its own whose ``_scaled_mm`` calls of the same roles take
+``use_fast_accum``.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -82,11 +85,13 @@ def with_switch(step, name: str, value: bool):
     return run
 
 
-def shadow_step(gemms, extra=None):
-    """The FP8 row-wise GEMMs ``gemms`` ((rows of A, K, N) each) of a sublayer's forward +
-    backward on pre-quantized operands (``train_shadow.fp8_gemm``), then ``extra`` (the attention
-    core) if given."""
-    runs = [fp8_gemm(rows_a, n, k, "cuda") for rows_a, k, n in gemms]
+def shadow_step(gemms, extra=None, fast_accum: str = "none"):
+    """The FP8 row-wise GEMMs ``gemms`` ((rows of A, K, N, role) each) of a sublayer's forward +
+    backward on pre-quantized operands (``train_shadow.fp8_gemm``; those of the roles
+    ``fast_accum`` names with ``use_fast_accum``), then ``extra`` (the attention core) if given."""
+    from coda_cute.ops.fp8_gemms import fast_for
+
+    runs = [fp8_gemm(rows_a, n, k, "cuda", fast_for(fast_accum, role)) for rows_a, k, n, role in gemms]
 
     def step():
         for run in runs:
@@ -97,18 +102,20 @@ def shadow_step(gemms, extra=None):
 
 
 def mlp_gemms(m, d, f):
-    """The MLP sublayer's six GEMMs: gate/up, down; the two dgrads and the two wgrads."""
-    return [(m, d, 2 * f), (m, f, d),          # gate/up, down
-            (m, d, f), (d, m, f),              # down dgrad, down wgrad (d x f over tokens)
-            (2 * f, m, d), (m, 2 * f, d)]      # gate/up wgrad, gate/up dgrad
+    """The MLP sublayer's six GEMMs (rows of A, K, N, role): gate/up, down; the two dgrads and the
+    two wgrads."""
+    return [(m, d, 2 * f, "forward"), (m, f, d, "forward"),     # gate/up, down
+            (m, d, f, "dgrad"), (d, m, f, "wgrad"),             # down dgrad, down wgrad (d x f over tokens)
+            (2 * f, m, d, "wgrad"), (m, 2 * f, d, "dgrad")]     # gate/up wgrad, gate/up dgrad
 
 
 def attention_gemms(m, d, qkv, hq):
-    """The attention sublayer's six projection GEMMs: QKV (``qkv`` wide) and out-proj (from the
-    ``hq`` = heads x head_dim columns of the core's output), forward, dgrad, wgrad."""
-    return [(m, d, qkv), (m, hq, d),           # QKV, out-proj
-            (m, d, hq), (d, m, hq),            # out-proj dgrad, wgrad
-            (m, qkv, d), (qkv, m, d)]          # QKV dgrad, wgrad
+    """The attention sublayer's six projection GEMMs (rows of A, K, N, role): QKV (``qkv`` wide) and
+    out-proj (from the ``hq`` = heads x head_dim columns of the core's output), forward, dgrad,
+    wgrad."""
+    return [(m, d, qkv, "forward"), (m, hq, d, "forward"),      # QKV, out-proj
+            (m, d, hq, "dgrad"), (d, m, hq, "wgrad"),           # out-proj dgrad, wgrad
+            (m, qkv, d, "dgrad"), (qkv, m, d, "wgrad")]         # QKV dgrad, wgrad
 
 
 class Mlp(torch.nn.Module):
@@ -282,14 +289,23 @@ def print_profile(fn, console, label: str = "coda fp8") -> None:
 SHADOW = "fp8 shadow (6 row-wise _scaled_mm)"
 
 
-def mlp_fns(m, d, f, baselines_only: bool, console) -> dict:
-    """{label: step} of the MLP sublayer: the shadow, our variants, torchao's."""
+def fast_label(fast_accum: str) -> tuple[str, str]:
+    """The shadow's and our row-wise variant's labels with fast accumulation in ``fast_accum``'s
+    roles (the MLP adds the same with ``FUSED_AMAX``: the label plus ", amax fused")."""
+    return f"fp8 shadow, fast accum ({fast_accum})", f"coda fp8 row-wise, fast accum ({fast_accum})"
+
+
+def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") -> dict:
+    """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
+    also the row-wise recipe with it and its shadow."""
     y = torch.randn(m, d, device="cuda").bfloat16()
     ss = None if baselines_only else embedding_norm_stats(y)
     w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
     w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
     dy2 = torch.randn(m, d, device="cuda").bfloat16()
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
+    if fast_accum != "none":
+        fns[fast_label(fast_accum)[0]] = shadow_step(mlp_gemms(m, d, f), fast_accum=fast_accum)
     if not baselines_only:
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS)
         fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
@@ -298,15 +314,22 @@ def mlp_fns(m, d, f, baselines_only: bool, console) -> dict:
         fns["coda fp8 row-wise"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS), "FUSED_AMAX", False)
         fns["coda fp8 row-wise, amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS),
                                                            "FUSED_AMAX", True)
+        if fast_accum != "none":
+            ours = fast_label(fast_accum)[1]
+            fns[ours] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum),
+                                    "FUSED_AMAX", False)
+            fns[ours + ", amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS,
+                                                               fast_accum=fast_accum), "FUSED_AMAX", True)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2, EPS)
     fns.update(torchao_steps(y, dy2, d, f, console))
     return fns
 
 
-def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool) -> dict:
+def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fast_accum: str = "none") -> dict:
     """{label: step} of the attention sublayer (QKV with RMSNorm and RoPE, the causal GQA core,
     out-proj with the residual): the shadow (its six GEMMs in FP8 plus SDPA forward + backward in
-    bf16), ``coda.attention_block_fp8`` in both recipes and the bf16 ``coda.attention_block``."""
+    bf16), ``coda.attention_block_fp8`` in both recipes and the bf16 ``coda.attention_block``;
+    with ``fast_accum`` also the row-wise recipe with it and its shadow."""
     if m % seq:
         raise SystemExit(f"--tokens {m} must be a multiple of --seq {seq}")
     rest, x, w_qkv, w_o, dy, core = attention_case(m, d, heads, kv_heads, head_dim, seq)
@@ -315,6 +338,10 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool) ->
         case = (x, embedding_norm_stats(x.view(m, d)), w_qkv, w_o, dy, *rest)
         fns["coda fp8"] = coda_step(torch.ops.coda.attention_block_fp8, *case)
         fns["coda fp8 row-wise"] = coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True)
+        if fast_accum != "none":
+            shadow, ours = fast_label(fast_accum)
+            fns[shadow] = shadow_step(attention_gemms(m, d, w_qkv.shape[0], w_o.shape[1]), core, fast_accum)
+            fns[ours] = coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum)
         fns["coda bf16"] = coda_step(torch.ops.coda.attention_block, *case)
     return fns
 
@@ -333,14 +360,16 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seq", type=int, default=4096, help="attention: tokens per sequence")
+    p.add_argument("--fast-accum", choices=("none", "forward", "all"), default="none",
+                   help="also the row-wise recipe with fast accumulation in these roles, and its shadow")
     args = p.parse_args(argv)
     console = Console()
     if not torch.cuda.is_available():
         console.print("[red]bench_fp8 needs a CUDA GPU[/]")
         return 2
     m, d, f = args.tokens, args.dim, args.ffn
-    fns = mlp_fns(m, d, f, args.baselines_only, console) if args.sublayer == "mlp" else \
-        attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only)
+    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum) if args.sublayer == "mlp" else \
+        attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:
             fn()
@@ -359,8 +388,13 @@ def main(argv=None) -> int:
         t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name][0]:.3f}",
                   f"{alone[name][1]:.3f}")
     console.print(t)
+    fast_shadow, fast_ours = fast_label(args.fast_accum)
+    if fast_shadow in ms and fast_ours in ms:
+        console.print(f"{fast_ours}: {ms[fast_ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
+                      f"accumulation ({ms[fast_shadow]:.3f} ms)")
     if args.profile:
-        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", "coda fp8 row-wise, amax fused"):
+        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", "coda fp8 row-wise, amax fused",
+                     fast_ours, fast_ours + ", amax fused"):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

@@ -18,6 +18,8 @@ every variant runs on the same weights:
   coda_fp8    (``--fp8``) the same model with precision="fp8": the decoder layers' GEMMs in
               block-scaled FP8 (coda.attention_block_fp8, coda.mlp_block_fp8), the LM head bf16
   coda_fp8_row  (``--fp8-row``) the same in the row-wise recipe, Fp8Recipe(scaling="row")
+  coda_fp8_row_fast  (``--fp8-row-fast forward|all``) the row-wise recipe with its GEMMs of those
+              roles accumulating in the tensor core, Fp8Recipe(scaling="row", fast_accum=...)
   hf_eager    LlamaForCausalLM(input_ids, labels=labels).loss.backward()
   hf_compile  torch.compile(hf_model) (default mode) of the same; compiled before timing
   liger       a second HF instance (a deep copy, same weights) patched by Liger-Kernel's
@@ -73,7 +75,9 @@ JSON (``--json``): a list, one record per config: config, tokens, batch, seq, la
 shadow_fp8_chain_ms, shadow_gemm_ms, shadow_attention_ms, shadow_chain_ms, coda_over_shadow,
 gemm_flops, shadow_pieces (name, layout, m, n, k, count, ms, tflops, fp8_ms), attention_ms (one
 layer); block_ms, block_gemm_ms, block_ratio; profile (total_ms, kernels, rows: name, ms, share,
-calls) and, with --fp8 / --fp8-row, coda_fp8_profile / coda_fp8_row_profile; errors (what
+calls) and, with --fp8 / --fp8-row / --fp8-row-fast, coda_fp8_profile / coda_fp8_row_profile /
+coda_fp8_row_fast_profile (its ratio to the FP8 shadow compares with the shadow's promoted
+accumulation); errors (what
 failed, why); env.
 
 Running it on the GPU machine (torch >= 2.11 with CUDA, triton, transformers, coda_cute importable):
@@ -131,8 +135,9 @@ ENERGY_RUN_MS = 2500
 SHADOW_KEYS = ("shadow_ms", "shadow_fp8_ms", "shadow_fp8_chain_ms", "shadow_gemm_ms", "shadow_attention_ms",
                "shadow_chain_ms", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio",
                "gemm_flops")
-VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "hf_eager", "hf_compile", "liger")
-BASELINES = VARIANTS[3:]
+CODA_VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "coda_fp8_row_fast")
+BASELINES = ("hf_eager", "hf_compile", "liger")
+VARIANTS = CODA_VARIANTS + BASELINES
 
 out_console = Console(width=180)
 
@@ -182,16 +187,18 @@ def run_config(spec: ModelSpec, args, device) -> dict:
         steps["coda"] = (coda_step(coda, ids, targets, coda_params), coda_params)
     except Exception as exc:  # noqa: BLE001
         report_failure("coda: build", exc, errors, "coda")
-    for name, wanted, scaling in (("coda_fp8", args.fp8, "block"), ("coda_fp8_row", args.fp8_row, "row")):
+    for name, wanted, scaling, fast in (("coda_fp8", args.fp8, "block", "none"),
+                                        ("coda_fp8_row", args.fp8_row, "row", "none"),
+                                        ("coda_fp8_row_fast", args.fp8_row_fast, "row", args.fp8_row_fast)):
         if not wanted:
             continue
-        say(f"building the CODA model in FP8 ({scaling} scaling)")
+        say(f"building the CODA model in FP8 ({scaling} scaling, fast accumulation: {fast})")
         try:
             if CODA_IMPORT_ERROR:
                 raise RuntimeError(CODA_IMPORT_ERROR)
             from coda_cute.precision import Fp8Recipe
-            fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision=Fp8Recipe(scaling=scaling)), hf_model.state_dict(),
-                                    device=device)
+            fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision=Fp8Recipe(scaling=scaling, fast_accum=fast)),
+                                    hf_model.state_dict(), device=device)
             fp8.train()
             fp8_params = list(fp8.parameters())
             steps[name] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
@@ -296,7 +303,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
 
     # Per-kernel profile of the CODA step.
     rec["profile"] = None
-    for name in ("coda", "coda_fp8", "coda_fp8_row"):
+    for name in CODA_VARIANTS:
         if name not in steps:
             continue
         say(f"profiling one {name} step")
@@ -379,7 +386,7 @@ def report(rec: dict, console: Console = out_console):
                     f"{rec['shadow_fp8_ms']:.3f} ms (back to back as one launch: {_ms(rec.get('shadow_fp8_chain_ms'))} "
                     f"ms): shadow / FP8 shadow = {rec['shadow_ms'] / rec['shadow_fp8_ms']:.3f} "
                     f"(what an FP8 step with free quantization would gain on the bf16 one)")
-        for v in ("coda_fp8", "coda_fp8_row"):
+        for v in CODA_VARIANTS[1:]:
             if rec.get(f"{v}_ms"):
                 fp8_line += f"; {v} / FP8 shadow = {rec[f'{v}_ms'] / rec['shadow_fp8_ms']:.3f}"
         console.print(fp8_line)
@@ -389,7 +396,7 @@ def report(rec: dict, console: Console = out_console):
                       f"= {rec['block_ratio']:.3f}")
     else:
         console.print("block ratio: -")
-    for variant in ("coda", "coda_fp8", "coda_fp8_row"):
+    for variant in CODA_VARIANTS:
         prof = rec.get("profile" if variant == "coda" else f"{variant}_profile")
         if prof:
             _print_profile(rec, variant, prof, smoke, console)
@@ -426,6 +433,9 @@ def parse_args(argv=None):
     ap.add_argument("--fp8", action="store_true", help="also time CodaLlama with precision='fp8' (coda_fp8)")
     ap.add_argument("--fp8-row", action="store_true",
                     help="also time CodaLlama in the row-wise FP8 recipe, Fp8Recipe(scaling='row') (coda_fp8_row)")
+    ap.add_argument("--fp8-row-fast", choices=("forward", "all"),
+                    help="also time the row-wise recipe with fast accumulation in the GEMMs of these roles, "
+                         "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
     ap.add_argument("--fused-amax", action="store_true",

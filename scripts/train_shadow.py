@@ -111,11 +111,12 @@ def gemm_fns(gemms: list, device, dtype=BF16) -> dict:
     return fns
 
 
-def fp8_gemm(m: int, n: int, k: int, device) -> Callable:
+def fp8_gemm(m: int, n: int, k: int, device, fast_accum: bool = False) -> Callable:
     """An (m, n, k) GEMM as FP8 row-wise ``torch._scaled_mm`` (E4M3 operands quantized with one
     fp32 scale per row of A and per column of B, as an FP8 step's are, bf16 out) on random
     operands: A (m, k) row-major, B (k, n) column-major, the layouts each GEMM of an FP8 step takes
-    its operands in. No quantization is timed: tensor-core time only."""
+    its operands in (``fast_accum``: ``use_fast_accum``). No quantization is timed: tensor-core
+    time only."""
     fp8 = torch.float8_e4m3fn
 
     def rowwise(rows):
@@ -125,7 +126,7 @@ def fp8_gemm(m: int, n: int, k: int, device) -> Callable:
 
     (a, sa), (b, sb) = rowwise(m), rowwise(n)
     b, sb = b.t(), sb.t()
-    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16)
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16, use_fast_accum=fast_accum)
 
 
 def fp8_gemm_fns(gemms: list, device) -> dict:
@@ -264,7 +265,8 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
     rec["shadow_pieces"] = [dict(name=g.name, linear=g.linear, kind=g.kind, layout=g.layout, m=g.m, n=g.n,
                                  k=g.k, count=g.count, ms=None, tflops=None) for g in gemms]
     fns = gemm_fns(gemms, device)
-    fp8 = (getattr(args, "fp8", False) or getattr(args, "fp8_row", False)) and torch.device(device).type == "cuda"
+    fp8 = (getattr(args, "fp8", False) or getattr(args, "fp8_row", False) or getattr(args, "fp8_row_fast", None)) \
+        and torch.device(device).type == "cuda"
     if fp8:
         fns.update(fp8_gemm_fns(gemms, device))
     attention = attention_fn(c, b, s, device)

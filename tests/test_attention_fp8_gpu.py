@@ -1,5 +1,5 @@
 """GPU test of ``torch.ops.coda.attention_block_fp8``: its projection kernels, block-scaled and
-row-wise (``row_scaling``), (QKV with
+row-wise (``row_scaling``; also with every GEMM accumulating in the tensor core), (QKV with
 RMSNorm, RoPE and QK-norm in the epilogue; out-proj + residual + norm statistics; both dgrads with
 the RMSNorm backward; the weight gradients along the tokens) inside the sublayer's forward and
 backward, against float64 autograd through the references, next to the bf16 op's errors."""
@@ -15,9 +15,10 @@ from helpers import rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"])
+@pytest.mark.parametrize("row, fast", [(False, "none"), (True, "none"), (True, "all")],
+                         ids=["block", "row-wise", "row-wise-fast-accum"])
 @pytest.mark.parametrize("h, hkv, hd, qk_norm", [(16, 4, 64, False), (8, 2, 128, True)], ids=["hd64", "hd128-qk_norm"])
-def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_norm, row):
+def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_norm, row, fast):
     b, s, d = 2, 1000, 1024  # ragged: 2000 tokens
     monkeypatch.setattr(C, "B", b)
     monkeypatch.setattr(C, "S", s)
@@ -33,7 +34,7 @@ def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_no
             R.rope_inv_freq(hd, 10000.0).cuda(), 1e-5, h, hkv, hd) + extra
     dy = torch.randn(b, s, d, device="cuda", generator=g).bfloat16()
     exact = C._exact(args, dy)
-    fp8 = C._run(torch.ops.coda.attention_block_fp8, args, dy, row_scaling=row)
+    fp8 = C._run(torch.ops.coda.attention_block_fp8, args, dy, row_scaling=row, fast_accum=fast)
     bf16 = C._run(torch.ops.coda.attention_block, args, dy)
     xd = x.double()
     errors = []

@@ -1,5 +1,6 @@
 """CPU tests of scripts/bench_fp8.py's pure-Python pieces: its shadows' GEMM lists are the
-training step's GEMMs of the same sublayer (``scripts/train_shadow.step_gemms``)."""
+training step's GEMMs of the same sublayer (``scripts/train_shadow.step_gemms``), roles included
+(the fast-accumulation shadow picks its ``use_fast_accum`` GEMMs by them)."""
 
 import importlib.util
 import sys
@@ -34,7 +35,8 @@ def test_shadow_gemms_are_the_sublayers_training_gemms(mods, heads, kv_heads, he
     c = dict(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, dim=d, ffn_dim=f, n_layers=1,
              vocab_size=1000)
     step = shadow.step_gemms(c, m)
-    as_bench = lambda names: sorted((g.m, g.k, g.n) for g in step if g.linear in names)  # noqa: E731
+    role = {"fwd": "forward", "dgrad": "dgrad", "wgrad": "wgrad"}
+    as_bench = lambda names: sorted((g.m, g.k, g.n, role[g.kind]) for g in step if g.linear in names)  # noqa: E731
     qkv = (heads + 2 * kv_heads) * head_dim
     assert sorted(bench.attention_gemms(m, d, qkv, heads * head_dim)) == as_bench(("qkv", "o"))
     assert sorted(bench.mlp_gemms(m, d, f)) == as_bench(("gate_up", "down"))

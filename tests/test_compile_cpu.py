@@ -67,7 +67,11 @@ def test_spec_list_covers_the_config_spaces():
     assert list(row) == ["fp8_row.norm_swiglu", "fp8_row.residual.down", "fp8_row.norm_rope_qkv", "fp8_row.residual.o",
                          "fp8_row.swiglu_backward", "fp8_row.norm_backward.gate_up", "fp8_row.dgrad.o"]
     assert all(not s.block_scaled and s.a_major + s.b_major == "kk" and s.a_dtype == "float8_e4m3fn"
-               and {"scale_a", "scale_b"} <= set(s.tree.input_order()) for s in row.values())
+               and {"scale_a", "scale_b"} <= set(s.tree.input_order()) and not s.config.fp8_fast_accum
+               for s in row.values())
+    fast = {s.label: s for f, s in SPECS if f == "coda_fp8_row_fast"}
+    assert list(fast) == [label.replace("fp8_row.", "fp8_row_fast.") for label in row]
+    assert all(s.config.fp8_fast_accum and s.tree is row[label.replace("_fast", "")].tree for label, s in fast.items())
 
 
 def stores(spec) -> bool:
@@ -269,7 +273,7 @@ def test_report_json(tmp_path, capsys):
     rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
     assert rc == 0
     records = json.loads(path.read_text())
-    assert len(records) == len(report.kernel_specs("default")) == 37
+    assert len(records) == len(report.kernel_specs("default")) == 44
     for r in records:
         assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
         for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
@@ -280,8 +284,9 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "37 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "44 as intended" in out and "norm_rope_qkv_qk_norm" in out
     assert "fp8.wgrad.gate_up" in out and "fp8.lm_head.dw" in out and "fp8_row.swiglu_backward" in out
+    assert "fp8_row_fast.swiglu_backward" in out and "fastacc" in out
 
 
 def test_report_without_nvdisasm_shows_unknown(monkeypatch):

@@ -135,11 +135,13 @@ def test_recipe_defaults_blocks_and_validation():
     assert [r.blocks(role, (4096, 1024)) for role in ("activation", "grad", "weight", "wgrad")] == \
         [(1, 128), (1, 128), (128, 128), (128, 1)]
     row = Fp8Recipe(scaling="row", grad_format="e5m2")
-    assert row.grad_dtype == E5M2
+    assert row.grad_dtype == E5M2 and r.fast_accum == row.fast_accum == "none"
+    assert Fp8Recipe(scaling="row", fast_accum="all").fast_accum == "all"
     assert [row.blocks(role, (4096, 1024)) for role in ("activation", "weight", "wgrad")] == \
         [(1, 1024), (1, 1024), (4096, 1)]
     for kw, match in [({"scaling": "tensor"}, "scaling"), ({"grad_format": "e4m3fnuz"}, "grad_format"),
-                      ({"pow2_scales": 1}, "pow2_scales")]:
+                      ({"pow2_scales": 1}, "pow2_scales"), ({"scaling": "row", "fast_accum": "dgrad"}, "fast_accum"),
+                      ({"fast_accum": "forward"}, "fast_accum must be 'none' with scaling='block'")]:
         with pytest.raises(ValueError, match=match):
             Fp8Recipe(**kw)
     with pytest.raises(ValueError, match="precision must be one of"):

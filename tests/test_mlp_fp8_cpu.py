@@ -130,19 +130,38 @@ def test_bad_input_is_refused_on_every_path(path, d, f, e5m2_grads, match):
         torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, e5m2_grads)
 
 
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("kw, match", [
+    ({"fast_accum": "dgrad", "row_scaling": True}, "fast_accum must be one of"),
+    ({"fast_accum": "forward"}, "fast_accum must be 'none' with block scaling"),
+], ids=["unknown", "block-recipe"])
+def test_fast_accum_is_checked_on_every_path(path, kw, match):
+    """Both FP8 sublayers: a role set they do not know, and fast accumulation with block scales
+    (promoted per k-block), refused before anything runs."""
+    import test_attention_fp8_cpu as A
+
+    y, ss, w_gu, w_down, _ = _inputs(64, 128, 128, 4)
+    with on_path(path), pytest.raises(ValueError, match="coda.mlp_block_fp8: " + match):
+        torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, **kw)
+    with on_path(path), pytest.raises(ValueError, match="coda.attention_block_fp8: " + match):
+        torch.ops.coda.attention_block_fp8(*A._args(2), **kw)
+
+
 @pytest.mark.parametrize("tree, n, k", [
     (norm_swiglu_tree(), 28672, 4096),       # gate/up: (M, 2f) from d
     (residual_norm_stats_tree(), 4096, 14336),  # down-proj + residual + norm statistics
     (swiglu_backward_tree(), 14336, 4096),   # down-proj dgrad + SwiGLU backward
     (norm_backward_tree(True), 4096, 28672),  # gate/up dgrad + RMSNorm backward + residual grad
 ], ids=["norm_swiglu", "residual", "swiglu_backward", "norm_backward"])
-@RECIPES
-def test_kernels_of_the_four_trees_build_without_spills(tree, n, k, row):
+@pytest.mark.parametrize("row, fast", [(False, False), (True, False), (True, True)],
+                         ids=["block", "row-wise", "row-wise-fast-accum"])
+def test_kernels_of_the_four_trees_build_without_spills(tree, n, k, row, fast):
     """Block-scaled, or the row-wise recipe's trees (the scales on the accumulator) on the plain
-    FP8 kernel: the config the runner picks (the first of its ranking that builds without spills)."""
+    FP8 kernel, with or without fast accumulation: the config the runner picks (the first of its
+    ranking that builds without spills)."""
     tree = row_scaled(tree) if row else tree
-    cfg = choose_config(tree, 16384, n, k, 1, True, False, 132, block_scaled=not row)
-    assert not spills(tree, cfg, True, 132, block_scaled=not row)
+    cfg = choose_config(tree, 16384, n, k, 1, True, fast, 132, block_scaled=not row)
+    assert cfg.fp8_fast_accum is fast and not spills(tree, cfg, True, 132, block_scaled=not row)
 
 
 def test_fp8_ops_pass_opcheck():
@@ -159,10 +178,10 @@ def test_fp8_ops_pass_opcheck():
                               (y.requires_grad_(), ss, w_gu.requires_grad_(), w_down.requires_grad_(), EPS),
                               test_utils=basic)
         torch.library.opcheck(torch.ops.coda.mlp_block_fp8.default, (y, ss, w_gu, w_down, EPS),
-                              {"row_scaling": True}, test_utils=basic)
+                              {"row_scaling": True, "fast_accum": "all"}, test_utils=basic)
         torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, test_utils=basic)
-        torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn, {"row_scaling": True},
-                              test_utils=basic)
+        torch.library.opcheck(torch.ops.coda.attention_block_fp8.default, attn,
+                              {"row_scaling": True, "fast_accum": "forward"}, test_utils=basic)
         torch.library.opcheck(torch.ops.coda.quantize_fp8_dual.default, (torch.randn(48, 40).bfloat16(),),
                               test_utils=basic + ("test_aot_dispatch_dynamic",))
 

@@ -118,8 +118,9 @@ def test_repeats_train_each_run_again_and_compare_means(tmp_path, capsys):
     assert "means over the repeats" in out and "+0.00 %" in out
 
 
-@pytest.mark.parametrize("flags", [[], ["--fp8-lm-head"], ["--pow2-scales"], ["--row-scaling"]],
-                         ids=["bf16-lm-head", "fp8-lm-head", "pow2", "row-wise"])
+@pytest.mark.parametrize("flags", [[], ["--fp8-lm-head"], ["--pow2-scales"], ["--row-scaling"],
+                                   ["--row-scaling", "--fast-accum", "all"]],
+                         ids=["bf16-lm-head", "fp8-lm-head", "pow2", "row-wise", "row-wise-fast-accum"])
 def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags):
     argv = ["train", "--tiny", "--no-spread", "--steps", "3", "--precision", "fp8", "--out", str(tmp_path)]
     assert cli_main(argv + flags) == 0
@@ -129,6 +130,7 @@ def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags
     assert log["config"]["fp8_lm_head"] is ("--fp8-lm-head" in flags)
     assert log["config"]["pow2_scales"] is ("--pow2-scales" in flags)
     assert log["config"]["row_scaling"] is ("--row-scaling" in flags)
+    assert log["config"]["fast_accum"] == ("all" if "--fast-accum" in flags else "none")
     for a, b in zip(runs["coda"]["steps"], runs["coda_fp8"]["steps"]):  # same weights and data
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
 
@@ -137,6 +139,13 @@ def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags
 def test_fp8_flags_need_fp8(tmp_path, capsys, flag):
     assert cli_main(["train", "--tiny", flag, "--out", str(tmp_path)]) == 2
     assert f"{flag} goes with --precision fp8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--fast-accum", "forward"], ["--precision", "fp8", "--fast-accum", "all"]],
+                         ids=["bf16", "block-recipe"])
+def test_fast_accumulation_needs_the_row_wise_recipe(tmp_path, capsys, flags):
+    assert cli_main(["train", "--tiny", *flags, "--out", str(tmp_path)]) == 2
+    assert "--fast-accum goes with --precision fp8 --row-scaling" in capsys.readouterr().out
 
 
 def test_the_fp8_lm_head_is_refused_with_the_row_wise_recipe(tmp_path, capsys):

@@ -165,9 +165,10 @@ def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, 
         e5m2, pow2 = c.precision.grad_format == "e5m2", c.precision.pow2_scales
         row = c.precision.scaling == "row"
         qkv_q, o_q, gu_q, down_q = (q or [None] * 3 for q in (quantized or (None,) * 4))
-        y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q, row_scaling=row)[:2]
+        fast = c.precision.fast_accum
+        y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q, row_scaling=row, fast_accum=fast)[:2]
         y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2, *gu_q, *down_q,
-                                row_scaling=row)[:2]
+                                row_scaling=row, fast_accum=fast)[:2]
     return y2.view(b, s, d), ss2
 
 

@@ -19,7 +19,9 @@ Backward, from dy:
 dy and g are quantized once for their dgrad and wgrad (``coda.quantize_fp8_dual``). Saved as the
 bf16 op's, plus the weights' FP8 transposes and scales (quantized with the forward's copies in
 one pass). ``row_scaling``: the row-wise recipe (``ops.fp8_gemms``), one scale per whole row
-along K of every operand, on the plain FP8 GEMM with the same trees.
+along K of every operand, on the plain FP8 GEMM with the same trees; ``fast_accum`` ("none",
+"forward", "all"; row-wise only): the GEMMs of those roles accumulate in the tensor core for the
+whole k-loop (``fp8_gemms.fast_for``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (activation, check_fp8_widths, grad_format, grad_operands, kept_weights, project,
-                        quantized_weights, residual_stats_tiles, wgrad)
+from .fp8_gemms import (activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
+                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
@@ -47,9 +49,10 @@ OP = "coda.attention_block_fp8"
 
 
 def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
-                              head_dim, q_norm_w, k_norm_w, qk_eps):
+                              head_dim, q_norm_w, k_norm_w, qk_eps, fast_accum="none", row=False):
     b, s, d = check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
                                     head_dim, q_norm_w, k_norm_w, qk_eps, op=OP)
+    check_fast_accum(OP, fast_accum, row)
     check_fp8_widths(OP, **{"the model width d (columns of x)": d,
                             "n_heads * head_dim (columns of w_o)": n_heads * head_dim,
                             "the QKV width (n_heads + 2 n_kv_heads) * head_dim (rows of w_qkv)":
@@ -71,7 +74,8 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
                         pow2_scales: bool = False, qkv_q: Optional[torch.Tensor] = None,
                         qkv_s: Optional[torch.Tensor] = None, qkv_qt: Optional[torch.Tensor] = None,
                         o_q: Optional[torch.Tensor] = None, o_s: Optional[torch.Tensor] = None,
-                        o_qt: Optional[torch.Tensor] = None, row_scaling: bool = False
+                        o_qt: Optional[torch.Tensor] = None, row_scaling: bool = False,
+                        fast_accum: str = "none"
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                    torch.Tensor, torch.Tensor]:
@@ -80,7 +84,8 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     scale rounded up to a power of two (``Fp8Recipe.pow2_scales``); ``qkv_q, qkv_s, qkv_qt``,
     ``o_q, o_s, o_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)``
     returns them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``),
-    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. d, n_heads *
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe; ``fast_accum``:
+    which of its GEMMs accumulate in the tensor core (module docstring). d, n_heads *
     head_dim (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the
     quantized weights kept for the backward (W_qkv's FP8 transpose and its scales, 128 x 128 or
     row-wise (N + K, 1), W_o's; empty when the caller passed them,
@@ -88,21 +93,22 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     if x.device.type == "cpu":
         dispatch.require_reference(OP)
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
-                                        head_dim, q_norm_w, k_norm_w, qk_eps)
+                                        head_dim, q_norm_w, k_norm_w, qk_eps, fast_accum, row_scaling)
     x2 = x.view(b * s, d)
     given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
-    row = row_scaling
+    row, fast = row_scaling, fast_for(fast_accum, "forward")
     (qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt) = quantized_weights(OP, given, pow2_scales, row, w_qkv=w_qkv, w_o=w_o)
     act = lambda t: activation(t, pow2_scales, row)  # noqa: E731
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
     inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
                              k_norm_w, qk_eps)
-    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs, row=row)
+    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs, row=row, fast=fast)
     qkv = out["qkv"]
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = attention_forward(q, k, v)
-    res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2}, row=row)
+    res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2}, row=row,
+                  fast=fast)
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
     kept = ((*kept_weights(w_qkv, True), *kept_weights(w_o, True)) if given[0] is not None
             else (qkv_qt, qkv_s, o_qt, o_s))
@@ -112,9 +118,9 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
 @attention_block_fp8.register_fake
 def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_dim,
           q_norm_w=None, k_norm_w=None, qk_eps=1e-6, e5m2_grads=False, pow2_scales=False, qkv_q=None,
-          qkv_s=None, qkv_qt=None, o_q=None, o_s=None, o_qt=None, row_scaling=False):
+          qkv_s=None, qkv_qt=None, o_q=None, o_s=None, o_qt=None, row_scaling=False, fast_accum="none"):
     b, s, d = check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
-                                        head_dim, q_norm_w, k_norm_w, qk_eps)
+                                        head_dim, q_norm_w, k_norm_w, qk_eps, fast_accum, row_scaling)
     given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
     cached = qkv_q is not None
     if any(t is not None for t in given):
@@ -123,7 +129,7 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse, rng_a, rng_b = _core_fake(q, k, v)
-    t = residual_stats_tiles(m, d, hh, x.device, row_scaling)
+    t = residual_stats_tiles(m, d, hh, x.device, row_scaling, fast_for(fast_accum, "forward"))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
     return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
             *kept_weights(w_qkv, cached, row_scaling), *kept_weights(w_o, cached, row_scaling))
@@ -136,7 +142,7 @@ def _setup(ctx, inputs, output):
         qkv_s, qkv_qt, o_s, o_qt = inputs[16], inputs[17], inputs[19], inputs[20]
     ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
                           qkv_qt, qkv_s, o_qt, o_s)
-    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2, inputs[21])
+    ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2, inputs[21], inputs[22])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -145,15 +151,16 @@ def _backward(ctx, dy, *_):
     (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
      qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
-        return (None,) * 22
-    eps, h, hkv, hd, qk_eps, grad_dtype, pow2, row = ctx.args
+        return (None,) * 23
+    eps, h, hkv, hd, qk_eps, grad_dtype, pow2, row, fast_accum = ctx.args
+    fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     n = ctx.needs_input_grad
     b, s, d = x.shape
     x2 = x.view(b * s, d)
     dy2 = dy.reshape(b * s, d).contiguous()
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
-    do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True, row=row)["out"]
-    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, row) if n[3] else None
+    do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True, row=row, fast=fast_d)["out"]
+    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, row, fast=fast_w) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
     dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
     r = rms_rstd_ref(ss, d, eps)
@@ -163,12 +170,13 @@ def _backward(ctx, dy, *_):
     dx = None
     if n[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
-        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True, row=row)["dy"]
+        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True, row=row,
+                     fast=fast_d)["dy"]
         dx = dx.view(b, s, d)
-    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2, row) if n[2] else None
+    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2, row, fast=fast_w) if n[2] else None
     if qn is None:
         dqn = dkn = None
-    return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 10
+    return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 11
 
 
 attention_block_fp8.register_autograd(_backward, setup_context=_setup)

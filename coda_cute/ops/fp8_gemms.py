@@ -18,6 +18,14 @@ gradient's operands per feature over all the tokens. The GEMMs run on the plain 
 the scales in the epilogue, ``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc
 (``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor, its row scales
 then its column scales, where the block recipe has its 128 x 128 grid.
+
+``fast_accum`` (row-wise only, ``Fp8Recipe.fast_accum``): which GEMMs keep their FP8 products in
+the tensor core's accumulator for the whole k-loop instead of promoting each k-tile's partial sum
+into fp32 (:func:`fast_for`): "none", "forward" (the forward GEMMs: torchao's float8 default) or
+"all". The tensor core adds FP8 products at reduced precision (DeepSeek-V3 reports about 2^-14
+relative per addition, up to 2 % at K = 4096 in the worst case); promotion costs CUDA-core adds
+and a second accumulator's registers. The block recipe always promotes: its scales change per
+k-block.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
+from ..precision import FAST_ACCUM
 from .quantize import quantize_dual_fp8, quantize_fp8, quantize_rowwise_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import tile_n_of
@@ -51,6 +60,21 @@ def check_fp8_widths(op: str, **widths) -> None:
     for name, width in widths.items():
         if width % 16:
             raise ValueError(f"{op}: {name} must be a multiple of 16 for FP8 operands, got {width}")
+
+
+def check_fast_accum(op: str, fast_accum, row: bool) -> None:
+    """``fast_accum`` one of :data:`FAST_ACCUM`, and "none" unless ``row`` (block scales are
+    promoted per k-block)."""
+    if fast_accum not in FAST_ACCUM:
+        raise ValueError(f"{op}: fast_accum must be one of {FAST_ACCUM}, got {fast_accum!r}")
+    if fast_accum != "none" and not row:
+        raise ValueError(f"{op}: fast_accum must be 'none' with block scaling (row_scaling=False): block "
+                         f"scales are promoted per k-block, got {fast_accum!r}")
+
+
+def fast_for(fast_accum: str, role: str) -> bool:
+    """Whether a GEMM of ``role`` ("forward", "dgrad" or "wgrad") accumulates in the tensor core."""
+    return fast_accum == "all" or (fast_accum == "forward" and role == "forward")
 
 
 def weight(w: torch.Tensor, pow2: bool = False, row: bool = False):
@@ -145,27 +169,28 @@ def row_scaled(tree: E.Epilogue) -> E.Epilogue:
     return E.scale_acc(tree, "scale_a", "scale_b")
 
 
-def residual_stats_tiles(m: int, d: int, k: int, device, row: bool = False) -> int:
+def residual_stats_tiles(m: int, d: int, k: int, device, row: bool = False, fast: bool = False) -> int:
     """The column tiles of the norm-statistics partials the FP8 residual tree (out-proj or
     down-proj, (M, d) from K) writes: those of the config it runs on, block-scaled or with
-    ``row`` the plain FP8 kernel's (the fake implementations size their ``ss`` output by it)."""
+    ``row`` the plain FP8 kernel's (``fast``: with fast accumulation) (the fake implementations
+    size their ``ss`` output by it)."""
     tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
     sms = dispatch.num_sms_or_default(device)
-    return -(-d // tile_n_of(tree, m, d, k, sms, device.type, block_scaled=not row, fp8=True))
+    return -(-d // tile_n_of(tree, m, d, k, sms, device.type, block_scaled=not row, fp8=True, fast_accum=fast))
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,
-            outputs: dict | None = None, row: bool = False) -> dict:
+            outputs: dict | None = None, row: bool = False, fast: bool = False) -> dict:
     """``tree`` on the quantized a (1 x 128) @ B with the scales: B the quantized weight W (N, K)
     given as ``w_q`` (x @ W.T), or with ``transposed`` dY @ W, ``w_q`` then W's FP8 transpose qt
     (K, N); either way the GEMM's K-major operand is a view. ``outputs``: preallocated, by name.
     ``row``: the row-wise recipe, a's scales (M, 1) and W's (N + K, 1) (:func:`weight`): its row
-    scales for x @ W.T, its column scales for dY @ W."""
+    scales for x @ W.T, its column scales for dY @ W; ``fast``: its GEMM with fast accumulation."""
     if row:
         n = w_q.shape[1] if transposed else w_q.shape[0]
         b_s = w_s[n:, 0] if transposed else w_s[:n, 0]
         return E.run(row_scaled(tree), a_q, w_q.t(), dict(inputs, scale_a=a_s[:, 0], scale_b=b_s), op=op,
-                     outputs=outputs)
+                     outputs=outputs, use_fast_accum=fast)
     b, b_s = (w_q.t(), w_s.t()) if transposed else (w_q.t(), w_s)
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
@@ -185,18 +210,18 @@ def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = F
 
 
 def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
-          x_amax: torch.Tensor | None = None) -> torch.Tensor:
+          x_amax: torch.Tensor | None = None, fast: bool = False) -> torch.Tensor:
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
     transposed quantization given, :func:`grad_operands`; x's scales powers of two with
     ``pow2``), or bf16 where there is none; ``row``: one scale per feature over all the tokens,
-    on the plain FP8 GEMM (``x_amax``: x's column amaxes where its GEMM reduced them). No
-    tokens: dW = 0, a sum over none."""
+    on the plain FP8 GEMM (``x_amax``: x's column amaxes where its GEMM reduced them; ``fast``:
+    with fast accumulation). No tokens: dW = 0, a sum over none."""
     if dy.shape[0] == 0:
         return dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
         return gemm_op(dy.t(), x)
     if row:
         _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, col_amax=x_amax)
-        return gemm_op(dyt_q, xt_q.t(), dyt_s, xt_s[:, 0], dy.dtype)
+        return gemm_op(dyt_q, xt_q.t(), dyt_s, xt_s[:, 0], dy.dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

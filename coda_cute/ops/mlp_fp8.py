@@ -35,7 +35,8 @@ and two barriers per sub-tile, in a cooperative epilogue the tensor cores wait f
 ``row_scaling`` runs the second recipe, ``Fp8Recipe(scaling="row")`` (``ops.fp8_gemms``): every
 operand with one scale per whole row along K, the six GEMMs on the plain FP8 kernel with the
 scales applied to the accumulator in the same trees; ``FUSED_QUANT`` does not apply (its sinks
-quantize 1 x 128 blocks). A whole row's scale needs the whole row's amax, which no tile has, so
+quantize 1 x 128 blocks). ``fast_accum`` ("none", "forward", "all"; row-wise only): the GEMMs of
+those roles accumulate in the tensor core for the whole k-loop (``fp8_gemms.fast_for``). A whole row's scale needs the whole row's amax, which no tile has, so
 each tensor is quantized in a pass after its GEMM. A tensor needed along K only (h for the
 down-proj, y for gate/up) takes one read: a CTA holds a whole row, finds its amax and quantizes it
 (``elementwise.QuantizeWholeRowsSpec``). One needed both ways (dz', dy2) or along the tokens (h^T,
@@ -81,8 +82,9 @@ from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (FP8, activation, amax_value, check_fp8_widths, finish_amax, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
+from .fp8_gemms import (FP8, activation, amax_value, check_fast_accum, check_fp8_widths, fast_for, finish_amax,
+                        grad_format, grad_operands, kept_weights, project, quantized_weights, residual_stats_tiles,
+                        wgrad)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_dual_fp8
@@ -129,8 +131,9 @@ def swiglu_backward_amax_tree() -> E.Epilogue:
                       E.col_reduce(h, "max", "h_amax_t"))
 
 
-def check_mlp_fp8(y, ss, w_gu, w_down, eps):
+def check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum="none", row=False):
     m, f = check_mlp(y, ss, w_gu, w_down, eps)
+    check_fast_accum(OP, fast_accum, row)
     check_fp8_widths(OP, **{"the model width d (columns of y)": y.shape[1], "the SwiGLU width f": f})
     return m, f
 
@@ -141,7 +144,7 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
                   gu_q: Optional[torch.Tensor] = None, gu_s: Optional[torch.Tensor] = None,
                   gu_qt: Optional[torch.Tensor] = None, down_q: Optional[torch.Tensor] = None,
                   down_s: Optional[torch.Tensor] = None, down_qt: Optional[torch.Tensor] = None,
-                  row_scaling: bool = False
+                  row_scaling: bool = False, fast_accum: str = "none"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor, torch.Tensor]:
     """y2 = y + SwiGLU(RMSNorm(y; gamma) @ W_gu.T) @ W_down.T with FP8 GEMMs (module docstring).
@@ -152,23 +155,25 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     up to a power of two (``Fp8Recipe.pow2_scales``); ``gu_q, gu_s, gu_qt``, ``down_q, down_s,
     down_qt``: the weights quantized as ``fp8_gemms.weight(w, pow2_scales, row_scaling)`` returns
     them, kept by the caller once per version of the weights (``coda_cute.nn.fold.WeightQuantCache``),
-    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe. Returns (y2, ss2,
+    or none of them for the op to quantize; ``row_scaling``: the row-wise recipe; ``fast_accum``:
+    which of its GEMMs accumulate in the tensor core (module docstring). Returns (y2, ss2,
     z, then the quantized weights kept for the backward: W_gu's FP8 transpose (d, 2f) and its
     scales (128 x 128, or row-wise (N + K, 1)), W_down's; empty when the caller passed them, which
     the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8 and its scales (f, ceil(M
     / 128)), else two empty tensors); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
-    check_mlp_fp8(y, ss, w_gu, w_down, eps)
+    check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
-    row = row_scaling
+    row, fast = row_scaling, fast_for(fast_accum, "forward")
     (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
                                                                          w_gu=w_gu, w_down=w_down)
     fused = _fused(y, row)
     tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
-    out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row)
+    out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row,
+                  fast=fast)
     res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row), down_q, down_s,
-                  {"residual": y}, row=row)
+                  {"residual": y}, row=row, fast=fast)
     h_t = out["h_t"] if fused else _no_h_t(y)
     if given[0] is not None:
         return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True), *h_t
@@ -187,15 +192,15 @@ def _no_h_t(y):
 
 @mlp_block_fp8.register_fake
 def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=None, gu_s=None, gu_qt=None,
-          down_q=None, down_s=None, down_qt=None, row_scaling=False):
-    m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps)
+          down_q=None, down_s=None, down_qt=None, row_scaling=False, fast_accum="none"):
+    m, f = check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
     row = row_scaling
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
     cached = gu_q is not None
     if cached or any(t is not None for t in given):
         quantized_weights(OP, given, pow2_scales, row, w_gu=w_gu, w_down=w_down)
     d = y.shape[1]
-    t = residual_stats_tiles(m, d, f, y.device, row)
+    t = residual_stats_tiles(m, d, f, y.device, row, fast_for(fast_accum, "forward"))
     h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y, row)
            else _no_h_t(y))
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
@@ -203,11 +208,13 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
 
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
-                     needs=(True, True, True), pow2: bool = False, h_t=None, row: bool = False):
+                     needs=(True, True, True), pow2: bool = False, h_t=None, row: bool = False,
+                     fast_accum: str = "none"):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
     the weights' FP8 transposes and scales; ``pow2``: power-of-two scales; ``h_t``: the
     forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too);
-    ``row``: the row-wise recipe."""
+    ``row``: the row-wise recipe; ``fast_accum``: which GEMMs accumulate in the tensor core."""
+    fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
     inputs = dict(norm_inputs(d, ss, eps), z=z)
@@ -221,31 +228,32 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
     else:
         amax = row and FUSED_AMAX
         tree = swiglu_backward_amax_tree() if amax else swiglu_backward_tree()
-        bwd = project(OP, tree, dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row)
+        bwd = project(OP, tree, dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row, fast=fast_d)
         dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
         dz_amax, h_amax = (None, None), None
         if amax:  # dz' columns alternate gate, up
             dz_cols = torch.stack((finish_amax(bwd["dzg_amax_t"]), finish_amax(bwd["dzu_amax_t"])), -1).flatten()
             dz_amax, h_amax = (finish_amax(bwd["dz_amax"]), dz_cols), finish_amax(bwd["h_amax_t"])
         dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row, dz_amax)
-        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, h_amax) if needs[2] else None
-        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row) if needs[1] else None
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, h_amax, fast_w) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row, fast=fast_w) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
         dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True,
-                     row=row)["dy"]
+                     row=row, fast=fast_d)["dy"]
     return dy, dw_gu, dw_down
 
 
 def _setup(ctx, inputs, output):
     (y, ss, _w_gu, _w_down, eps, e5m2_grads, pow2_scales, _gu_q, gu_s_in, gu_qt_in, _down_q, down_s_in, down_qt_in,
-     row_scaling) = inputs
+     row_scaling, fast_accum) = inputs
     _y2, ss2, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = output
     if gu_qt_in is not None:  # the caller's copies
         gu_qt, gu_s, down_qt, down_s = gu_qt_in, gu_s_in, down_qt_in, down_s_in
     ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts)
     ctx.eps, ctx.grad_dtype, ctx.pow2, ctx.row = eps, grad_format(e5m2_grads), pow2_scales, row_scaling
+    ctx.fast_accum = fast_accum
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -253,12 +261,12 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy2, *_):
     y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts = ctx.saved_tensors
     if dy2 is None:
-        return (None,) * 14
+        return (None,) * 15
     n = ctx.needs_input_grad
     h_t = (h_tq, h_ts) if h_tq.numel() else None
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
-                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row)
-    return (dy, None, dw_gu, dw_down) + (None,) * 10
+                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row, ctx.fast_accum)
+    return (dy, None, dw_gu, dw_down) + (None,) * 11
 
 
 mlp_block_fp8.register_autograd(_backward, setup_context=_setup)

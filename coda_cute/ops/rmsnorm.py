@@ -47,12 +47,12 @@ def rstd_node():
 
 @functools.lru_cache(maxsize=1024)
 def tile_n_of(tree: E.Epilogue, m: int, n: int, k: int, sms: int, device_type: str = "cuda",
-              block_scaled: bool = False, fp8: bool = False) -> int:
+              block_scaled: bool = False, fp8: bool = False, fast_accum: bool = False) -> int:
     """The tile width of the config the runner picks for ``tree`` at (M, N, K) on a device of
     ``device_type`` (``config_on``; ``block_scaled``: the block-scaled FP8 GEMM's, ``fp8``: the
-    plain FP8 GEMM's): the width of its row-reduction partials (which the fake implementations
-    must size)."""
-    return config_on(device_type, tree, m, n, k, 1, block_scaled or fp8, False, sms, block_scaled).tile_n
+    plain FP8 GEMM's, ``fast_accum`` with fast accumulation): the width of its row-reduction
+    partials (which the fake implementations must size)."""
+    return config_on(device_type, tree, m, n, k, 1, block_scaled or fp8, fast_accum, sms, block_scaled).tile_n
 
 
 def norm_inputs(d: int, ss, eps: float) -> dict:
