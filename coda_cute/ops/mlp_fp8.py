@@ -36,10 +36,13 @@ and two barriers per sub-tile, in a cooperative epilogue the tensor cores wait f
 operand with one scale per whole row along K, the six GEMMs on the plain FP8 kernel with the
 scales applied to the accumulator in the same trees; ``FUSED_QUANT`` does not apply (its sinks
 quantize 1 x 128 blocks). ``fast_accum`` ("none", "forward", "all"; row-wise only): the GEMMs of
-those roles accumulate in the tensor core for the whole k-loop (``fp8_gemms.fast_for``). A whole row's scale needs the whole row's amax, which no tile has, so
-each tensor is quantized in a pass after its GEMM. A tensor needed along K only (h for the
-down-proj, y for gate/up) takes one read: a CTA holds a whole row, finds its amax and quantizes it
-(``elementwise.QuantizeWholeRowsSpec``). One needed both ways (dz', dy2) or along the tokens (h^T,
+those roles accumulate in the tensor core for the whole k-loop (``fp8_gemms.fast_for``); with "all"
+every GEMM, the down dgrad included, fits ping-pong 128 x 128 (H200, 2026-12-04, d 4096, ffn 14336,
+16384 tokens, in turns: 15.27-15.63 ms per forward + backward against 17.44-18.23 promoted, the
+errors against float64 within 0.1 % of the promoted ones'). A whole row's scale needs the whole
+row's amax, which no tile has, so each tensor is quantized in a pass after its GEMM. A tensor
+needed along K only (h for the down-proj, y for gate/up) takes one read: a CTA holds a whole row,
+finds its amax and quantizes it (``elementwise.QuantizeWholeRowsSpec``). One needed both ways (dz', dy2) or along the tokens (h^T,
 y^T for the weight gradients) needs column amaxes over every row first: ``elementwise.abs_max``
 reads it, then the quantizer reads it again. With ``FUSED_AMAX`` the down-proj dgrad reduces
 those amaxes in its epilogue (per-tile max partials, ``fp8_gemms.amax_value``):
