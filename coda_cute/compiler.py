@@ -38,6 +38,7 @@ _CUTLASS_NAMES = {
     "float8_e5m2": "Float8E5M2",
     "int32": "Int32",
     "int16": "Int16",  # a quantize sink's FP8 column pairs
+    "uint8": "Uint8",  # any 1-byte matrix as bytes (the FP8 transpose)
 }
 SUPPORTED_ARCHS = ("sm_90a",)
 

@@ -14,12 +14,15 @@ import torch
 
 from .compiler import compile_elementwise, cutlass_dtype, get_kernel, short_dtype
 from .precision import block_scales_m_major
+from .reference import fold_factors_ref
 
 __all__ = ["ScaleColumnsSpec", "FoldBackwardSpec", "CrossEntropyGradSpec", "LseCombineSpec", "RopeBackwardSpec",
            "QuantizeRowsSpec", "QuantizeWholeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "EmbeddingBackwardSpec",
+           "TransposeBytesSpec",
            "compile_elementwise", "fold_backward", "embedding_backward",
            "cross_entropy_grad_", "lse_combine", "rope_backward_kernel", "quantize_rows", "quantize_weight",
-           "quantize_dual", "quantize_rowwise", "AbsMaxSpec", "abs_max"]
+           "quantize_dual", "quantize_rowwise", "quantize_grad_rows", "AbsMaxSpec", "abs_max",
+           "transpose_fp8"]
 
 
 def _fake(dtype: str, shape, stride, align: int = 4):
@@ -189,18 +192,20 @@ class QuantizeRowsSpec:
 class QuantizeWholeRowsSpec:
     """The row-wise recipe's rows alone with each row's amax found in the kernel
     (``kernels.elementwise.quantize_rows.QuantizeWholeRows``): dtypes, power-of-two scales, and
-    the 16-byte groups each thread holds (rows up to ``groups * 8 * 256`` values)."""
+    the 16-byte groups each thread holds (rows up to ``groups * 8 * 256`` values); ``fold``: also
+    the rows' fold factors (a gradient's, for its weight gradient: ``fp8_math.fold_factor``)."""
 
     dtype: str
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
     pow2: bool = False
     groups: int = 1
+    fold: bool = False
 
     @property
     def name(self) -> str:
-        return (f"quantize_rowwise_rows_amax_g{self.groups}_{self.arch}_{short_dtype(self.dtype)}_"
-                f"{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
+        return (f"quantize_rowwise_rows_amax_g{self.groups}{'_fold' if self.fold else ''}_{self.arch}_"
+                f"{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
 
     def build(self):
         import cutlass.cute as cute
@@ -209,10 +214,13 @@ class QuantizeWholeRowsSpec:
         from .reference import FP8_MAX
 
         kernel = QuantizeWholeRows(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype),
-                                   FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups)
+                                   FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups, self.fold)
         m, k = cute.sym_int(), cute.sym_int()
-        return kernel, (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
-                        _fake("float32", (m, 1), (cute.sym_int64(), cute.sym_int64())))
+        args = (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
+                _fake("float32", (m, 1), (cute.sym_int64(), cute.sym_int64())))
+        if not self.fold:
+            return kernel, args
+        return kernel.with_fold, args + (_fake("float32", (m,), (1,)),)
 
 
 #: most 16-byte groups per thread of :class:`QuantizeWholeRowsSpec` (rows up to 32768 values);
@@ -253,7 +261,8 @@ def quantize_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, scales: torch.
 class QuantizeDualSpec:
     """Both 1 x 128 FP8 quantizations of a 16-bit matrix, along its rows and along its columns
     (``kernels.elementwise.quantize_dual``); ``rows=False``: the column one only; ``whole``: the
-    row-wise recipe's, one scale per whole row and per whole column, from given amaxes."""
+    row-wise recipe's, one scale per whole row and per whole column, from given amaxes; ``fold``
+    (``whole``, columns only): the columns of x scaled by the rows' fold factors."""
 
     dtype: str
     out_dtype: str = "float8_e4m3fn"
@@ -261,10 +270,11 @@ class QuantizeDualSpec:
     arch: str = "sm_90a"
     pow2: bool = False
     whole: bool = False
+    fold: bool = False
 
     @property
     def name(self) -> str:
-        part = ("rowwise_" if self.whole else "") + ("dual" if self.rows else "cols")
+        part = ("rowwise_" if self.whole else "") + ("dual" if self.rows else "cols") + ("_fold" if self.fold else "")
         return f"quantize_{part}_{self.arch}_{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}"
 
     def build(self):
@@ -281,14 +291,14 @@ class QuantizeDualSpec:
         # rows=False: q, s are placeholders the kernel never touches, of any shape
         qm, qk = (m, k) if self.rows else (cute.sym_int(), cute.sym_int())
         kernel = QuantizeDual(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype), fp8_max, self.rows, self.pow2,
-                              self.whole)
+                              self.whole, self.fold)
         args = (_fake(self.dtype, (m, k), (cute.sym_int64(divisibility=8), 1), 16),
                 _fake(self.out_dtype, (qm, qk), (cute.sym_int64(divisibility=8), 1), 16), scales(qm),
                 _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16), scales(k))
         if not self.whole:
             return kernel, args
         amax = lambda: _fake("float32", (cute.sym_int(),), (1,))  # noqa: E731  (row / column amaxes)
-        return kernel.rowwise, args + (amax(), amax())
+        return kernel.folded if self.fold else kernel.rowwise, args + (amax(), amax())
 
 
 def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, pow2: bool = False):
@@ -314,18 +324,55 @@ def quantize_dual(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = T
 
 
 @dataclass(frozen=True)
+class TransposeBytesSpec:
+    """The transpose of a matrix of 1-byte elements (``kernels.elementwise.transpose_bytes``):
+    one build serves every 1-byte dtype, viewed as ``uint8``."""
+
+    arch: str = "sm_90a"
+
+    @property
+    def name(self) -> str:
+        return f"transpose_bytes_{self.arch}"
+
+    def build(self):
+        import cutlass.cute as cute
+
+        from .kernels.elementwise.transpose_bytes import TransposeBytes
+
+        m, n = cute.sym_int(), cute.sym_int()
+        return TransposeBytes(), (_fake("uint8", (m, n), (cute.sym_int64(divisibility=16), 1), 16),
+                                  _fake("uint8", (n, m), (cute.sym_int64(divisibility=16), 1), 16))
+
+
+def transpose_fp8(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q.t()`` (N, M) as a new contiguous tensor of q's dtype, for ``q`` (M, N) contiguous of a
+    1-byte dtype, M and N multiples of 16; ``out`` may be a preallocated contiguous (N, M) tensor
+    of q's dtype."""
+    from . import dispatch
+
+    m, n = q.shape
+    if out is None:
+        out = torch.empty((n, m), dtype=q.dtype, device=q.device)
+    if q.numel():  # a grid of no CTAs is no launch
+        get_kernel(TransposeBytesSpec(dispatch.arch_of(q.device))).fn(q.view(torch.uint8), out.view(torch.uint8))
+    return out
+
+
+@dataclass(frozen=True)
 class AbsMaxSpec:
     """The row and column absolute maxima of a 16-bit matrix in one read
-    (``kernels.elementwise.amax``): the input dtype, and which of the two."""
+    (``kernels.elementwise.amax``): the input dtype, which of the two, and ``fold`` (the columns
+    alone, of x's rows scaled by given factors)."""
 
     dtype: str
     rows: bool = True
     cols: bool = True
     arch: str = "sm_90a"
+    fold: bool = False
 
     @property
     def name(self) -> str:
-        part = "_".join(p for p, on in (("rows", self.rows), ("cols", self.cols)) if on)
+        part = "_".join(p for p, on in (("rows", self.rows), ("cols", self.cols), ("fold", self.fold)) if on)
         return f"amax_{part}_{self.arch}_{short_dtype(self.dtype)}"
 
     def build(self):
@@ -334,13 +381,16 @@ class AbsMaxSpec:
         from .kernels.elementwise.amax import AbsMax
 
         vec = lambda: _fake("float32", (cute.sym_int(),), (1,))  # noqa: E731
-        return AbsMax(cutlass_dtype(self.dtype), self.rows, self.cols), (
-            _fake(self.dtype, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(divisibility=8), 1), 16), vec(), vec())
+        kernel = AbsMax(cutlass_dtype(self.dtype), self.rows, self.cols, self.fold)
+        args = (_fake(self.dtype, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(divisibility=8), 1), 16), vec(),
+                vec())
+        return (kernel.with_fold, args + (vec(),)) if self.fold else (kernel, args)
 
 
-def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True):
+def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True, fold: torch.Tensor | None = None):
     """(row_amax (M,), col_amax (K,)) fp32 of 16-bit ``x`` (M, K), rows 16-byte aligned: max |x|
-    over each row and each column, NaN where one holds a NaN; None for the one not asked for."""
+    over each row and each column, NaN where one holds a NaN; None for the one not asked for.
+    ``fold`` (M,) fp32 (columns only): the column maxima of |fold[m] x[m, k]|."""
     from . import dispatch
 
     m, k = x.shape
@@ -348,23 +398,22 @@ def abs_max(x: torch.Tensor, rows: bool = True, cols: bool = True):
     col_amax = torch.zeros(k if cols else 1, dtype=torch.float32, device=x.device)
     if x.numel() == 0:  # the max over no values is 0 here: a zero block's scale is 1
         return row_amax if rows else None, col_amax if cols else None
-    get_kernel(AbsMaxSpec(str(x.dtype).removeprefix("torch."), rows, cols, dispatch.arch_of(x.device))).fn(
-        x, row_amax, col_amax)
+    kernel = get_kernel(AbsMaxSpec(str(x.dtype).removeprefix("torch."), rows, cols, dispatch.arch_of(x.device),
+                                   fold is not None)).fn
+    kernel(x, row_amax, col_amax, *(() if fold is None else (fold,)))
     return row_amax if rows else None, col_amax if cols else None
 
 
 def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
-                     pow2: bool = False, row_amax: torch.Tensor | None = None,
-                     col_amax: torch.Tensor | None = None):
+                     pow2: bool = False, fold: torch.Tensor | None = None):
     """(q, s, qt, st) of ``x`` (M, K) 16-bit, K a multiple of 8 (and M of 16 with ``cols``), in
     the row-wise recipe: q, s (M, 1) with one scale per whole row, qt = x^T's (K, M), st (K, 1)
     one per whole column of x (``reference.quantize_blocks_ref`` with blocks (1, K) and (1, M));
     ``rows`` / ``cols`` False: None for that pair. Two passes: :func:`abs_max` reads x for both
     amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
-    scales and casts; the rows alone, their amaxes not given, take one pass
-    (:class:`QuantizeWholeRowsSpec`) where a row fits one CTA's registers. ``row_amax`` (M,) /
-    ``col_amax`` (K,) fp32: amaxes already known (the producing GEMM's epilogue reduced them),
-    which spare :func:`abs_max` its pass where they cover every one asked for."""
+    scales and casts; the rows alone take one pass (:class:`QuantizeWholeRowsSpec`) where a row
+    fits one CTA's registers. ``fold`` (M,) fp32, the columns alone: those of ``fold[m] x[m, k]``
+    (a weight gradient's operand taking the gradient rows' scales, :func:`quantize_grad_rows`)."""
     from . import dispatch
 
     if not (rows or cols):
@@ -378,16 +427,10 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     dtypes = str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch.")
     arch = dispatch.arch_of(x.device)
     groups = whole_row_groups(k)
-    if rows and not cols and row_amax is None and groups:  # one read: amax in the kernel
-        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        get_kernel(QuantizeWholeRowsSpec(*dtypes, arch, pow2, groups)).fn(x, q, s)
+    if rows and not cols and groups:  # one read: amax in the kernel
+        q, s, _ = _whole_rows(x, out_dtype, pow2, groups, False)
         return q, s, None, None
-    need_rows, need_cols = rows and row_amax is None, cols and col_amax is None
-    if need_rows or need_cols:
-        found = abs_max(x, need_rows, need_cols)
-        row_amax = found[0] if need_rows else row_amax
-        col_amax = found[1] if need_cols else col_amax
+    row_amax, col_amax = abs_max(x, rows, cols, fold)
     if rows:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -396,10 +439,51 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
         return q, s, None, None
     qt = torch.empty((k, m), dtype=out_dtype, device=x.device)
     st = torch.empty((k, 1), dtype=torch.float32, device=x.device)
-    if not rows:  # placeholders: the kernel reads and writes none of them
-        q, s, row_amax = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1], col_amax[:1]
-    get_kernel(QuantizeDualSpec(*dtypes, rows, arch, pow2, whole=True)).fn(x, q, s, qt, st, row_amax, col_amax)
+    if not rows:  # placeholders: the kernel reads and writes none of them (the factors ride in the rows' slot)
+        q, s, row_amax = torch.empty((1, 16), dtype=out_dtype, device=x.device), st[:1], \
+            (col_amax[:1] if fold is None else fold)
+    get_kernel(QuantizeDualSpec(*dtypes, rows, arch, pow2, whole=True, fold=fold is not None)).fn(
+        x, q, s, qt, st, row_amax, col_amax)
     return (q, s, qt, st) if rows else (None, None, qt, st)
+
+
+def _whole_rows(x, out_dtype, pow2: bool, groups: int, fold: bool):
+    """q, s (M, 1) and with ``fold`` the fold factors (M,) of ``x``'s rows in one read
+    (:class:`QuantizeWholeRowsSpec`)."""
+    from . import dispatch
+
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    factors = torch.empty((m,), dtype=torch.float32, device=x.device) if fold else None
+    spec = QuantizeWholeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
+                                 dispatch.arch_of(x.device), pow2, groups, fold)
+    get_kernel(spec).fn(x, q, s, *((factors,) if fold else ()))
+    return q, s, factors
+
+
+def quantize_grad_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: bool = False):
+    """(q, s, fold) of a gradient ``x`` (M, K) 16-bit in the row-wise recipe: q, s (M, 1) its
+    whole-row quantization (as :func:`quantize_rowwise`'s rows) and fold (M,) fp32 the rows' fold
+    factors, s with 0 for a zero row (``fp8_math.fold_factor``): its weight gradient takes q^T and
+    the other operand scaled by them. One read where a row fits a CTA's registers, else the amax
+    pass first (the factors then from torch)."""
+    from . import dispatch
+
+    m, k = x.shape
+    if x.numel() == 0:  # zero blocks: scale 1, factor 0
+        return (torch.empty((m, k), dtype=out_dtype, device=x.device), torch.ones((m, 1), device=x.device),
+                torch.zeros((m,), device=x.device))
+    groups = whole_row_groups(k)
+    if groups:
+        return _whole_rows(x, out_dtype, pow2, groups, True)
+    amax, _ = abs_max(x, cols=False)
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    spec = QuantizeRowsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
+                            dispatch.arch_of(x.device), pow2, whole=True)
+    get_kernel(spec).fn(x, q, s, amax)
+    return q, s, fold_factors_ref(amax, s[:, 0])
 
 
 @dataclass(frozen=True)

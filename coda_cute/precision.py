@@ -9,9 +9,10 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
 * weight gradients dW = dY^T X from both operands in 1 x 128 blocks along the token dimension,
   accumulated in fp32;
 * ``scaling="row"``: the second recipe, one scale per whole row along K of every GEMM operand
-  (activations and gradients per token, a weight per row and, for the dgrad, per column, the
-  weight gradient's operands per feature over the tokens): the GEMM's row-wise FP8, the scales
-  applied to the accumulator in the sublayers' epilogue trees;
+  (activations and gradients per token, a weight per row and, for the dgrad, per column): the
+  GEMM's row-wise FP8, the scales applied to the accumulator in the sublayers' epilogue trees; a
+  weight gradient dW = G^T X takes G's FP8 bytes transposed with its token scales folded into X's
+  rows, whose columns then get one scale per feature over the tokens (``ops.fp8_gemms.wgrad``);
 * ``fast_accum`` (row-wise only): which GEMMs keep their FP8 products in the tensor core's
   accumulator for the whole k-loop rather than promoting each k-tile's partial sum into fp32:
   "none" (the default), "forward" (the forward GEMMs, as torchao's float8 training does by

@@ -477,6 +477,13 @@ def fp8_roundtrip_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float
     return dequantize_blocks_ref(*quantize_blocks_ref(x.float(), block, dtype, pow2_scales), block)
 
 
+def fold_factors_ref(amax: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The row-wise recipe's fold factors of a gradient's rows (``kernels.common.fp8_math.fold_factor``):
+    each row's scale ``s``, 0 where its ``amax`` is 0 (a zero row: its scale 1 must not reach the
+    weight gradient's other operand), NaN where the scale is."""
+    return torch.where(amax == 0, torch.zeros_like(s), s)
+
+
 def mlp_block_fp8_ref(y, ss, w_gu, w_down, eps: float, tile_n: int, pow2_scales: bool = False,
                       row: bool = False):
     """``coda.mlp_block_fp8``'s forward: ``coda.mlp_block``'s math on the FP8 operands (y and h

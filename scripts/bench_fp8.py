@@ -6,13 +6,11 @@ block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
 with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
-FP8 kernel) with a separate amax pass before each quantization needing column amaxes (rows alone
-take one read), ``coda fp8 row-wise, amax fused``
-the same with the amaxes of dz' and h^T reduced in the down dgrad (``mlp_fp8.FUSED_AMAX`` on), all
-timed in the same turns. ``--fast-accum forward|all`` adds ``coda fp8 row-wise, fast accum`` (the
-GEMMs of those roles accumulating in the tensor core, ``fast_accum``; for the MLP also with
-``FUSED_AMAX``) with a shadow of its own whose ``_scaled_mm`` calls of the same roles take
-``use_fast_accum``.
+FP8 kernel; each gradient quantized in one read, its FP8 bytes transposed for its weight gradient,
+the activations' columns after an amax pass), all timed in the same turns. ``--fast-accum
+forward|all`` adds ``coda fp8 row-wise, fast accum`` (the GEMMs of those roles accumulating in the
+tensor core, ``fast_accum``) with a shadow of its own whose ``_scaled_mm`` calls of the same roles
+take ``use_fast_accum``.
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -71,7 +69,7 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
 
 
 def with_switch(step, name: str, value: bool):
-    """``step`` with ``mlp_fp8.<name>`` (``FUSED_QUANT``, ``FUSED_AMAX``) set to ``value`` while it
+    """``step`` with ``mlp_fp8.<name>`` (``FUSED_QUANT``) set to ``value`` while it
     runs: its forward and its backward both."""
     from coda_cute.ops import mlp_fp8
 
@@ -211,9 +209,11 @@ def quantize_bytes(m, d, f) -> list[dict]:
     the down dgrad's double-width one (both layouts); the weights are quantized by
     their own kernel with their FP8 transposes (read bf16, write both), once per version with
     ``nn.fold.WeightQuantCache``. ``row_wise``: the same passes in the row-wise recipe, which
-    also read a tensor once more first wherever a column amax over all the tokens is needed (both
-    layouts, along the tokens, the weights' transposes: ``elementwise.abs_max``); a tensor needed
-    along K only is read once (``elementwise.QuantizeWholeRowsSpec``)."""
+    also read a tensor once more first wherever a column amax over all the tokens is needed (the
+    activations along the tokens, the weights' transposes: ``elementwise.abs_max``); a tensor
+    needed along K only is read once (``elementwise.QuantizeWholeRowsSpec``), and so is a gradient,
+    whose FP8 rows are then transposed as bytes (read and written once more,
+    ``elementwise.transpose_fp8``: its wgrad folds the row scales into the activation)."""
     rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM"),
             ("h (forward, along K)", m * f, 1, "no: a row of h is half a block per block-scaled tile"),
             ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad"),
@@ -221,7 +221,7 @@ def quantize_bytes(m, d, f) -> list[dict]:
             ("h (along the tokens)", m * f, 1, "yes: the gate/up GEMM (half-width, transposed)"),
             ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)")]
     out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink,
-                row_wise=n * (2 + layouts * _FP8 + (0 if "along K" in name else 2)))
+                row_wise=n * (2 + 1 + (0 if "along K" in name else 2)))
            for name, n, layouts, sink in rows]
     w = 3 * f * d
     out.append(dict(tensor="W_gu, W_down (128 x 128, with transposes)", elements=w, separate=w * (2 + 2),
@@ -291,7 +291,7 @@ SHADOW = "fp8 shadow (6 row-wise _scaled_mm)"
 
 def fast_label(fast_accum: str) -> tuple[str, str]:
     """The shadow's and our row-wise variant's labels with fast accumulation in ``fast_accum``'s
-    roles (the MLP adds the same with ``FUSED_AMAX``: the label plus ", amax fused")."""
+    roles."""
     return f"fp8 shadow, fast accum ({fast_accum})", f"coda fp8 row-wise, fast accum ({fast_accum})"
 
 
@@ -311,15 +311,10 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") ->
         fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
                                                                 w_down, dy2, EPS), "FUSED_QUANT", True)
         row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
-        fns["coda fp8 row-wise"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS), "FUSED_AMAX", False)
-        fns["coda fp8 row-wise, amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS),
-                                                           "FUSED_AMAX", True)
+        fns["coda fp8 row-wise"] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS)
         if fast_accum != "none":
             ours = fast_label(fast_accum)[1]
-            fns[ours] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum),
-                                    "FUSED_AMAX", False)
-            fns[ours + ", amax fused"] = with_switch(coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS,
-                                                               fast_accum=fast_accum), "FUSED_AMAX", True)
+            fns[ours] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2, EPS)
     fns.update(torchao_steps(y, dy2, d, f, console))
     return fns
@@ -393,8 +388,7 @@ def main(argv=None) -> int:
         console.print(f"{fast_ours}: {ms[fast_ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                       f"accumulation ({ms[fast_shadow]:.3f} ms)")
     if args.profile:
-        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", "coda fp8 row-wise, amax fused",
-                     fast_ours, fast_ours + ", amax fused"):
+        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

@@ -438,8 +438,6 @@ def parse_args(argv=None):
                          "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
-    ap.add_argument("--fused-amax", action="store_true",
-                    help="coda_fp8_row with mlp_fp8.FUSED_AMAX on (the amaxes of dz' and h^T reduced in the down dgrad)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
     ap.add_argument("--smoke", action="store_true",
                     help="run every variant once on a tiny config on CPU (no timing, compile, Liger)")
@@ -481,12 +479,11 @@ def main(argv=None) -> int:
             sys.exit("bench_train needs a CUDA GPU (or --smoke)")
         device = "cuda"
         ctx = contextlib.nullcontext()
-    if args.fused_quant or args.fused_amax:
+    if args.fused_quant:
         from coda_cute.ops import mlp_fp8
-        mlp_fp8.FUSED_QUANT = mlp_fp8.FUSED_QUANT or args.fused_quant
-        mlp_fp8.FUSED_AMAX = mlp_fp8.FUSED_AMAX or args.fused_amax
+        mlp_fp8.FUSED_QUANT = True
     env = environment(device)
-    env["fused_quant"], env["fused_amax"] = args.fused_quant, args.fused_amax
+    env["fused_quant"] = args.fused_quant
     say(f"torch {env['torch']}, transformers {env['transformers']}, {env.get('gpu', device)}")
     if CODA_IMPORT_ERROR:
         say(f"[bold red]{CODA_IMPORT_ERROR}[/]: the coda variant is recorded as null")

@@ -7,13 +7,14 @@ quantizations of a gradient in one pass, the row-wise recipe's whole rows and co
 E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and backward in each recipe:
 the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the weight-gradient form)
 and the FP8 LM head, then their row-wise GEMMs (the scales on the accumulator), on a token count
-that is no multiple of the tiles; the row-wise model once more with ``mlp_fp8.FUSED_AMAX`` on
-(the amaxes of h and dz' reduced in their GEMMs' epilogues).
+that is no multiple of the tiles (the row-wise gradients' FP8 transposes and folded columns
+among them), once with fast accumulation in every GEMM.
 """
 
 import torch
 
-from coda_cute.elementwise import quantize_dual, quantize_rows, quantize_rowwise, quantize_weight
+from coda_cute.elementwise import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise, quantize_weight,
+                                   transpose_fp8)
 
 
 def main():
@@ -27,17 +28,17 @@ def main():
             quantize_rowwise(x[:320], dtype, pow2=pow2)
             quantize_rowwise(x[:320], dtype, rows=False, pow2=pow2)
             quantize_rowwise(x, dtype, cols=False, pow2=pow2)
+            q, _, fold = quantize_grad_rows(x[:320, :512], dtype, pow2=pow2)
+            transpose_fp8(q)
+            quantize_rowwise(x[:320, :264], dtype, rows=False, pow2=pow2, fold=fold)
     for pow2 in (False, True):
         quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
                         transposed=True, pow2=pow2)
     from coda_cute.nn import CodaLlama, LlamaConfig
-    from coda_cute.ops import mlp_fp8
     from coda_cute.precision import Fp8Recipe
 
     tokens = torch.randint(0, 1008, (3, 112), device="cuda")  # 336 tokens: a multiple of 16, not of 128
-    for recipe, fused_amax in ((Fp8Recipe(lm_head_fp8=True), False), (Fp8Recipe(scaling="row"), False),
-                               (Fp8Recipe(scaling="row"), True)):
-        mlp_fp8.FUSED_AMAX = fused_amax  # the row-wise MLP with and without its epilogue amaxes
+    for recipe in (Fp8Recipe(lm_head_fp8=True), Fp8Recipe(scaling="row"), Fp8Recipe(scaling="row", fast_accum="all")):
         cfg = LlamaConfig(256, 1, 4, 2, 384, 1008, head_dim=64, qk_norm=True, precision=recipe)
         model = CodaLlama(cfg, device="cuda")
         model(tokens, torch.roll(tokens, -1, 1)).backward()

@@ -423,3 +423,66 @@ def test_quantizers_take_no_tokens():
         q, s, qt, st = quantize_rowwise_fp8(x, E4M3)
     assert q.shape == (0, 256) and s.shape == (0, 1) and qt.shape == (256, 0)
     assert torch.equal(st, torch.ones(256, 1))
+
+
+# -- the FP8 transpose: coda_cute.elementwise.transpose_fp8 --------------------------------------------
+def test_transpose_kernel_moves_16_bytes_per_global_access_without_spills():
+    """``TransposeBytesSpec``: per thread four 16-byte loads of x and four 16-byte stores of xt,
+    the tile through shared memory (four 16-byte stores, 64 byte loads down its columns, four
+    16-byte stores of xt's tile and four 16-byte loads of it), two barriers, no spills."""
+    from coda_cute.elementwise import TransposeBytesSpec
+
+    kern = compile_elementwise(TransposeBytesSpec(), keep_artifacts=True)
+    assert kern.spec.name == "transpose_bytes_sm_90a"
+    for op, n in (("ld.global.v4.b32", 4), ("st.global.v4.b32", 4), ("st.shared.v4.b32", 8),
+                  ("ld.shared.b8", 64), ("ld.shared.v4.b32", 4), ("bar.sync", 2)):
+        assert kern.ptx.count(op) == n, op
+    assert "ld.global.b8" not in kern.ptx and "st.global.b8" not in kern.ptx
+    assert spill_bytes(kern) == 0
+
+
+# -- the row-wise recipe's gradients: rows in one read, the weight gradient's operand folded ----------
+def test_gradient_rows_and_folded_columns_build_without_spills():
+    """The gradient's one-read rows also write the fold factors (one 4-byte store per row, the
+    same loads, stores and butterfly as the activations' build); the activation's amax and column
+    quantizer scale each value by its row's factor (one multiply per value: 8 x 8 per tile in the
+    amax pass, 32 x 2 in the quantizer, the factors through shared memory there), no spills."""
+    from coda_cute.elementwise import AbsMaxSpec, QuantizeDualSpec, QuantizeWholeRowsSpec
+
+    rows, fold_rows = (compile_elementwise(QuantizeWholeRowsSpec("bfloat16", groups=14, fold=f), keep_artifacts=True)
+                       for f in (False, True))
+    assert fold_rows.spec.name == "quantize_rowwise_rows_amax_g14_fold_sm_90a_bf16_e4m3"
+    for op in ("ld.global.v4.b32", "st.global.v2.b32", "shfl.sync.bfly.b32", "bar.sync"):
+        assert fold_rows.ptx.count(op) == rows.ptx.count(op) > 0, op
+    assert fold_rows.ptx.count("st.global.b32") == rows.ptx.count("st.global.b32") + 1
+    amax, fold_amax = (compile_elementwise(AbsMaxSpec("bfloat16", rows=False, fold=f), keep_artifacts=True)
+                       for f in (False, True))
+    cols, fold_cols = (compile_elementwise(QuantizeDualSpec("bfloat16", rows=False, whole=True, fold=f),
+                                           keep_artifacts=True) for f in (False, True))
+    assert fold_amax.ptx.count("mul.f32") - amax.ptx.count("mul.f32") == 4 * 8 * 8  # a strip of 4 tiles
+    assert fold_cols.ptx.count("mul.f32") - cols.ptx.count("mul.f32") == 32 * 2
+    for plain, folded in ((amax, fold_amax), (cols, fold_cols)):
+        for op in ("ld.global.v4.b32", "st.global.v4.b32", "bar.sync"):
+            assert folded.ptx.count(op) == plain.ptx.count(op), op
+    for k in (fold_rows, fold_amax, fold_cols):
+        assert spill_bytes(k) == 0, k.spec.name
+    with pytest.raises(ValueError, match="fold"):
+        compile_elementwise(QuantizeDualSpec("bfloat16", rows=True, whole=True, fold=True))
+
+
+def test_gradient_quantizer_refuses_a_fold_it_cannot_apply():
+    """``fold`` scales the columns alone, with one fp32 factor per row of x, and a gradient's FP8
+    transpose needs 16-byte rows both ways: the rules on every path, before a launch."""
+    from coda_cute.ops.quantize import quantize_rowwise_fp8
+
+    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8
+
+    x = torch.randn(32, 64).bfloat16()
+    with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match="multiple of 16 for its FP8 transpose"):
+        quantize_grad_rowwise_fp8(torch.randn(32, 72).bfloat16())
+    with coda_cute.reference_on_cpu():
+        for kw, match in (({"fold": torch.ones(32)}, "columns alone"),
+                          ({"rows": False, "fold": torch.ones(31)}, r"contiguous \(32,\) fp32"),
+                          ({"rows": False, "fold": torch.ones(32, dtype=torch.float64)}, "fp32")):
+            with pytest.raises(ValueError, match=match):
+                quantize_rowwise_fp8(x, **kw)

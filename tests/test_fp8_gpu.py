@@ -1,6 +1,7 @@
 """GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128,
 ``quantize_weight``, the fold + 128 x 128, ``quantize_dual``, 1 x 128 of x and of x^T, and
-``quantize_rowwise``, the row-wise recipe's whole rows and columns, with ``abs_max``, its amaxes)
+``quantize_rowwise``, the row-wise recipe's whole rows and columns, with ``abs_max``, its amaxes,
+its gradients' rows with their fold factors and the folded columns, and ``transpose_fp8``)
 against the oracle
 ``coda_cute.reference.quantize_blocks_ref``: bit for bit (values and scales), ragged shapes (a
 partial last block), values over many binades, zero blocks, inf and NaN blocks, an M-major scales
@@ -236,3 +237,64 @@ def test_quantize_launchers_take_no_tokens():
     assert q.shape == (0, 256) and s.shape == (0, 1) and qt.shape == (256, 0)
     assert bool((st == 1).all()) and st.shape == (256, 1)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("m, n", [(16, 16), (160, 272), (1008, 4112), (4096, 28672)])
+def test_transpose_kernel_is_the_transpose_bit_for_bit(m, n):
+    """``transpose_fp8``: ``q.t()`` contiguous, bit for bit over every byte pattern (NaNs
+    included), ragged tiles along both axes, into an output poisoned with 0x7F (an unwritten
+    16-byte group keeps it and differs from the transpose unless all 16 random bytes are 0x7F);
+    a fresh output too, and an empty q launches nothing."""
+    from coda_cute.elementwise import transpose_fp8
+
+    q = torch.randint(0, 256, (m, n), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out = torch.full((n, m), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    got = transpose_fp8(q, out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype
+    assert torch.equal(got.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    fresh = transpose_fp8(q)
+    assert fresh.shape == (n, m) and fresh.is_contiguous() and fresh.dtype == q.dtype
+    assert torch.equal(fresh.view(torch.uint8), q.view(torch.uint8).t())
+    assert transpose_fp8(q[:0]).shape == (n, 0)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+# a row in one CTA (partial last group), one past one CTA (the amax pass), ragged tiles, dz' widths
+@pytest.mark.parametrize("m, k", [(16, 16), (1008, 1008), (160, 14352), (112, 32784), (2048, 28672)])
+def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, out_dtype, pow2):
+    """``quantize_grad_rowwise_fp8`` (a gradient's rows in one read, their fold factors and the FP8
+    transpose) and ``quantize_rowwise_fp8(fold=...)`` (an activation's columns after the factors
+    scale its rows) against the reference path, bit for bit: a zero gradient row (factor 0: the
+    activation's huge row beside it changes no column), an inf and a NaN row (NaN scale and
+    factor; the columns then take a finite factor there, or every one would be NaN), a row of
+    denormals (the floor scale); the activation's columns over all the rows."""
+    import coda_cute
+    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
+
+    g, x = _input(m, k, torch.bfloat16), _input(m, 264, torch.bfloat16)
+    if m > 100:
+        g[3, :] = 0
+        x[3, :] = 3e4
+        g[7, k - 1] = float("inf")
+        g[m - 2, 2] = float("nan")
+        g[9, :] = 0
+        g[9, 129] = -1e-39
+    got = quantize_grad_rowwise_fp8(g, out_dtype, pow2)
+    fold = torch.where(got[3].isnan(), 0.5, got[3])  # the NaN rows' factors would make every column NaN
+    got_cols = quantize_rowwise_fp8(x, rows=False, pow2_scales=pow2, fold=fold)
+    with coda_cute.reference_on_cpu():
+        want = quantize_grad_rowwise_fp8(g.cpu(), out_dtype, pow2)
+        want_cols = quantize_rowwise_fp8(x.cpu(), rows=False, pow2_scales=pow2, fold=fold.cpu())
+    if m > 100:
+        assert want[3][3] == 0 and want[2].shape == (k, m)
+    for name, a, b in (("q", got[0], want[0]), ("s", got[1], want[1]), ("qt", got[2], want[2]), ("fold", got[3], want[3]),
+                       ("x qt", got_cols[2], want_cols[2]), ("x st", got_cols[3], want_cols[3])):
+        a, b = a.cpu(), b.cpu()
+        assert a.shape == b.shape, name
+        if a.dtype.is_floating_point and a.element_size() == 4:
+            assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), name
+        else:
+            nan = b.float().isnan()
+            assert bool((a.float().isnan() == nan).all()), name
+            assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan]), name

@@ -322,84 +322,37 @@ def test_an_empty_batch_runs_forward_and_backward(row):
     assert dw_gu.shape == w_gu.shape and not dw_gu.any() and dw_down.shape == w_down.shape and not dw_down.any()
 
 
-@pytest.mark.parametrize("m", [256, 77, 0])  # M a multiple of 16 (FP8 weight gradients), ragged, none
-@pytest.mark.parametrize("e5m2_grads", [False, True])
-def test_row_wise_amax_in_the_epilogue_changes_nothing(m, e5m2_grads, monkeypatch):
-    """``FUSED_AMAX`` (the row-wise recipe's amaxes of dz' and h^T reduced in the down dgrad's
-    epilogue) gives the separate amax pass's results bit for bit: the forward and every gradient."""
-    from coda_cute.ops import mlp_fp8
-
-    y, ss, w_gu, w_down, dy2 = _inputs(m, 256, 384, 11)
-    kw = dict(e5m2_grads=e5m2_grads, row_scaling=True)
-    monkeypatch.setattr(mlp_fp8, "FUSED_AMAX", True)
-    fused_out, fused = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, **kw)
-    monkeypatch.setattr(mlp_fp8, "FUSED_AMAX", False)
-    plain_out, plain = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, **kw)
-    assert torch.equal(fused_out, plain_out)
-    for name, f, p in zip(("dy", "dw_gu", "dw_down"), fused, plain):
-        assert torch.equal(f, p), name
-
-
-def _amax_tree_outputs(m, d, f, poison_row=None):
-    """The row-wise down-proj dgrad with the amax sinks on the reference path, (outputs, z): the
-    operands quantized row-wise, z the saved pre-activation (a NaN in ``poison_row``)."""
-    from coda_cute.ops import mlp_fp8
-    from coda_cute.ops.fp8_gemms import project, weight
+@pytest.mark.parametrize("m", [96, 77])  # M a multiple of 16 (the FP8 transpose), ragged (bf16 wgrad)
+def test_row_wise_weight_gradient_folds_the_gradient_rows_scales(m):
+    """The row-wise recipe's weight gradient dW = G^T X: G's bytes transposed (one scale per token,
+    found in the one read that also quantizes G for its dgrad) with X's rows scaled by those
+    scales before X's columns are quantized, exactly; a zero row of G (scale 1) gets factor 0, so a
+    huge X row beside it changes no column scale and no bit of dW."""
+    from coda_cute.ops.fp8_gemms import grad_operands, wgrad
     from coda_cute.ops.quantize import quantize_rowwise_fp8
-    from coda_cute.ops.rmsnorm import norm_inputs
 
-    y, ss, _, w_down, dy2 = _inputs(m, d, f, 12)
-    z = (torch.randn(m, 2 * f) * 3).bfloat16()
-    if poison_row is not None:
-        z[poison_row, 5] = float("nan")
+    g = torch.Generator().manual_seed(21)
+    dy = (torch.randn(m, 160, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).bfloat16()
+    x = torch.randn(m, 272, generator=g).bfloat16()
+    dy[5] = 0
     with coda_cute.reference_on_cpu():
-        _, _, qt = weight(w_down, row=True)
-        s = weight(w_down, row=True)[1]
-        dy_q, dy_s = quantize_rowwise_fp8(dy2, cols=False)[:2]
-        out = project("test", mlp_fp8.swiglu_backward_amax_tree(), dy_q, dy_s, qt, s,
-                      dict(norm_inputs(d, ss, EPS), z=z), transposed=True, row=True)
-    return out
-
-
-@pytest.mark.parametrize("m", [200, 77])
-def test_row_wise_amax_partials_are_the_stored_tensors_amax(m):
-    """The down-proj dgrad's amax partials finish to max |x| of the bf16 dz' (per row, per
-    column) and h (per column) it stores, exactly; a NaN in a row of z makes that row's and its
-    columns' amax inf (the quantizer then gives them NaN scales, as ``quantize_blocks_ref`` does
-    a row holding NaN)."""
-    from coda_cute.ops.fp8_gemms import finish_amax
-
-    out = _amax_tree_outputs(m, 256, 384)
-    dz, h = out["dz"].float(), out["h"].float()
-    assert torch.equal(finish_amax(out["dz_amax"]), dz.abs().amax(1))
-    assert torch.equal(finish_amax(out["dzg_amax_t"]), dz[:, 0::2].abs().amax(0))
-    assert torch.equal(finish_amax(out["dzu_amax_t"]), dz[:, 1::2].abs().amax(0))
-    assert torch.equal(finish_amax(out["h_amax_t"]), h.abs().amax(0))
-    bad = _amax_tree_outputs(m, 256, 384, poison_row=3)
-    row_amax, h_cols = finish_amax(bad["dz_amax"]), finish_amax(bad["h_amax_t"])
-    assert row_amax[3] == float("inf") and torch.isfinite(row_amax[torch.arange(m) != 3]).all()
-    assert h_cols[2] == float("inf") and finish_amax(bad["dzg_amax_t"])[2] == float("inf")
-
-
-def test_row_wise_amax_tree_builds_without_spills():
-    """The down-proj dgrad with amax sinks on the plain FP8 kernel, scales on the accumulator, at
-    the config the runner picks at Llama-3-8B's shape: the plain tree's."""
-    from coda_cute.ops import mlp_fp8
-
-    n, k = 14336, 4096
-    t = row_scaled(mlp_fp8.swiglu_backward_amax_tree())
-    cfg = choose_config(t, 16384, n, k, 1, True, False, 132, block_scaled=False)
-    assert not spills(t, cfg, True, 132, block_scaled=False)
-    # the plain tree's config, no longer a smaller tile
-    assert cfg == choose_config(row_scaled(swiglu_backward_tree()), 16384, n, k, 1, True, False, 132)
-    # every max one FMNMX (max.NaN.f32), no NaN-to-inf or bf16 round trip per element (the
-    # plain tree's bf16 -> fp32 conversions, z's, and no more), and no row mask in the column
-    # maxima (|x| is zero past M, and a zero cannot raise a max of values >= 0): the only
-    # selects beyond the plain tree's are the row max's column mask (the column scale is
-    # unknown past N), one per element
-    ptx, base = (compile_gemm(KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, x, "sm_90a", 132),
-                              keep_artifacts=True).ptx for x in (t, row_scaled(swiglu_backward_tree())))
-    assert ptx.count("max.NaN.f32") >= 4 * 64  # four reductions over 64 elements per thread
-    assert "setp.nan" not in ptx
-    assert ptx.count("selp.f32") == base.count("selp.f32") + 64
-    assert ptx.count("cvt.f32.bf16") == base.count("cvt.f32.bf16") > 0
+        q, s, qt, fold = grad_operands(dy, torch.float8_e4m3fn, row=True)
+        dw = wgrad(dy, qt, fold, x, row=True)
+        x_big = x.clone()
+        x_big[5] = 3e4
+        dw_big = wgrad(dy, qt, fold, x_big, row=True)
+        if m % 16 == 0:
+            _, _, xt_q, xt_s = quantize_rowwise_fp8(x, rows=False, fold=fold)
+    if m % 16:  # no FP8 transpose: the bf16 GEMM
+        assert qt is None and torch.equal(dw, (dy.float().t() @ x.float()).bfloat16())
+        return
+    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    amax = dy.float().abs().amax(1)
+    assert fold[5] == 0 and s[5, 0] == 1 and torch.equal(fold[amax > 0], s[amax > 0, 0])
+    want_q, want_s = R.quantize_blocks_ref((x.float() * fold[:, None]).t().contiguous(), (1, m))
+    assert torch.equal(xt_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xt_s, want_s)
+    want = (q.float().t() @ (want_q.float() * want_s).t()).bfloat16()
+    torch.testing.assert_close(dw.float(), want.float(), rtol=1e-2, atol=1e-6 * want.float().abs().max().item())
+    assert torch.equal(dw_big, dw)
+    exact = dy.double().t() @ x.double()
+    assert rel_err(dw.double(), exact) < 0.08

@@ -19,7 +19,9 @@ Backward, from dy:
 dy and g are quantized once for their dgrad and wgrad (``coda.quantize_fp8_dual``). Saved as the
 bf16 op's, plus the weights' FP8 transposes and scales (quantized with the forward's copies in
 one pass). ``row_scaling``: the row-wise recipe (``ops.fp8_gemms``), one scale per whole row
-along K of every operand, on the plain FP8 GEMM with the same trees; ``fast_accum`` ("none",
+along K of every operand, on the plain FP8 GEMM with the same trees; dy and g quantized per token
+in one read each, their weight gradients on those FP8 bytes transposed with the token scales
+folded into o and x (``fp8_gemms.wgrad``); ``fast_accum`` ("none",
 "forward", "all"; row-wise only): the GEMMs of those roles accumulate in the tensor core for the
 whole k-loop (``fp8_gemms.fast_for``).
 """

@@ -13,10 +13,13 @@
 
 With ``row`` (the second recipe, ``Fp8Recipe(scaling="row")``) every operand has one scale per
 whole row along K (``coda.quantize_fp8_rowwise``): activations and gradients per token, a
-weight W (N, K) per row for the forward and, transposed, per column for the dgrad, the weight
-gradient's operands per feature over all the tokens. The GEMMs run on the plain FP8 kernel with
-the scales in the epilogue, ``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc
-(``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor, its row scales
+weight W (N, K) per row for the forward and, transposed, per column for the dgrad. A weight
+gradient dW = G^T X sums over the tokens, along which G's per-token scales vary: it takes G's
+FP8 bytes transposed and folds each token's scale into X's row, then quantizes X's columns (one
+scale per feature over all the tokens) (:func:`wgrad`). G is read once for both its GEMMs,
+where scales per column of G need G's column amaxes first, a second read of the (M, 2f) gate/up
+gradient. The GEMMs run on the plain FP8 kernel with the scales in the epilogue,
+``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc (``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor, its row scales
 then its column scales, where the block recipe has its 128 x 128 grid.
 
 ``fast_accum`` (row-wise only, ``Fp8Recipe.fast_accum``): which GEMMs keep their FP8 products in
@@ -31,7 +34,6 @@ k-block.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -41,7 +43,7 @@ from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
 from ..precision import FAST_ACCUM
-from .quantize import quantize_dual_fp8, quantize_fp8, quantize_rowwise_fp8
+from .quantize import quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8, quantize_rowwise_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import tile_n_of
 
@@ -133,33 +135,12 @@ def weight_fake(w: torch.Tensor, row: bool = False):
     return w.new_empty((k, n), dtype=FP8), w.new_empty(grid, dtype=torch.float32)
 
 
-def activation(x: torch.Tensor, pow2: bool = False, row: bool = False, amax: torch.Tensor | None = None):
+def activation(x: torch.Tensor, pow2: bool = False, row: bool = False):
     """(q, scales) of an activation x (M, K) for a forward GEMM: 1 x 128 blocks, or with ``row``
-    one scale per token, (M, 1); ``amax``: x's row amaxes (M,) where its GEMM reduced them."""
+    one scale per token, (M, 1)."""
     if row:
-        return quantize_rowwise_fp8(x, FP8, cols=False, pow2_scales=pow2, row_amax=amax)[:2]
+        return quantize_rowwise_fp8(x, FP8, cols=False, pow2_scales=pow2)[:2]
     return quantize_fp8(x, "1x128", None, FP8, pow2)
-
-
-def amax_value(x: E.Node) -> E.Node:
-    """|x| for an amax reduction in an epilogue (``E.row_reduce`` / ``E.col_reduce`` with op
-    "max", whose partials :func:`finish_amax` finishes), x the fp32 value whose bf16 rounding the
-    tree stores. Rounding is monotonic, so the rounding of the max is the max of the rounded
-    values: :func:`finish_amax` rounds once per amax instead of the epilogue once per element,
-    and the amax is that of the tensor the quantizer reads, bit for bit. A NaN propagates through
-    the epilogue's max (``fastmath.fast_max``)."""
-    return E.absolute(x)
-
-
-def finish_amax(partials: torch.Tensor) -> torch.Tensor:
-    """The amax (R,) fp32 from an epilogue's per-tile max partials (R, tiles) of
-    :func:`amax_value`: their max rounded to bf16 (the dtype the trees store the values in), NaN
-    read as +inf (an inf amax gives the whole row the NaN scale ``quantize_blocks_ref`` gives a
-    row holding NaN); 0 over no tiles (an empty batch: a zero block's scale is 1)."""
-    if partials.shape[-1] == 0:
-        return partials.new_zeros(partials.shape[:-1])
-    amax = E.finalize_max(partials).to(torch.bfloat16).float()
-    return amax.nan_to_num_(nan=math.inf, posinf=math.inf).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,33 +176,36 @@ def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = 
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
-def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False, amax=(None, None)):
+def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
     multiple of 16, along M transposed for its wgrad (else qt, st None); ``pow2``: power-of-two
-    scales; ``row``: one scale per row of g and, transposed, per column, ``amax`` their amaxes
-    (M,), (N,) where the GEMM that produced g reduced them (else None)."""
+    scales; ``row``: one scale per row of g, qt = q^T the same bytes transposed and st the rows'
+    fold factors (M,) (``quantize.quantize_grad_rowwise_fp8``: the wgrad folds the rows' scales
+    into its other operand, :func:`wgrad`)."""
     if row:
-        cols = g.shape[0] % 16 == 0
-        return quantize_rowwise_fp8(g, grad_dtype, cols=cols, pow2_scales=pow2, row_amax=amax[0],
-                                    col_amax=amax[1] if cols else None)
+        return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=g.shape[0] % 16 == 0)
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
     return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)
 
 
 def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
-          x_amax: torch.Tensor | None = None, fast: bool = False) -> torch.Tensor:
+          fast: bool = False) -> torch.Tensor:
     """dW = dy^T @ x over the tokens: FP8 with both operands in 1 x 128 blocks along M (dy's
     transposed quantization given, :func:`grad_operands`; x's scales powers of two with
-    ``pow2``), or bf16 where there is none; ``row``: one scale per feature over all the tokens,
-    on the plain FP8 GEMM (``x_amax``: x's column amaxes where its GEMM reduced them; ``fast``:
-    with fast accumulation). No tokens: dW = 0, a sum over none."""
+    ``pow2``), or bf16 where there is none; ``row``: dy^T's bytes with its rows' fold factors
+    ``dyt_s`` (M,), x's columns quantized with one scale per feature after the factors scale its
+    rows, on the plain FP8 GEMM (``fast``: with fast accumulation):
+
+        dW = q_dy^T @ (fold[:, None] * x)    scale_a = 1, scale_b = the folded columns' scales
+
+    No tokens: dW = 0, a sum over none."""
     if dy.shape[0] == 0:
         return dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
         return gemm_op(dy.t(), x)
     if row:
-        _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, col_amax=x_amax)
-        return gemm_op(dyt_q, xt_q.t(), dyt_s, xt_s[:, 0], dy.dtype, fast)
+        _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, fold=dyt_s)
+        return gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dy.dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")

@@ -40,30 +40,17 @@ those roles accumulate in the tensor core for the whole k-loop (``fp8_gemms.fast
 every GEMM, the down dgrad included, fits ping-pong 128 x 128 (H200, 2026-12-04, d 4096, ffn 14336,
 16384 tokens, in turns: 15.27-15.63 ms per forward + backward against 17.44-18.23 promoted, the
 errors against float64 within 0.1 % of the promoted ones'). A whole row's scale needs the whole
-row's amax, which no tile has, so each tensor is quantized in a pass after its GEMM. A tensor
-needed along K only (h for the down-proj, y for gate/up) takes one read: a CTA holds a whole row,
-finds its amax and quantizes it (``elementwise.QuantizeWholeRowsSpec``). One needed both ways (dz', dy2) or along the tokens (h^T,
-y^T for the weight gradients) needs column amaxes over every row first: ``elementwise.abs_max``
-reads it, then the quantizer reads it again. With ``FUSED_AMAX`` the down-proj dgrad reduces
-those amaxes in its epilogue (per-tile max partials, ``fp8_gemms.amax_value``):
+row's amax, which no tile has, so each tensor is quantized in a pass after its GEMM, where a CTA
+holds a whole row, finds its amax and quantizes it (``elementwise.QuantizeWholeRowsSpec``): one
+read. The gradients dy2 and dz' feed their weight gradients as those FP8 bytes transposed
+(``elementwise.transpose_fp8``), their per-token scales folded into h and y, whose columns are then
+quantized over the tokens (``fp8_gemms.wgrad``):
 
-    down-proj dgrad  max_j |dz'[m, j]|, max_m |dz'[m, j]|, max_m |h[m, j]|
-                     dz' both ways (gate/up dgrad, wgrad), h^T (the down-proj wgrad)
+    dw_down = q(dy2)^T @ Qcol(s_dy2 h),   dw_gu = q(dz')^T @ Qcol(s_dz' y)
 
-so those quantize passes read their tensor once. The amaxes are those of the bf16 values the
-quantizer reads, bit for bit: the same scales. Off: its GPU tests pass
-(``tests/test_mlp_fp8_gpu.py``), but on the H200 (``scripts/bench_fp8.py``, d 4096, ffn 14336,
-16384 tokens, in turns) it is still slower: 18.69 ms per forward + backward against 18.17 with the
-amax passes (2026-12-03, fifth session; the gate/up GEMM then also reduced h's row amaxes, which
-the one-read row quantizer has since made pointless: 3.37 ms against 3.16 + the 0.12 ms pass), the
-down dgrad 2.53 ms against 2.07 + 0.36 ms of passes. With the one-read rows and the dgrad's
-sinks alone (sixth session): 17.91 ms against 18.20 with ``FUSED_AMAX``, the shadow 13.38 ms. The dgrad's sinks once spilled every config above ping-pong 64 x 64 (21.24 ms then);
-they fit ping-pong 64 x 128 since the column maxima fold their row halves in the element loop, and
-they cost 34 % fewer instructions since maxima are one FMNMX each, the rounding to bf16 and the
-NaN check moved to ``finish_amax`` and the column maxima skip the row mask (|x| is zero past M;
-8160 -> 5416 SASS instructions against the plain tree's 3496 there), but the sinks still cost
-the epilogue, where ping-pong's tensor cores wait on it, more than the passes they replace.
-
+so neither gradient is read for column amaxes: dz' (M, 2f), the largest tensor of the step, takes
+one read and an FP8 transpose (5 bytes moved per element where the amax pass and the dual
+quantization moved 6). The activations' columns take the amax pass and the quantizer: two reads.
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
@@ -85,21 +72,18 @@ from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
-from .fp8_gemms import (FP8, activation, amax_value, check_fast_accum, check_fp8_widths, fast_for, finish_amax,
-                        grad_format, grad_operands, kept_weights, project, quantized_weights, residual_stats_tiles,
-                        wgrad)
+from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
+                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_dual_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
-from .swiglu import norm_swiglu_tree, swiglu_backward_sinks, swiglu_backward_tree, swiglu_backward_values
+from .swiglu import norm_swiglu_tree, swiglu_backward_tree
 
 OP = "coda.mlp_block_fp8"
 #: quantize h^T and dz' in the GEMMs that produce them (module docstring)
 FUSED_QUANT = False
-#: the row-wise recipe: the amaxes of h and dz' reduced in the GEMMs that produce them (module docstring)
-FUSED_AMAX = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,18 +104,6 @@ def swiglu_backward_fp8_tree(grad_dtype: str, pow2: bool) -> E.Epilogue:
     dz = E.cast(next(s for s in base.sinks if s.name == "dz").x, "bfloat16")
     zdz = next(s for s in base.sinks if s.name == "zdz")
     return E.Epilogue(zdz, E.quantize(dz, "dz_q", grad_dtype, pow2), E.quantize(dz, "dz_t", grad_dtype, pow2, True))
-
-
-@functools.lru_cache(maxsize=None)
-def swiglu_backward_amax_tree() -> E.Epilogue:
-    """``swiglu_backward_tree`` plus the row-wise recipe's amax partials: dz' per row
-    ("dz_amax"), per column of its gate and up halves ("dzg_amax_t", "dzu_amax_t"), h per column
-    ("h_amax_t")."""
-    v = swiglu_backward_values()
-    dz_g, dz_u, h = (amax_value(v[k]) for k in ("dz_g", "dz_u", "h"))
-    return E.Epilogue(*swiglu_backward_sinks(v), E.row_reduce(E.maximum(dz_g, dz_u), "max", "dz_amax"),
-                      E.col_reduce(dz_g, "max", "dzg_amax_t"), E.col_reduce(dz_u, "max", "dzu_amax_t"),
-                      E.col_reduce(h, "max", "h_amax_t"))
 
 
 def check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum="none", row=False):
@@ -229,17 +201,12 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
         dw_down = gemm_blockwise(dyt_q, dyt_s, *h_t, dy2.dtype, "1x128") if needs[2] else None
         dw_gu = gemm_blockwise(dzt_q, dzt_s, yt_q, yt_s, dy2.dtype, "1x128") if needs[1] else None
     else:
-        amax = row and FUSED_AMAX
-        tree = swiglu_backward_amax_tree() if amax else swiglu_backward_tree()
-        bwd = project(OP, tree, dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row, fast=fast_d)
+        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row,
+                      fast=fast_d)
         dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-        dz_amax, h_amax = (None, None), None
-        if amax:  # dz' columns alternate gate, up
-            dz_cols = torch.stack((finish_amax(bwd["dzg_amax_t"]), finish_amax(bwd["dzu_amax_t"])), -1).flatten()
-            dz_amax, h_amax = (finish_amax(bwd["dz_amax"]), dz_cols), finish_amax(bwd["h_amax_t"])
-        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row, dz_amax)
-        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, h_amax, fast_w) if needs[2] else None
-        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row, fast=fast_w) if needs[1] else None
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row)
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, fast_w) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row, fast_w) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)

@@ -27,9 +27,10 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..elementwise import quantize_dual, quantize_rows, quantize_rowwise, quantize_weight
+from ..elementwise import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise,
+                           quantize_weight, transpose_fp8)
 from ..precision import block_scales_m_major
-from ..reference import quantize_blocks_ref
+from ..reference import fold_factors_ref, quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
 from .eager import direct
 
@@ -159,37 +160,67 @@ OP_ROWWISE = "coda.quantize_fp8_rowwise"
 
 
 def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool = True, cols: bool = True,
-                         pow2_scales: bool = False, row_amax: Optional[torch.Tensor] = None,
-                         col_amax: Optional[torch.Tensor] = None):
+                         pow2_scales: bool = False, fold: Optional[torch.Tensor] = None):
     """(q, s, qt, st): x (M, K) in FP8 with one scale per whole row, s (M, 1), and x^T (K, M) with
     one per whole column of x, st (K, 1): ``quantize_blocks_ref`` with blocks (1, K) and (1, M),
     the operands of the row-wise GEMM (x @ B with ``scale_a=s``; a weight gradient x^T @ B over the
     tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules (M a multiple of 16 only with
-    ``cols``); ``rows`` / ``cols`` False: None for that pair. ``row_amax`` (M,), ``col_amax`` (K,):
-    fp32 amaxes of x's rows / columns known already (reduced in the epilogue of the GEMM that
-    produced x), used instead of reading x for them. The kernel on CUDA
+    ``cols``); ``rows`` / ``cols`` False: None for that pair. ``fold`` (M,) fp32, the columns
+    alone: qt, st of ``fold[:, None] * x`` (fp32 products), a weight gradient's activation operand
+    taking its gradient rows' scales (:func:`quantize_grad_rowwise_fp8`). The kernel on CUDA
     (``elementwise.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
     if cols:
         m, k = check_dual(x, dtype, OP_ROWWISE)
     else:
         m, k, _ = check_quantize(x, "1x128", None, dtype, OP_ROWWISE)
-    for name, t, n in (("row_amax", row_amax, m), ("col_amax", col_amax, k)):
-        if t is not None and (t.dtype != F32 or tuple(t.shape) != (n,) or t.stride(0) != 1):
-            raise ValueError(f"{OP_ROWWISE}: {name} must be a contiguous ({n},) fp32 tensor (one per "
-                             f"{name[:3]} of x), got {t.dtype} {tuple(t.shape)}")
-    check_same_device(OP_ROWWISE, x=x, row_amax=row_amax, col_amax=col_amax)
+    if fold is not None:
+        if rows or not cols:
+            raise ValueError(f"{OP_ROWWISE}: fold scales the columns alone (rows=False, cols=True)")
+        if fold.dtype != F32 or tuple(fold.shape) != (m,) or fold.stride(0) != 1:
+            raise ValueError(f"{OP_ROWWISE}: fold must be a contiguous ({m},) fp32 tensor (one factor per row "
+                             f"of x), got {fold.dtype} {tuple(fold.shape)}")
+    check_same_device(OP_ROWWISE, x=x, fold=fold)
     if x.device.type == "cuda":
-        return quantize_rowwise(x, dtype, rows, cols, pow2_scales, row_amax, col_amax)
+        return quantize_rowwise(x, dtype, rows, cols, pow2_scales, fold)
     dispatch.require_reference(OP_ROWWISE)
 
-    def whole_rows(t, amax):  # a row without values is a zero block: scale 1
+    def whole_rows(t):  # a row without values is a zero block: scale 1
         if t.numel() == 0:
             return t.to(dtype), torch.ones((t.shape[0], 1), dtype=F32)
-        return quantize_blocks_ref(t.float(), (1, t.shape[1]), dtype, pow2_scales,
-                                   None if amax is None else amax[:, None])
-    q_s = whole_rows(x, row_amax) if rows else (None, None)
-    qt_st = whole_rows(x.t().contiguous(), col_amax) if cols else (None, None)
+        return quantize_blocks_ref(t.float(), (1, t.shape[1]), dtype, pow2_scales)
+    q_s = whole_rows(x) if rows else (None, None)
+    values = x.float() if fold is None else x.float() * fold[:, None]
+    qt_st = whole_rows(values.t().contiguous()) if cols else (None, None)
     return (*q_s, *qt_st)
+
+
+def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_scales: bool = False,
+                              transposed: bool = True):
+    """(q, s, qt, fold) of a gradient g (M, K) in the row-wise recipe: q, s (M, 1) one scale per
+    whole row (:func:`quantize_rowwise_fp8`'s rows, for its dgrad), qt = q^T (K, M) the same
+    bytes transposed (``transposed``, M and K multiples of 16; else None) and fold (M,) the rows' fold
+    factors, s with 0 for a zero row. Its weight gradient over the tokens folds each row's scale
+    into the other operand instead of quantizing g's columns:
+
+        dW = sum_m (q[m, :] s_m)^T x[m, :] = qt @ (fold[:, None] * x)     (fold_m = s_m or 0)
+
+    so g is read once (no column amaxes); the zero rows' factor 0 keeps their x rows out of the
+    folded columns' amaxes. The kernels on CUDA (``elementwise.quantize_grad_rows``, then
+    ``elementwise.transpose_fp8``), the reference inside ``reference_on_cpu``."""
+    if transposed:
+        m, k = check_dual(g, dtype, OP_ROWWISE)
+        if k % 16:
+            raise ValueError(f"{OP_ROWWISE}: g's columns (K = {k}) must be a multiple of 16 for its FP8 "
+                             "transpose: the rows of q start on 16-byte boundaries")
+    else:
+        m, k, _ = check_quantize(g, "1x128", None, dtype, OP_ROWWISE)
+    if g.device.type == "cuda":
+        q, s, fold = quantize_grad_rows(g, dtype, pow2_scales)
+        return q, s, transpose_fp8(q) if transposed else None, fold
+    dispatch.require_reference(OP_ROWWISE)
+    q, s, _, _ = quantize_rowwise_fp8(g, dtype, cols=False, pow2_scales=pow2_scales)
+    amax = g.float().abs().amax(1) if g.numel() else torch.zeros(m)
+    return q, s, q.t().contiguous() if transposed else None, fold_factors_ref(amax, s[:, 0])
 
 
 @torch.library.custom_op("coda::quantize_fp8_rowwise", mutates_args=())

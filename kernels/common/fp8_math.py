@@ -55,6 +55,15 @@ def block_scale(amax, fmax, pow2: cutlass.Constexpr = False):
 
 
 @cute.jit
+def fold_factor(amax, s):
+    """What a row-wise gradient row's scale ``s`` contributes to the other operand of its weight
+    gradient (``Fp8Recipe(scaling="row")``: dW = sum_m q[m, :]^T (s_m x[m, :])): ``s``, but 0 for
+    a zero row (amax 0), whose scale 1 would let its x row set the folded columns' amaxes for
+    nothing; NaN where ``s`` is."""
+    return Float32(cutlass.select_(amax == Float32(0.0), Float32(0.0), s))
+
+
+@cute.jit
 def quantize(v, inv, n: cutlass.Constexpr):
     """v * inv in fp32 registers, for the caller's cast to FP8. The clamp to +-FP8_MAX is the
     cast's: the DSL converts with ``cvt.rn.satfinite`` (``test_fp8_cpu`` checks the PTX), which

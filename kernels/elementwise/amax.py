@@ -17,6 +17,10 @@ per strip, not per tile (a wide matrix's row atomics otherwise queue on the same
 K = 28672 the one-tile CTAs ran at 1.9 TB/s). Columns: per tile each thread's 8 column maxima over
 its 8 rows go to shared memory (two buffers, so one barrier per tile), and each of 128 threads
 takes one column's 16 and folds it in. K must be a multiple of 8 (16-byte rows).
+
+``fold`` (the columns alone): the column maxima of ``fold[m] * x[m, k]`` (fp32 products), the
+operand of a weight gradient that takes the gradient rows' scales (``fp8_math.fold_factor``); a
+thread reads its 8 rows' factors once.
 """
 
 from __future__ import annotations
@@ -44,23 +48,35 @@ STRIP = 4
 
 class AbsMax:
     """``row_amax``, ``col_amax`` (zeroed fp32 (M,), (K,)) of 16-bit ``x`` (M, K); ``rows`` /
-    ``cols`` False: that vector is not touched (pass any fp32 vector)."""
+    ``cols`` False: that vector is not touched (pass any fp32 vector). ``fold`` (columns only):
+    call :meth:`with_fold` with the rows' factors (M,)."""
 
-    def __init__(self, dtype, rows: bool = True, cols: bool = True):
-        self.dtype, self.rows, self.cols = dtype, rows, cols
+    def __init__(self, dtype, rows: bool = True, cols: bool = True, fold: bool = False):
+        if fold and (rows or not cols):
+            raise ValueError("AbsMax: fold scales the column maxima alone")
+        self.dtype, self.rows, self.cols, self.fold = dtype, rows, cols, fold
 
     @cute.jit
     def __call__(self, x: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, stream):
+        self._launch(x, row_amax, col_amax, col_amax, stream)  # no factors: col_amax holds their place unread
+
+    @cute.jit
+    def with_fold(self, x: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, fold: cute.Tensor, stream):
+        self._launch(x, row_amax, col_amax, fold, stream)
+
+    @cute.jit
+    def _launch(self, x, row_amax, col_amax, fold, stream):
         gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
         m, k = x.shape
-        self.kernel(gx, row_amax, col_amax, m, k).launch(
+        self.kernel(gx, row_amax, col_amax, fold, m, k).launch(
             grid=(cute.ceil_div(k, BLOCK * STRIP), cute.ceil_div(m, BLOCK), 1),
             block=(THREADS, 1, 1),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, gx: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, m: Int32, k: Int32):
+    def kernel(self, gx: cute.Tensor, row_amax: cute.Tensor, col_amax: cute.Tensor, fold: cute.Tensor, m: Int32,
+               k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -69,6 +85,10 @@ class AbsMax:
                                    16)
         h, j = tidx // LANES, tidx % LANES
         rmax = [Float32(0.0)] * ROWS
+        factors = []
+        for i in cutlass.range_constexpr(ROWS if self.fold else 0):  # rows past M: zeros, any factor
+            row = by * BLOCK + h + LANES * i
+            factors.append(fold[cutlass.select_(row < m, row, m - 1)])
         for t in cutlass.range_constexpr(STRIP):
             tile = bx * STRIP + t
             buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), ROWS)), self.dtype)
@@ -81,6 +101,8 @@ class AbsMax:
                 for e in cutlass.range_constexpr(VEC):
                     for i in cutlass.range_constexpr(ROWS):
                         v[i] = buf[(e, i)].to(Float32)
+                        if cutlass.const_expr(self.fold):
+                            v[i] = v[i] * factors[i]
                     red[(t % 2, h, VEC * j + e)] = abs_max(Float32(0.0), v.load(), ROWS)
                 # one barrier per tile: a buffer is rewritten two tiles later, after every thread
                 # has passed the next tile's barrier, so after its reads of this one

@@ -16,6 +16,11 @@ over its row / column, found beforehand: no tile sees a whole row or column), wi
 scale arithmetic; s is (M, 1) and st (K, 1), written by the CTAs of the first tile column and
 row. Exactly ``quantize_blocks_ref`` with blocks (1, K) of x and (1, M) of x^T.
 
+``fold`` (``whole``, the columns alone): qt, st of ``fold[m] * x[m, k]`` (fp32 products, the
+column amaxes given of the same products, ``AbsMax(fold=True)``): a weight gradient's activation
+operand taking the gradient rows' scales (``fp8_math.fold_factor``). The tile's 128 factors wait
+in shared memory for the columns phase.
+
 Roles: no specialization. One CTA of 256 threads per 128 x 128 tile, in three phases and three
 barriers. Rows phase: half-warp ``h`` owns the tile's rows ``h + 16 i`` (i < 8), its lane ``j``
 the 8 columns ``8 j ..`` (one 16-byte load per row, zeros past the matrix, which add nothing to an
@@ -66,12 +71,15 @@ class QuantizeDual:
     """``q, s, qt, st`` of 16-bit ``x`` (M, K) in ``out_dtype`` (E4M3 / E5M2): q (M, K), s
     (M, ceil(K / 128)), qt (K, M), st (K, ceil(M / 128)); scales fp32 of any strides.
     ``rows=False``: q and s are not written (pass them anyway, any tensors of those shapes).
-    ``whole``: call :meth:`rowwise` with the amaxes; s (M, 1), st (K, 1)."""
+    ``whole``: call :meth:`rowwise` with the amaxes; s (M, 1), st (K, 1); with ``fold`` as well
+    (``rows`` False), :meth:`folded` with the factors (M,) and the columns' amaxes."""
 
     def __init__(self, dtype, out_dtype, fp8_max: float, rows: bool = True, pow2: bool = False,
-                 whole: bool = False):
+                 whole: bool = False, fold: bool = False):
+        if fold and (rows or not whole):
+            raise ValueError("QuantizeDual: fold applies to the row-wise recipe's columns alone")
         self.dtype, self.out_dtype, self.fp8_max, self.rows = dtype, out_dtype, fp8_max, rows
-        self.pow2, self.whole = pow2, whole
+        self.pow2, self.whole, self.fold = pow2, whole, fold
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
@@ -82,6 +90,11 @@ class QuantizeDual:
     def rowwise(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
                 row_amax: cute.Tensor, col_amax: cute.Tensor, stream):
         self._launch(x, q, s, qt, st, row_amax, col_amax, stream)
+
+    @cute.jit
+    def folded(self, x: cute.Tensor, q: cute.Tensor, s: cute.Tensor, qt: cute.Tensor, st: cute.Tensor,
+               fold: cute.Tensor, col_amax: cute.Tensor, stream):
+        self._launch(x, q, s, qt, st, fold, col_amax, stream)  # the rows' slot carries the factors
 
     @cute.jit
     def _launch(self, x, q, s, qt, st, row_amax, col_amax, stream):
@@ -105,7 +118,12 @@ class QuantizeDual:
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + PAD, 1)), 16)
         red = smem.allocate_tensor(Float32, cute.make_layout((THREADS // PAIRS, BLOCK)), 16)
         qbuf = smem.allocate_tensor(self.out_dtype, cute.make_layout((BLOCK, BLOCK), stride=(BLOCK + QPAD, 1)), 16)
+        factors = smem.allocate_tensor(Float32, cute.make_layout(BLOCK if self.fold else 1), 16)
         fmax = Float32(self.fp8_max)
+        if cutlass.const_expr(self.fold):  # row_amax holds the factors; rows past M read the last one's
+            if tidx < BLOCK:
+                row = by * BLOCK + tidx
+                factors[tidx] = row_amax[cutlass.select_(row < m, row, m - 1)]
 
         # rows phase
         h, j = tidx // LANES, tidx % LANES
@@ -159,6 +177,8 @@ class QuantizeDual:
             pair.store(tile_p[(None, (quarter * QUARTER + e, p))].load())
             for i in cutlass.range_constexpr(2):
                 cols[i][e] = pair[i].to(Float32)
+                if cutlass.const_expr(self.fold):
+                    cols[i][e] = cols[i][e] * factors[quarter * QUARTER + e]
         if cutlass.const_expr(not self.whole):
             for i in cutlass.range_constexpr(2):
                 red[(quarter, 2 * p + i)] = abs_max(Float32(0.0), cols[i].load(), QUARTER)

@@ -28,6 +28,9 @@ them a second time). Roles: no specialization. One CTA of ``WHOLE_THREADS`` thre
 thread ``t`` loads the row's 16-byte groups ``t + WHOLE_THREADS i`` (i < ``groups``, a build
 constant: the row lives in registers), then a butterfly per warp and the warps' maxima through
 shared memory give every thread the row's amax; each thread scales and stores its own groups.
+With ``fold`` (a gradient's rows, whose weight gradient folds their scales into the other
+operand) it also writes each row's fold factor (``fp8_math.fold_factor``: the scale, 0 for a
+zero row).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..common.fp8_math import abs_max, block_scale, quantize
+from ..common.fp8_math import abs_max, block_scale, fold_factor, quantize
 from .row_loads import load_row_groups
 
 THREADS = 128
@@ -115,21 +118,30 @@ WHOLE_WARPS = WHOLE_THREADS // 32
 
 class QuantizeWholeRows:
     """``q, scales = quantize`` with one scale per whole row of 16-bit ``x`` (M, K), the amax found
-    here; K at most ``groups * VEC * WHOLE_THREADS``; scales (M, 1) fp32 of any strides."""
+    here; K at most ``groups * VEC * WHOLE_THREADS``; scales (M, 1) fp32 of any strides. ``fold``:
+    call :meth:`with_fold`, which also writes the rows' fold factors (M,)."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int):
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int, fold: bool = False):
         self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
-        self.groups = groups
+        self.groups, self.fold = groups, fold
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, stream):
+        self._launch(x, q, scales, scales, stream)  # no fold factors: scales hold their place unwritten
+
+    @cute.jit
+    def with_fold(self, x: cute.Tensor, q: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor, stream):
+        self._launch(x, q, scales, fold, stream)
+
+    @cute.jit
+    def _launch(self, x, q, scales, fold, stream):
         gx = cute.zipped_divide(x, (1, VEC))  # ((1, VEC), (M, K / VEC))
         gq = cute.zipped_divide(q, (1, VEC))
         rows, _ = gx.shape[1]
-        self.kernel(gx, gq, scales).launch(grid=(rows, 1, 1), block=(WHOLE_THREADS, 1, 1), stream=stream)
+        self.kernel(gx, gq, scales, fold).launch(grid=(rows, 1, 1), block=(WHOLE_THREADS, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor):
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         _, groups = gx.shape[1]
@@ -159,3 +171,5 @@ class QuantizeWholeRows:
                 gq[(None, (row, col))].store(quantize(buf[(None, i)].load().to(Float32), inv, VEC).to(self.out_dtype))
         if tidx == 0:
             scales[(row, 0)] = scale
+            if cutlass.const_expr(self.fold):
+                fold[row] = fold_factor(amax, scale)
