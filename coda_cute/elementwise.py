@@ -472,8 +472,9 @@ def quantize_grad_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: boo
 
     m, k = x.shape
     if x.numel() == 0:  # zero blocks: scale 1, factor 0
-        return (torch.empty((m, k), dtype=out_dtype, device=x.device), torch.ones((m, 1), device=x.device),
-                torch.zeros((m,), device=x.device))
+        return (torch.empty((m, k), dtype=out_dtype, device=x.device),
+                torch.ones((m, 1), dtype=torch.float32, device=x.device),
+                torch.zeros((m,), dtype=torch.float32, device=x.device))
     groups = whole_row_groups(k)
     if groups:
         return _whole_rows(x, out_dtype, pow2, groups, True)

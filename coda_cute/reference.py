@@ -6,8 +6,6 @@ in fp32 on the inputs' device, and rounds once to the output dtype at the end.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -428,8 +426,7 @@ def embedding_backward_ref(grad: torch.Tensor, ids: torch.Tensor, num_rows: int,
 
 
 def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.float8_e4m3fn,
-                        pow2_scales: bool = False, amax: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): ``x`` (R, C) in FP8 with one fp32 scale per ``block`` = (rows, cols) block
     (the last blocks along each axis may be partial), current scaling:
 
@@ -442,20 +439,14 @@ def quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int], dtype=torch.flo
     gets s = 1 (q = 0, exact); the floor at the smallest normal fp32 keeps 1 / s finite for a
     block of denormals (else its zeros would become 0 * inf = NaN). A block holding inf or NaN
     gets s = NaN, so all its values dequantize to NaN: the non-finite value spreads to its block,
-    never silently clipped. ``amax``: the blocks' amax (ceil(R / rows), ceil(C / cols)) fp32 as
-    computed elsewhere (a GEMM epilogue's partials), used instead of x's own; values beyond it
-    saturate (the clamp).
+    never silently clipped.
     Returns q (R, C) of ``dtype`` and scales (ceil(R / rows), ceil(C / cols)) fp32."""
     fmax = _check_quantize(x, block, dtype)
     (r, c), (br, bc) = x.shape, block
     gr, gc = -(-r // br), -(-c // bc)
     padded = torch.nn.functional.pad(x.float(), (0, gc * bc - c, 0, gr * br - r))
     blocks = padded.view(gr, br, gc, bc)
-    if amax is None:
-        amax = blocks.abs().amax(dim=(1, 3))
-    elif amax.shape != (gr, gc) or amax.dtype != torch.float32:
-        raise ValueError(f"quantize: amax must be a ({gr}, {gc}) fp32 tensor (one per block), got "
-                         f"{amax.dtype} {tuple(amax.shape)}")
+    amax = blocks.abs().amax(dim=(1, 3))
     # a tensor divisor: CUDA turns `tensor / python_scalar` into a multiply by the scalar's
     # rounded reciprocal, which is not the IEEE quotient the kernels compute
     scale = (amax / torch.full_like(amax, fmax)).clamp_min(MIN_SCALE)

@@ -20,7 +20,10 @@ Kernel families compiled (no GPU needed):
   * ``coda_fp8_row_fast`` - the same with fast accumulation (``Fp8Recipe(fast_accum=...)``), on
     the configs the heuristic picks for it.
 ``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
-square problem on a 132-SM Hopper part.
+square problem on a 132-SM Hopper part. Then the ``elementwise`` family
+(``coda_cute.report_elementwise``): the step's bandwidth-bound kernels (the gamma fold and its
+backward, the embedding and RoPE backwards, the cross-entropy gradient, the FP8 quantizers and
+transpose), each with its intended instructions counted in its PTX.
 
 Per kernel: ptxas registers, spill stores/loads and stack frame; shared memory (A/B stage ring +
 epilogue ring + mbarriers, from ``kernels.common.config.smem_bytes``); compile seconds; and whether
@@ -36,7 +39,8 @@ fp8 with row-wise and per-tensor scales): relative Frobenius error against
 
 ``--json PATH`` writes a list of records: one per kernel (``"kind": "kernel"``: name, arch,
 config, registers, spills, smem_bytes, has_wgmma, has_tma, has_tma_store, has_multicast, ...),
-then one per op run on a GPU (``"kind": "run"``). Exit status 1 when a kernel is not ok or an op
+one per element-wise kernel (``"kind": "elementwise"``), then one per op run on a GPU
+(``"kind": "run"``). Exit status 1 when a kernel is not ok or an op
 exceeds its error bound.
 """
 
@@ -53,7 +57,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import dispatch
+from . import dispatch, report_elementwise
 from .artifacts import PtxCensus, SassCensus, disassemble, find_nvdisasm, scan_ptx, scan_sass
 from .compiler import DTYPE_BYTES, FP8_DTYPES, CompiledKernel, GemmSpec, KernelSpec, compile_gemm
 from .epilogue.runner import choose_config, tree_smem_bytes
@@ -532,6 +536,14 @@ def run(args) -> int:
         console.print(f"[red]  {r.spec.name}: {'; '.join(r.problems())}", highlight=False)
     records = [r.record() for r in reports]
 
+    log.print(f"compiling the element-wise kernels for {ARCH} ...")
+    elementwise = report_elementwise.build(log)
+    console.print(report_elementwise.table(elementwise))
+    bad_elementwise = [r for r in elementwise if r.problems()]
+    console.print(f"{len(elementwise)} element-wise kernels for {ARCH}; {len(elementwise) - len(bad_elementwise)} "
+                  f"as intended, {len(bad_elementwise)} not", highlight=False)
+    records += [r.record() for r in elementwise]
+
     runs = []
     arch = None if args.compile_only else _gpu_arch(console)
     if arch is not None:
@@ -547,5 +559,5 @@ def run(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)
         log.print(f"wrote {len(records)} records to {args.json}")
-    return 1 if bad or not all(r["ok"] for r in runs) else 0
+    return 1 if bad or bad_elementwise or not all(r["ok"] for r in runs) else 0
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from coda_cute import cli, dispatch, report
+from coda_cute import cli, dispatch, report, report_elementwise
 from coda_cute.artifacts import find_nvdisasm, scan_ptx, scan_sass
 from coda_cute.compiler import GemmSpec, compile_gemm, parse_ptxas_remarks
 from coda_cute.epilogue.runner import tree_smem_bytes
@@ -273,7 +273,15 @@ def test_report_json(tmp_path, capsys):
     rc = cli.main(["report", "--configs", "default", "--compile-only", "--json", str(path)])
     assert rc == 0
     records = json.loads(path.read_text())
+    elementwise = [r for r in records if r["kind"] == "elementwise"]
+    records = [r for r in records if r["kind"] != "elementwise"]
     assert len(records) == len(report.kernel_specs("default")) == 44
+    assert len(elementwise) == len(report_elementwise.kernels()) == 20
+    for r in elementwise:  # every bandwidth-bound kernel of the step: its intended instructions, no spills
+        assert r["ok"] and r["spills"] == 0 and r["problems"] == [] and all(r["instructions"].values()), r
+    names = {r["name"] for r in elementwise}
+    assert {"transpose_bytes_sm_90a", "quantize_rowwise_rows_amax_g14_fold_sm_90a_bf16_e4m3",
+            "quantize_rowwise_cols_fold_sm_90a_bf16_e4m3", "rope_backward_sm_90a_h32x8_d128_qknorm"} <= names
     for r in records:
         assert r["kind"] == "kernel" and r["arch"] == "sm_90a" and r["ok"], r
         for key in ("name", "config", "registers", "spills", "smem_bytes", "has_wgmma", "has_tma",
@@ -287,6 +295,19 @@ def test_report_json(tmp_path, capsys):
     assert "pp_128x128x64_c2x1_g8" in out and "44 as intended" in out and "norm_rope_qkv_qk_norm" in out
     assert "fp8.wgrad.gate_up" in out and "fp8.lm_head.dw" in out and "fp8_row.swiglu_backward" in out
     assert "fp8_row_fast.swiglu_backward" in out and "fastacc" in out
+    assert "20 element-wise kernels for sm_90a; 20 as intended, 0 not" in out
+
+
+def test_elementwise_report_finds_a_missing_instruction():
+    """A kernel without one of its intended instructions, or with spills, is not ok: the census
+    counts opcodes at the start of an instruction (predicated too), not substrings
+    (``shared.global`` holds ``red.global``)."""
+    ptx = "\tcp.async.cg.shared.global [%r1], [%rd1], 16;\n\t@%p1 ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd2];\n"
+    assert report_elementwise.count(ptx, "red.global") == 0 and report_elementwise.count(ptx, "ld.global.v4") == 1
+    label, spec, intended = report_elementwise.kernels()[0]
+    r = report_elementwise.ElementwiseReport(label, spec, intended, {"spill_stores": 8, "spill_loads": 0},
+                                             {op: 0 for op in intended}, 0.1)
+    assert r.problems() == [f"no {op}" for op in intended] + ["spills 8 B"] and not r.record()["ok"]
 
 
 def test_report_without_nvdisasm_shows_unknown(monkeypatch):

@@ -473,9 +473,7 @@ def test_gradient_rows_and_folded_columns_build_without_spills():
 def test_gradient_quantizer_refuses_a_fold_it_cannot_apply():
     """``fold`` scales the columns alone, with one fp32 factor per row of x, and a gradient's FP8
     transpose needs 16-byte rows both ways: the rules on every path, before a launch."""
-    from coda_cute.ops.quantize import quantize_rowwise_fp8
-
-    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8
+    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
 
     x = torch.randn(32, 64).bfloat16()
     with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match="multiple of 16 for its FP8 transpose"):

@@ -9,7 +9,6 @@ import torch
 
 import coda_cute
 from coda_cute import reference as R
-from coda_cute.compiler import KernelSpec, compile_gemm
 from coda_cute.epilogue.runner import choose_config, ranked_configs, spills
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.ops.fp8_gemms import row_scaled
@@ -326,8 +325,9 @@ def test_an_empty_batch_runs_forward_and_backward(row):
 def test_row_wise_weight_gradient_folds_the_gradient_rows_scales(m):
     """The row-wise recipe's weight gradient dW = G^T X: G's bytes transposed (one scale per token,
     found in the one read that also quantizes G for its dgrad) with X's rows scaled by those
-    scales before X's columns are quantized, exactly; a zero row of G (scale 1) gets factor 0, so a
-    huge X row beside it changes no column scale and no bit of dW."""
+    scales before X's columns are quantized (checked bit for bit; dW against the product of the
+    quantized operands); a zero row of G (scale 1) gets factor 0, so a huge X row beside it changes
+    no column scale and no bit of dW."""
     from coda_cute.ops.fp8_gemms import grad_operands, wgrad
     from coda_cute.ops.quantize import quantize_rowwise_fp8
 
@@ -356,3 +356,17 @@ def test_row_wise_weight_gradient_folds_the_gradient_rows_scales(m):
     assert torch.equal(dw_big, dw)
     exact = dy.double().t() @ x.double()
     assert rel_err(dw.double(), exact) < 0.08
+
+
+def test_row_wise_gradient_of_ragged_width_takes_the_bf16_weight_gradient():
+    """A gradient whose width is no multiple of 16 (its FP8 rows could not be transposed) keeps its
+    row quantization for the dgrad and leaves the weight gradient to bf16, as a token count that is
+    no multiple of 16 does."""
+    from coda_cute.ops.fp8_gemms import grad_operands, wgrad
+
+    dy, x = torch.randn(32, 72).bfloat16(), torch.randn(32, 48).bfloat16()
+    with coda_cute.reference_on_cpu():
+        q, s, qt, fold = grad_operands(dy, torch.float8_e4m3fn, row=True)
+        dw = wgrad(dy, qt, fold, x, row=True)
+    assert q.shape == (32, 72) and s.shape == (32, 1) and qt is None
+    assert torch.equal(dw, (dy.float().t() @ x.float()).bfloat16())

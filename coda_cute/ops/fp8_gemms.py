@@ -19,8 +19,9 @@ FP8 bytes transposed and folds each token's scale into X's row, then quantizes X
 scale per feature over all the tokens) (:func:`wgrad`). G is read once for both its GEMMs,
 where scales per column of G need G's column amaxes first, a second read of the (M, 2f) gate/up
 gradient. The GEMMs run on the plain FP8 kernel with the scales in the epilogue,
-``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc (``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor, its row scales
-then its column scales, where the block recipe has its 128 x 128 grid.
+``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc (``E.scale_acc``). A weight's
+two scale vectors travel as one (N + K, 1) tensor, its row scales then its column scales, where
+the block recipe has its 128 x 128 grid.
 
 ``fast_accum`` (row-wise only, ``Fp8Recipe.fast_accum``): which GEMMs keep their FP8 products in
 the tensor core's accumulator for the whole k-loop instead of promoting each k-tile's partial sum
@@ -178,12 +179,14 @@ def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = 
 
 def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
-    multiple of 16, along M transposed for its wgrad (else qt, st None); ``pow2``: power-of-two
+    multiple of 16, along M transposed for its wgrad (else qt, st None: the wgrad in bf16;
+    with ``row`` N a multiple of 16 too); ``pow2``: power-of-two
     scales; ``row``: one scale per row of g, qt = q^T the same bytes transposed and st the rows'
     fold factors (M,) (``quantize.quantize_grad_rowwise_fp8``: the wgrad folds the rows' scales
     into its other operand, :func:`wgrad`)."""
-    if row:
-        return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=g.shape[0] % 16 == 0)
+    if row:  # the FP8 transpose wants 16-byte rows both ways
+        transposed = g.shape[0] % 16 == 0 and g.shape[1] % 16 == 0
+        return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=transposed)
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
     return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)

@@ -219,7 +219,7 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
         return q, s, transpose_fp8(q) if transposed else None, fold
     dispatch.require_reference(OP_ROWWISE)
     q, s, _, _ = quantize_rowwise_fp8(g, dtype, cols=False, pow2_scales=pow2_scales)
-    amax = g.float().abs().amax(1) if g.numel() else torch.zeros(m)
+    amax = g.float().abs().amax(1) if g.numel() else torch.zeros(m, dtype=F32)
     return q, s, q.t().contiguous() if transposed else None, fold_factors_ref(amax, s[:, 0])
 
 

@@ -121,11 +121,10 @@ norm_swiglu.register_autograd(_backward, setup_context=_setup)
 
 
 # == the down-proj dgrad with the SwiGLU backward in its epilogue ================================
-def swiglu_backward_values() -> dict:
-    """The nodes of the SwiGLU backward at each output column of the down-proj dgrad (acc = dy @
-    W_down = dh; (g, u) = the wide tile z there): "dz" = r * [dg, du] (double-width), its two
-    halves "dz_g" = r dg and "dz_u" = r du (the same fp32 products), "h" = silu(g) u and "zdz" =
-    g dg + u du. A tree that adds sinks (the FP8 row-wise amaxes) builds on these."""
+@functools.lru_cache(maxsize=None)
+def swiglu_backward_tree() -> E.Epilogue:
+    """The down-proj dgrad's epilogue: acc = dy @ W_down = dh; (g, u) = the wide tile z at each
+    output column; dz' (M, 2f), h recomputed (M, f), zdz partials."""
     z = E.wide_tile("z")
     g = E.pairwise(lambda a, b: a, z)
     u = E.pairwise(lambda a, b: b, z)
@@ -134,19 +133,9 @@ def swiglu_backward_values() -> dict:
     silu = g * sg
     dg = dh * u * sg * (1 + g * (1 - sg))
     du = dh * silu
-    r = rstd_node()
-    return {"dz": E.interleave(dg, du) * r, "dz_g": dg * r, "dz_u": du * r, "h": silu * u, "zdz": g * dg + u * du}
-
-
-def swiglu_backward_sinks(v: dict) -> list:
-    """The sinks of :func:`swiglu_backward_tree` on the values ``v`` (:func:`swiglu_backward_values`)."""
-    return [E.store(v["dz"], "dz", "bfloat16"), E.store(v["h"], "h", "bfloat16"), E.row_reduce(v["zdz"], "sum", "zdz")]
-
-
-@functools.lru_cache(maxsize=None)
-def swiglu_backward_tree() -> E.Epilogue:
-    """The down-proj dgrad's epilogue: dz' (M, 2f), h recomputed (M, f), zdz partials."""
-    return E.Epilogue(*swiglu_backward_sinks(swiglu_backward_values()))
+    return E.Epilogue(E.store(E.interleave(dg, du) * rstd_node(), "dz", "bfloat16"),
+                      E.store(silu * u, "h", "bfloat16"),
+                      E.row_reduce(g * dg + u * du, "sum", "zdz"))
 
 
 def check_swiglu_backward(dy, w_down, z, ss, eps):
