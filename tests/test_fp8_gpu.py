@@ -268,7 +268,9 @@ def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, ou
     scale its rows) against the reference path, bit for bit: a zero gradient row (factor 0: the
     activation's huge row beside it changes no column), an inf and a NaN row (NaN scale and
     factor; the columns then take a finite factor there, or every one would be NaN), a row of
-    denormals (the floor scale); the activation's columns over all the rows."""
+    denormals (the floor scale); the activation's columns over all the rows, and with the NaN
+    row's factor as it comes every column NaN (a NaN gradient row poisons the whole weight
+    gradient, which the reference states)."""
     import coda_cute
     from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
 
@@ -288,8 +290,15 @@ def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, ou
         want_cols = quantize_rowwise_fp8(x.cpu(), rows=False, pow2_scales=pow2, fold=fold.cpu())
     if m > 100:
         assert want[3][3] == 0 and want[2].shape == (k, m)
-    for name, a, b in (("q", got[0], want[0]), ("s", got[1], want[1]), ("qt", got[2], want[2]), ("fold", got[3], want[3]),
-                       ("x qt", got_cols[2], want_cols[2]), ("x st", got_cols[3], want_cols[3])):
+    pairs = [("q", got[0], want[0]), ("s", got[1], want[1]), ("qt", got[2], want[2]), ("fold", got[3], want[3]),
+             ("x qt", got_cols[2], want_cols[2]), ("x st", got_cols[3], want_cols[3])]
+    if m > 100:  # the factors as they come: the NaN row's factor makes every folded column NaN, as in the reference
+        nan_cols = quantize_rowwise_fp8(x, rows=False, pow2_scales=pow2, fold=got[3])
+        with coda_cute.reference_on_cpu():
+            want_nan = quantize_rowwise_fp8(x.cpu(), rows=False, pow2_scales=pow2, fold=got[3].cpu())
+        assert bool(want_nan[3].isnan().all()) and bool(want_nan[2].float().isnan().all())
+        pairs += [("x qt, NaN factor", nan_cols[2], want_nan[2]), ("x st, NaN factor", nan_cols[3], want_nan[3])]
+    for name, a, b in pairs:
         a, b = a.cpu(), b.cpu()
         assert a.shape == b.shape, name
         if a.dtype.is_floating_point and a.element_size() == 4:
