@@ -8,7 +8,13 @@ operands (``plain``: what the epilogue costs) and as ``torch.mm`` (``cuBLAS``), 
 L2 flushed (``coda_cute.sol.timing.interleaved_medians``). The sums weighted by how often each
 launch ran say how far the step's GEMMs are from the shadow's, and which trees carry the gap.
 
-    python scripts/bench_step_gemms.py [--configs 1b 8b] [--rounds 10] [--json out.json]
+``--energy``: also each launch's joules per call, the three run back to back for about
+``ENERGY_RUN_MS`` each (``coda_cute.sol.energy.joules_over_run``). Under the H200's power cap a
+step's time follows its joules, so a launch as fast as cuBLAS from idle but hungrier falls behind
+it in a sustained step; fused / plain says what the epilogue costs in joules, plain / cuBLAS what
+the mainloop does.
+
+    python scripts/bench_step_gemms.py [--configs 1b 8b] [--rounds 10] [--energy] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ import train_models as TM  # noqa: E402  (the benchmark models of scripts/bench_
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
+from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+
+#: milliseconds of back-to-back calls per launch and variant for its joules (``--energy``)
+ENERGY_RUN_MS = 1000
+VARIANTS = ("fused", "plain", "cublas")
 
 
 def record_launches(step) -> list:
@@ -57,7 +68,7 @@ def label(plan) -> str:
     return f"{plan.op} [{'+'.join(o.name for o in plan.tree.outputs)}]"
 
 
-def time_config(name: str, layers: int, rounds: int, console: Console) -> list:
+def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False) -> list:
     spec = TM.SPECS[name]
     b, s = 4, 4096
     cfg = LlamaConfig(**spec.coda_kwargs(layers))
@@ -83,27 +94,49 @@ def time_config(name: str, layers: int, rounds: int, console: Console) -> list:
                          layout=("k" if a.stride(-1) == 1 else "m") + ("k" if b_.stride(-2) == 1 else "n"),
                          tile=plan.config.name, **{f"{key}_ms": v for key, v in t.items()}))
         r = rows[-1]
+        if energy:
+            for key in VARIANTS:
+                e = joules_over_run(fns[key], t[key], run_ms=ENERGY_RUN_MS)
+                r[f"{key}_j"] = None if e is None else e["j_per_call"]
         console.log(f"{name} {r['launch']} {m}x{n}x{k} x{count}: fused {r['fused_ms']:.3f} plain "
-                    f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}")
+                    f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}"
+                    + ("".join(f", {key} {r[f'{key}_j']:.4f} J" for key in VARIANTS if r.get(f"{key}_j"))))
     return rows
+
+
+#: per unit of a launch table: what its values are, their format, and the sums line's lead
+UNITS = {"ms": ("ms per launch; ratios > 1: slower than cuBLAS", "{:.3f}", "sum over the step's launches"),
+         "j": ("joules per launch, back to back; ratios > 1: more than cuBLAS", "{:.4f}",
+               "joules over the step's launches")}
 
 
 def report(rows: list, console: Console):
     for name in dict.fromkeys(r["config"] for r in rows):
         sel = [r for r in rows if r["config"] == name]
-        t = Table(title=f"{name}: the step's GEMM launches (ms per launch; ratios > 1: slower than cuBLAS)")
-        for col in ("launch", "M x N x K", "layout", "count", "config", "fused", "plain", "cuBLAS",
-                    "fused / cuBLAS", "plain / cuBLAS"):
-            t.add_column(col, justify="left" if col in ("launch", "config") else "right")
-        for r in sorted(sel, key=lambda r: -r["fused_ms"] * r["count"]):
-            t.add_row(r["launch"], f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), r["tile"],
-                      f"{r['fused_ms']:.3f}", f"{r['plain_ms']:.3f}", f"{r['cublas_ms']:.3f}",
-                      f"{r['fused_ms'] / r['cublas_ms']:.3f}", f"{r['plain_ms'] / r['cublas_ms']:.3f}")
-        console.print(t)
-        tot = {k: sum(r[f"{k}_ms"] * r["count"] for r in sel) for k in ("fused", "plain", "cublas")}
-        console.print(f"{name}: sum over the step's launches: fused {tot['fused']:.2f} ms, plain "
-                      f"{tot['plain']:.2f} ms, cuBLAS {tot['cublas']:.2f} ms (fused / cuBLAS "
-                      f"{tot['fused'] / tot['cublas']:.3f}, plain / cuBLAS {tot['plain'] / tot['cublas']:.3f})")
+        print_launches(name, sel, "ms", console)
+        if all(r.get(f"{k}_j") for r in sel for k in VARIANTS):
+            print_launches(name, sel, "j", console)
+
+
+def print_launches(name: str, sel: list, unit: str, console: Console):
+    """One config's launches in ``unit`` ("ms", or "j" with ``--energy``), the heaviest first
+    (per launch times its count), and their sums over the step."""
+    what, fmt, lead = UNITS[unit]
+    t = Table(title=f"{name}: the step's GEMM launches ({what})")
+    for col in ("launch", "M x N x K", "layout", "count", "config", "fused", "plain", "cuBLAS",
+                "fused / cuBLAS", "plain / cuBLAS"):
+        t.add_column(col, justify="left" if col in ("launch", "config") else "right")
+    for r in sorted(sel, key=lambda r: -r[f"fused_{unit}"] * r["count"]):
+        fused, plain, cublas = (r[f"{k}_{unit}"] for k in VARIANTS)
+        t.add_row(r["launch"], f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), r["tile"],
+                  fmt.format(fused), fmt.format(plain), fmt.format(cublas), f"{fused / cublas:.3f}",
+                  f"{plain / cublas:.3f}")
+    console.print(t)
+    tot = {k: sum(r[f"{k}_{unit}"] * r["count"] for r in sel) for k in VARIANTS}
+    u = " ms" if unit == "ms" else " J"
+    console.print(f"{name}: {lead}: fused {tot['fused']:.2f}{u}, plain {tot['plain']:.2f}{u}, cuBLAS "
+                  f"{tot['cublas']:.2f}{u} (fused / cuBLAS {tot['fused'] / tot['cublas']:.3f}, plain / cuBLAS "
+                  f"{tot['plain'] / tot['cublas']:.3f})")
 
 
 def main(argv=None):
@@ -111,6 +144,7 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--energy", action="store_true", help="also each launch's joules per call (module docstring)")
     ap.add_argument("--json", help="write every measurement here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -118,7 +152,7 @@ def main(argv=None):
     console = Console(width=180)
     rows = []
     for name in args.configs:
-        rows += time_config(name, args.layers, args.rounds, console)
+        rows += time_config(name, args.layers, args.rounds, console, args.energy)
         torch.cuda.empty_cache()
     report(rows, console)
     if args.json:

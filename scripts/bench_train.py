@@ -60,10 +60,12 @@ every model's gradients None), minus what was allocated before the step (the res
 parameters, the inputs) and minus the bytes of the variant's own gradients: activations and
 temporaries beyond parameters + gradients, in GiB.
 
-Energy: each variant's step back to back for ~``ENERGY_RUN_MS`` (at least 5 steps), joules per step
+Energy: each variant's step back to back for ~``coda_cute.sol.energy.RUN_MS`` (at least 5 steps), joules per step
 from the board's energy counter with the idle board's share taken off
 (``coda_cute.sol.energy.joules_per_call``), and the run's mean power: under the power cap a step's
-time follows its joules. Null where the counter is missing.
+time follows its joules. The shadow's chain (its GEMMs and attention back to back as one launch)
+is measured the same way (shadow_chain_j): a step whose kernels take the shadow's time uncapped
+but more joules falls behind it at the cap. Null where the counter is missing.
 
 Profile: torch.profiler (CUDA activity) over one CODA step: kernel time grouped by kernel name,
 top 15 with their share of all GPU time and their call counts.
@@ -72,7 +74,8 @@ JSON (``--json``): a list, one record per config: config, tokens, batch, seq, la
 {coda,hf_eager,hf_compile,liger}_ms, _peak_gib and _j_per_step (null when not run or failed;
 ``energy``: each variant's joules_per_call record); ratio_to_coda
 (baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_fp8_ms,
-shadow_fp8_chain_ms, shadow_gemm_ms, shadow_attention_ms, shadow_chain_ms, coda_over_shadow,
+shadow_fp8_chain_ms, shadow_gemm_ms, shadow_attention_ms, shadow_chain_ms, shadow_chain_j,
+coda_over_shadow,
 gemm_flops, shadow_pieces (name, layout, m, n, k, count, ms, tflops, fp8_ms), attention_ms (one
 layer); block_ms, block_gemm_ms, block_ratio; profile (total_ms, kernels, rows: name, ms, share,
 calls) and, with --fp8 / --fp8-row / --fp8-row-fast, coda_fp8_profile / coda_fp8_row_profile /
@@ -127,13 +130,10 @@ from train_models import (  # noqa: E402  (the benchmark's pieces, in modules of
 from train_shadow import (  # noqa: E402
     _free, peak_gib, profile_step, report_failure, run_shadow, say, sync, time_fns)
 
-from coda_cute.sol.energy import joules_per_call  # noqa: E402
-
-#: milliseconds of back-to-back steps per variant for its joules per step
-ENERGY_RUN_MS = 2500
+from coda_cute.sol.energy import joules_over_run  # noqa: E402
 
 SHADOW_KEYS = ("shadow_ms", "shadow_fp8_ms", "shadow_fp8_chain_ms", "shadow_gemm_ms", "shadow_attention_ms",
-               "shadow_chain_ms", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio",
+               "shadow_chain_ms", "shadow_chain_j", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio",
                "gemm_flops")
 CODA_VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "coda_fp8_row_fast")
 BASELINES = ("hf_eager", "hf_compile", "liger")
@@ -289,7 +289,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
         for name, (step, _) in steps.items():
             ms = rec[f"{name}_ms"]
             try:
-                e = joules_per_call(step, max(5, math.ceil(ENERGY_RUN_MS / ms)) if ms else 5, device)
+                e = joules_over_run(step, ms, device)
             except Exception as exc:  # noqa: BLE001
                 report_failure(f"{name}: energy", exc, errors, f"{name}_energy")
                 continue
@@ -381,6 +381,9 @@ def report(rec: dict, console: Console = out_console):
             f"{_ms(rec['shadow_attention_ms'])} (back to back as one launch: {_ms(rec['shadow_chain_ms'])} ms); "
             f"coda / shadow = {'-' if rec['coda_over_shadow'] is None else format(rec['coda_over_shadow'], '.3f')}")
     console.print(line)
+    if rec.get("shadow_chain_j") and rec.get("coda_j_per_step"):
+        console.print(f"joules per step back to back: coda {rec['coda_j_per_step']:.1f}, shadow chain "
+                      f"{rec['shadow_chain_j']:.1f} (coda / shadow {rec['coda_j_per_step'] / rec['shadow_chain_j']:.3f})")
     if rec.get("shadow_fp8_ms"):
         fp8_line = (f"FP8 shadow (the layers' GEMMs as FP8 row-wise _scaled_mm, LM head bf16, attention) "
                     f"{rec['shadow_fp8_ms']:.3f} ms (back to back as one launch: {_ms(rec.get('shadow_fp8_chain_ms'))} "

@@ -42,7 +42,7 @@ from coda_cute import epilogue as E  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
-from coda_cute.sol.energy import joules_per_call  # noqa: E402
+from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 COOP_256 = GemmConfig(128, 256, 64, "cooperative", 2, 1)
@@ -52,7 +52,6 @@ PINGPONG_128 = GemmConfig(128, 128, 64, "pingpong", 2, 1)
 POLICIES = {"heuristic": (None, False, 0), "coop 128x256 2x1": (COOP_256, False, 0),
             "pingpong 128x128 2x1": (PINGPONG_128, False, 0), "lm head coop 128x256 2x1": (COOP_256, True, 0),
             "coop 128x256 2x1 for K >= 4096": (COOP_256, False, 4096)}
-ENERGY_RUN_MS = 2500
 
 
 @contextlib.contextmanager
@@ -118,7 +117,7 @@ def main(argv=None):
             if what.startswith("kept"):
                 console.log(f"  {shape}: {what}")
     ms = interleaved_medians(steps, rounds=args.rounds, warmup=1, settle_ms=1000)
-    joules = {name: joules_per_call(fn, max(5, -(-ENERGY_RUN_MS // int(ms[name])))) for name, fn in steps.items()}
+    joules = {name: joules_over_run(fn, ms[name]) for name, fn in steps.items()}
     t = Table(title=f"{args.config}: CODA step ({args.layers} layers, 4 x 4096 tokens) under GEMM config policies")
     for col in ("policy", "step ms (in turns)", "/ heuristic", "J / step", "W", "GEMM shapes forced"):
         t.add_column(col, justify="left" if col == "policy" else "right")

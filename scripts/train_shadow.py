@@ -256,6 +256,22 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+def chain_joules(chain, ms: float, device, errors: dict) -> Optional[float]:
+    """Joules per call of the shadow's chain, back to back (``coda_cute.sol.energy``); None
+    without an energy counter or where the measurement fails (recorded in ``errors``)."""
+    try:
+        from coda_cute.sol.energy import joules_over_run
+
+        e = joules_over_run(chain, ms, device)
+    except Exception as exc:  # noqa: BLE001
+        report_failure("shadow: energy", exc, errors, "shadow_energy")
+        return None
+    if e is not None:
+        say(f"  shadow chain: {e['j_per_call']:.1f} J per step, {e['watts']:.0f} W, {e['ms_per_call']:.2f} ms "
+            "per step back to back")
+    return None if e is None else e["j_per_call"]
+
+
 def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
     """Time the shadow pieces, the chain of all of them and the CODA block in turns; fill ``rec``."""
     b, s, layers, smoke = args.batch, args.seq, args.layers, args.smoke
@@ -293,6 +309,8 @@ def run_shadow(rec: dict, c: dict, coda, args, device, errors: dict):
         except Exception as exc:  # noqa: BLE001
             report_failure("coda block: setup", exc, errors, "block")
     st = time_fns(fns, args.rounds, args.warmup, smoke, errors, "shadow")
+    if not smoke and st.get("chain"):  # before the pieces go: the chain calls them
+        rec["shadow_chain_j"] = chain_joules(chain, st["chain"], device, errors)
     fns.clear()
     for p, g in zip(rec["shadow_pieces"], gemms):
         p["ms"] = st.get(g.name)

@@ -203,3 +203,39 @@ def test_build_hf_model_keeps_fp32_inv_freq(bt):
     torch.testing.assert_close(rot.inv_freq, bt.hf_inv_freq(8, 500000.0, "cpu"), rtol=0, atol=0)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and model.training
     assert "lm_head.weight" in model.state_dict()
+
+
+# -- the shadow chain's joules ------------------------------------------------------------------------
+def test_chain_joules_reads_the_run_or_records_why_not(bt, monkeypatch):
+    from coda_cute.sol import energy
+
+    seen = []
+    monkeypatch.setattr(energy, "joules_over_run", lambda fn, ms, device=None: seen.append((ms, device)) or
+                        {"j_per_call": 104.5, "watts": 701.0, "ms_per_call": 149.1})
+    errors = {}
+    assert bt.chain_joules(lambda: None, 149.0, "cuda", errors) == 104.5 and seen == [(149.0, "cuda")] and not errors
+    monkeypatch.setattr(energy, "joules_over_run", lambda fn, ms, device=None: None)
+    assert bt.chain_joules(lambda: None, 149.0, "cuda", errors) is None and not errors
+
+    def broken(fn, ms, device=None):
+        raise RuntimeError("counter gone")
+    monkeypatch.setattr(energy, "joules_over_run", broken)
+    assert bt.chain_joules(lambda: None, 149.0, "cuda", errors) is None
+    assert "counter gone" in errors["shadow_energy"]
+
+
+def test_run_shadow_measures_the_chain_while_its_pieces_exist(bt, monkeypatch):
+    """The non-smoke path, timing and counter faked: the chain's energy run calls the chain,
+    which calls every piece, so it must come before the pieces are dropped."""
+    from coda_cute.sol import energy
+
+    monkeypatch.setitem(vars(sys.modules["train_shadow"]), "time_fns", lambda fns, *a, **k: {n: 1.0 for n in fns})
+
+    def one_call(fn, ms, device=None):
+        fn()
+        return {"j_per_call": 0.7, "watts": 700.0, "ms_per_call": ms}
+    monkeypatch.setattr(energy, "joules_over_run", one_call)
+    args = SimpleNamespace(batch=1, seq=8, layers=1, smoke=False, rounds=1, warmup=0)
+    rec, errors = {"coda_ms": None}, {}
+    sys.modules["train_shadow"].run_shadow(rec, bt.SMOKE_SPEC.coda_kwargs(1), None, args, "cpu", errors)
+    assert not errors and rec["shadow_chain_j"] == 0.7 and rec["shadow_chain_ms"] == 1.0

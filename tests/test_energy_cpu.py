@@ -60,3 +60,12 @@ def test_joules_per_call_takes_the_idle_share_off(monkeypatch):
     assert out["j_per_call"] == pytest.approx(BUSY_W * CALL_S, rel=0.03)
     assert out["watts"] == pytest.approx(BUSY_W, rel=0.05)
     assert out["ms_per_call"] == pytest.approx(1e3 * CALL_S, rel=0.2)
+
+
+@pytest.mark.parametrize("ms, run_ms, calls", [(20.0, 2500, 125), (0.7, 1000, 1429), (900.0, 2500, 5), (None, 2500, 5),
+                                               (0.0, 2500, 5)])
+def test_joules_over_run_sizes_the_run_by_the_timing(monkeypatch, ms, run_ms, calls):
+    seen = []
+    monkeypatch.setattr(energy, "joules_per_call", lambda fn, n, device=None: seen.append((n, device)) or {"n": n})
+    assert energy.joules_over_run(lambda: None, ms, "cuda:1", run_ms=run_ms) == {"n": calls}
+    assert seen == [(calls, "cuda:1")]

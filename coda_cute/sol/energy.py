@@ -21,6 +21,7 @@ With no driver (a CPU machine) :meth:`EnergyMeter.open` returns None and so does
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from typing import Callable, Optional
 
@@ -28,6 +29,8 @@ import torch
 
 #: idle seconds before each read of the counter (it updates every 20-100 ms)
 SETTLE_S = 0.25
+#: milliseconds of back-to-back calls one measurement runs for (:func:`joules_over_run`)
+RUN_MS = 2500
 #: seconds over which the idle board's power is measured
 IDLE_S = 0.5
 _NVML_SUCCESS = 0
@@ -105,3 +108,11 @@ def _idle_watts(meter: EnergyMeter) -> float:
     e0, t0 = meter.millijoules(), time.perf_counter()
     time.sleep(IDLE_S)
     return (meter.millijoules() - e0) / 1e3 / (time.perf_counter() - t0)
+
+
+def joules_over_run(fn: Callable[[], object], ms_per_call: Optional[float], device=None,
+                    run_ms: float = RUN_MS) -> Optional[dict]:
+    """:func:`joules_per_call` over about ``run_ms`` of back-to-back calls (at least 5), sized by
+    ``ms_per_call`` (a timing of ``fn``; None or 0: 5 calls): a run many counter updates long."""
+    calls = max(5, math.ceil(run_ms / ms_per_call)) if ms_per_call else 5
+    return joules_per_call(fn, calls, device)

@@ -1,0 +1,47 @@
+"""CPU tests of scripts/bench_step_gemms.py's report (no GPU): the time sums and, with
+``--energy``, the joules per launch weighted by how often each ran."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step_gemms.py"
+
+
+@pytest.fixture(scope="module")
+def sg():
+    spec = importlib.util.spec_from_file_location("bench_step_gemms", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(energy: bool):
+    rows = [dict(config="8b", launch="coda.mlp_block [dz+h+zdz]", count=2, m=16384, n=14336, k=4096, layout="kk",
+                 tile="pingpong 128x128", fused_ms=3.0, plain_ms=2.7, cublas_ms=2.9),
+            dict(config="8b", launch="coda.lm_head_ce_train [logits+lse+target_logit]", count=4, m=4096, n=128256,
+                 k=4096, layout="kk", tile="pingpong 128x128", fused_ms=6.5, plain_ms=6.3, cublas_ms=6.4)]
+    if energy:
+        for r, (f, p, c) in zip(rows, ((2.2, 1.9, 2.0), (4.6, 4.4, 4.5))):
+            r.update(fused_j=f, plain_j=p, cublas_j=c)
+    return rows
+
+
+def test_report_sums_time_and_energy_by_launch_count(sg):
+    console = Console(record=True, width=220)
+    sg.report(_rows(True), console)
+    text = console.export_text()
+    assert "sum over the step's launches: fused 32.00 ms, plain 30.60 ms, cuBLAS 31.40 ms" in text
+    # 2 x 2.2 + 4 x 4.6 = 22.8 J fused, 21.4 plain, 22.0 cuBLAS
+    assert "joules over the step's launches: fused 22.80 J, plain 21.40 J, cuBLAS 22.00 J (fused / cuBLAS " \
+           "1.036, plain / cuBLAS 0.973)" in text
+    assert "1.100" in text  # the SwiGLU launch's fused / cuBLAS joules
+
+
+def test_report_without_energy_prints_no_joules(sg):
+    console = Console(record=True, width=220)
+    sg.report(_rows(False), console)
+    text = console.export_text()
+    assert "joules" not in text and "fused / cuBLAS 1.019" in text
