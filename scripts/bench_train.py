@@ -60,8 +60,8 @@ every model's gradients None), minus what was allocated before the step (the res
 parameters, the inputs) and minus the bytes of the variant's own gradients: activations and
 temporaries beyond parameters + gradients, in GiB.
 
-Energy: each variant's step back to back for ~``coda_cute.sol.energy.RUN_MS`` (at least 5 steps), joules per step
-from the board's energy counter with the idle board's share taken off
+Energy: each variant's step back to back for ~``coda_cute.sol.energy.RUN_MS`` (at least 5
+steps), joules per step from the board's energy counter with the idle board's share taken off
 (``coda_cute.sol.energy.joules_per_call``), and the run's mean power: under the power cap a step's
 time follows its joules. The shadow's chain (its GEMMs and attention back to back as one launch)
 is measured the same way (shadow_chain_j): a step whose kernels take the shadow's time uncapped
@@ -75,9 +75,8 @@ JSON (``--json``): a list, one record per config: config, tokens, batch, seq, la
 ``energy``: each variant's joules_per_call record); ratio_to_coda
 (baseline ms / coda ms); losses, loss_rel_diff, loss_ok; shadow_ms, shadow_fp8_ms,
 shadow_fp8_chain_ms, shadow_gemm_ms, shadow_attention_ms, shadow_chain_ms, shadow_chain_j,
-coda_over_shadow,
-gemm_flops, shadow_pieces (name, layout, m, n, k, count, ms, tflops, fp8_ms), attention_ms (one
-layer); block_ms, block_gemm_ms, block_ratio; profile (total_ms, kernels, rows: name, ms, share,
+coda_over_shadow, gemm_flops, shadow_pieces (name, layout, m, n, k, count, ms, tflops, fp8_ms),
+attention_ms (one layer); block_ms, block_gemm_ms, block_ratio; profile (total_ms, kernels, rows: name, ms, share,
 calls) and, with --fp8 / --fp8-row / --fp8-row-fast, coda_fp8_profile / coda_fp8_row_profile /
 coda_fp8_row_fast_profile (its ratio to the FP8 shadow compares with the shadow's promoted
 accumulation); errors (what
@@ -133,8 +132,8 @@ from train_shadow import (  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
 
 SHADOW_KEYS = ("shadow_ms", "shadow_fp8_ms", "shadow_fp8_chain_ms", "shadow_gemm_ms", "shadow_attention_ms",
-               "shadow_chain_ms", "shadow_chain_j", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms", "block_ratio",
-               "gemm_flops")
+               "shadow_chain_ms", "shadow_chain_j", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms",
+               "block_ratio", "gemm_flops")
 CODA_VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "coda_fp8_row_fast")
 BASELINES = ("hf_eager", "hf_compile", "liger")
 VARIANTS = CODA_VARIANTS + BASELINES
@@ -382,8 +381,9 @@ def report(rec: dict, console: Console = out_console):
             f"coda / shadow = {'-' if rec['coda_over_shadow'] is None else format(rec['coda_over_shadow'], '.3f')}")
     console.print(line)
     if rec.get("shadow_chain_j") and rec.get("coda_j_per_step"):
-        console.print(f"joules per step back to back: coda {rec['coda_j_per_step']:.1f}, shadow chain "
-                      f"{rec['shadow_chain_j']:.1f} (coda / shadow {rec['coda_j_per_step'] / rec['shadow_chain_j']:.3f})")
+        coda_j, shadow_j = rec["coda_j_per_step"], rec["shadow_chain_j"]
+        console.print(f"joules per step back to back: coda {coda_j:.1f}, shadow chain {shadow_j:.1f} "
+                      f"(coda / shadow {coda_j / shadow_j:.3f})")
     if rec.get("shadow_fp8_ms"):
         fp8_line = (f"FP8 shadow (the layers' GEMMs as FP8 row-wise _scaled_mm, LM head bf16, attention) "
                     f"{rec['shadow_fp8_ms']:.3f} ms (back to back as one launch: {_ms(rec.get('shadow_fp8_chain_ms'))} "
