@@ -146,30 +146,37 @@ def block_scaled_config_space() -> list[GemmConfig]:
             if not c.fp8_fast_accum and 128 % c.tile_n == 0]
 
 
-# Full-GPU throughput of each config on an H200 (TFLOP/s; median over M=16384 x Llama-8B (N, K)
-# and 8192^3, random data; measured 2026-11-30 with scripts/bench_gemm.py --sweep). Only the
-# ratios matter to the heuristic; 64x64 rates come from the M=1024 sweep. Ping-pong 128x128 2x1:
-# 1.02-1.07x (median 1.048x) cooperative 128x256 2x1's time on those shapes when the two are timed
-# in turns (back to back, the one timed first ran at the cooler GPU's higher clocks). Whole
-# training steps (scripts/exp_step_configs.py, in turns, 2026-12-03, two machines) do not settle
-# it: at 8b, every 16-bit GEMM on cooperative 128x256 2x1 took 0.978x the step of these picks
-# (158.02 / 161.65 ms); at 1b, with that tile picked everywhere (this rate at 649), the step
-# took 70.26 ms against 66.56 with ping-pong 128x128 2x1 everywhere. A likely cause, not yet
-# measured alone: the 1b step's many K = 2048 GEMMs leave the cooperative epilogue (run with the
-# tensor cores idle) less k-loop to hide behind. The rates stay the sweep's.
+# 16-bit rates are sustained throughput at the H200's 700 W power cap, where a training step
+# runs (``coda_cute.sol.energy``): TFLOP/s of each config's mainloop when it runs back to back,
+# fitted over every distinct GEMM of the 1b and 8b training steps (``scripts/exp_energy_tiles.py``,
+# 2026-12-04; 15 + 15 shapes, both model widths, all three layouts) together with
+# ``COOP_EPILOGUE_K``. The fit's error is 2.4 % rms; fitted on either step alone, it picks the
+# other step's configs within 0.2 % of the best measured one's sum. At the cap a config's speed
+# follows its joules per FLOP: cooperative 128 x 256 2x1 reads the fewest shared-memory and L2
+# bytes per FLOP and is 8 % faster there than ping-pong 128 x 128 2x1, which is 2-5 % faster
+# from a cool GPU (its two warpgroups overlap the epilogue and draw more power while there is
+# headroom). Configs the fit did not cover keep their cool sweep rate (bench_gemm.py --sweep,
+# 2026-11-30) times ping-pong 128 x 128 2x1's ratio, cap over cool (683 / 712).
 # Key: (schedule, tile_m, tile_n, cluster_m, cluster_n).
+_COOL_TO_CAP = 683 / 712
 _RATES_16 = {
-    ("cooperative", 128, 256, 2, 1): 680, ("cooperative", 256, 128, 2, 1): 670,
-    ("cooperative", 128, 256, 1, 2): 665, ("cooperative", 128, 256, 1, 1): 650,
-    ("cooperative", 128, 192, 2, 1): 660, ("cooperative", 128, 160, 2, 1): 630,
-    ("cooperative", 128, 128, 2, 1): 640, ("cooperative", 128, 128, 1, 1): 530,
-    ("pingpong", 128, 128, 2, 1): 712, ("pingpong", 128, 128, 1, 1): 520,
-    ("pingpong", 128, 192, 1, 2): 655, ("pingpong", 64, 256, 1, 1): 360,
-    ("pingpong", 64, 192, 1, 1): 340, ("pingpong", 64, 128, 1, 1): 330,
-    ("pingpong", 64, 64, 1, 1): 315,
-    # M = 128 sweep: 1.15x (64x128) and 1.02-1.03x (64x64) their 1x1 cluster's time
-    ("pingpong", 64, 128, 2, 1): 378, ("pingpong", 64, 64, 2, 1): 322,
+    ("cooperative", 128, 256, 2, 1): 740, ("cooperative", 128, 192, 2, 1): 733,
+    ("cooperative", 256, 128, 2, 1): 725, ("cooperative", 128, 256, 1, 2): 725,
+    ("pingpong", 128, 128, 2, 1): 683,
+    **{key: cool * _COOL_TO_CAP for key, cool in {
+        ("cooperative", 128, 256, 1, 1): 650, ("cooperative", 128, 160, 2, 1): 630,
+        ("cooperative", 128, 128, 2, 1): 640, ("cooperative", 128, 128, 1, 1): 530,
+        ("pingpong", 128, 128, 1, 1): 520, ("pingpong", 128, 192, 1, 2): 655,
+        ("pingpong", 64, 256, 1, 1): 360, ("pingpong", 64, 192, 1, 1): 340,
+        ("pingpong", 64, 128, 1, 1): 330, ("pingpong", 64, 64, 1, 1): 315,
+        # M = 128 sweep: 1.15x (64x128) and 1.02-1.03x (64x64) their 1x1 cluster's time
+        ("pingpong", 64, 128, 2, 1): 378, ("pingpong", 64, 64, 2, 1): 322}.items()},
 }
+#: The k-loop length (elements of K) a cooperative 16-bit tile's epilogue costs: its warpgroups
+#: store the tile after their mainloop with the tensor cores idle, where ping-pong's other
+#: warpgroup covers it. Fitted with ``_RATES_16``: it is why ping-pong still wins at K = 2048
+#: (the 1b step's forward GEMMs) while cooperative 128 x 256 wins from K = 4096 on.
+COOP_EPILOGUE_K = 200
 # FP8 (128-element k-tiles): medians over the same six large shapes, bench_gemm.py --dtype fp8
 # --sweep --shapes large, 2026-11-30 (two-level: k-tiles promoted in software-pipelined pairs
 # where three accumulators fit; cooperative WGMMA descriptors in uniform registers).
@@ -239,7 +246,8 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     block-scaled kernel's weight-gradient form (its own rates).
 
     Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
-    the busiest CTA's tile count x the tile's work / the per-SM rate. Partial tiles at the edges
+    the busiest CTA's tile count x the tile's work / the per-SM rate; a cooperative 16-bit tile's
+    work is K + ``COOP_EPILOGUE_K`` deep (its exposed epilogue). Partial tiles at the edges
     cost as much as full ones; a cluster slot processes a whole cluster tile. On operands past
     ``LARGE_OPERAND_BYTES`` the rate is scaled by the config's L2 intensity over the densest
     config's (the measured ratios there follow it).
@@ -255,7 +263,8 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     _, split = cfg.tail(m, n, k, batch, sms)
     if split > 1:  # the last round: one slice and the owner's read-back of the others
         per_cta += 1 / split + TAIL_PARTIAL_K_TILES * (split - 1) / -(-k // cfg.tile_k) - 1
-    return per_cta * cfg.tile_m * cfg.tile_n * k * sms / rate
+    depth = k + (COOP_EPILOGUE_K if not fp8 and cfg.schedule == "cooperative" else 0)
+    return per_cta * cfg.tile_m * cfg.tile_n * depth * sms / rate
 
 
 def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:

@@ -68,21 +68,22 @@ def label(plan) -> str:
     return f"{plan.op} [{'+'.join(o.name for o in plan.tree.outputs)}]"
 
 
-def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False) -> list:
+def step_launches(name: str, layers: int) -> list:
+    """:func:`record_launches` of one training step of ``scripts/bench_train.py``'s CODA model
+    ``name`` (``layers`` layers, 4 x 4096 tokens), after a first step that compiles every kernel."""
     spec = TM.SPECS[name]
-    b, s = 4, 4096
-    cfg = LlamaConfig(**spec.coda_kwargs(layers))
     torch.manual_seed(0)
-    model = CodaLlama(cfg, device="cuda")
+    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers)), device="cuda")
     model.train()
-    tokens = TM.random_tokens(b, s, spec.vocab_size).cuda()
-    targets = TM.shift_labels(tokens)
-    params = list(model.parameters())
-    step = TM.coda_step(model, tokens, targets, params)
-    step()  # compile every kernel before recording
-    launches = record_launches(step)
+    tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
+    step = TM.coda_step(model, tokens, TM.shift_labels(tokens), list(model.parameters()))
+    step()
+    return record_launches(step)
+
+
+def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False) -> list:
     rows = []
-    for plan, a, b_, inputs, outputs, scales, count in launches:
+    for plan, a, b_, inputs, outputs, scales, count in step_launches(name, layers):
         mm = torch.bmm if a.dim() == 3 else torch.mm
         fns = {"fused": lambda p=plan, a=a, b=b_, i=inputs, o=outputs, s=scales: p.launch(a, b, i, o or None, s),
                "plain": lambda a=a, b=b_: gemm_impl(a, b),

@@ -13,7 +13,8 @@ Policies (``--policies``, default all):
 * ``coop 128x256 2x1``: the cooperative 128 x 256 tile, the config that loads the fewest operand
   bytes per FLOP (``dispatch.l2_intensity``) and reads the fewest shared-memory bytes per WGMMA
   FLOP (64 x 256 per warpgroup);
-* ``pingpong 128x128 2x1``: the heuristic's usual large-GEMM pick, everywhere;
+* ``pingpong 128x128 2x1``: the heuristic's large-GEMM pick while its rates were measured from a cool
+  GPU (before 2026-12-04), everywhere;
 * ``lm head coop 128x256 2x1``: the cooperative 128 x 256 tile for the LM head's GEMMs only (an
   extent equal to the vocabulary), about half of the step's FLOPs;
 * ``coop 128x256 2x1 for K >= 4096``: the cooperative tile where the k-loop is long enough to

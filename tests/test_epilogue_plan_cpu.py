@@ -7,7 +7,7 @@ import pytest
 from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_WIDE_TILE_INPUT_COST_FP8,
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, COOP_WIDE_TILE_INPUT_COST_FP8,
                                        _epilogue_factor, choose_config, ranked_configs, spills,
                                        tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
@@ -169,14 +169,24 @@ def test_smem_bytes_are_the_buffers_without_padding():
 
 
 def test_heuristic_charges_cooperative_configs_for_tile_inputs():
-    assert COOP_TILE_INPUT_COST > 0
+    """A bf16 tile input deepens a cooperative tile's exposed epilogue by COOP_TILE_INPUT_K
+    elements of K, a share that shrinks as the k-loop grows: a tree with one stays on ping-pong
+    at K = 4096 and takes the cooperative tile where the loop is long (the LM head's dgrad
+    chunks, K = the vocabulary); trees without one rank as the plain GEMM does (cooperative from
+    K = 4096, ping-pong at 2048)."""
+    assert COOP_TILE_INPUT_K > 0
     plain = E.Epilogue(E.store(E.acc(), "out"))
-    assert _epilogue_factor(plain, COOP) == _epilogue_factor(norm_swiglu_tree(), COOP) == 1.0
-    assert _epilogue_factor(residual_norm_stats_tree(), COOP) == 1.0 + COOP_TILE_INPUT_COST
-    assert _epilogue_factor(residual_norm_stats_tree(), PP) == 1.0
-    shape = (16384, 28672, 4096, 1, False, False, 132)
+    assert _epilogue_factor(plain, COOP, 4096) == _epilogue_factor(norm_swiglu_tree(), COOP, 4096) == 1.0
+    depth = 4096 + dispatch.COOP_EPILOGUE_K
+    assert _epilogue_factor(residual_norm_stats_tree(), COOP, 4096) == pytest.approx(1.0 + COOP_TILE_INPUT_K / depth)
+    assert _epilogue_factor(residual_norm_stats_tree(), COOP, 128256) < _epilogue_factor(residual_norm_stats_tree(), COOP, 4096)
+    assert _epilogue_factor(residual_norm_stats_tree(), PP, 4096) == 1.0
     for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
-        assert choose_config(tree, *shape).schedule == "pingpong"
+        assert ranked_configs(tree, 16384, 2048, 2048, 1, False, False, 132)[0] == PP
+    for tree in (plain, norm_swiglu_tree()):
+        assert ranked_configs(tree, 16384, 28672, 4096, 1, False, False, 132)[0] == COOP
+    assert ranked_configs(residual_norm_stats_tree(), 16384, 28672, 4096, 1, False, False, 132)[0] == PP
+    assert ranked_configs(residual_norm_stats_tree(), 4096, 4096, 128256, 1, False, False, 132)[0] == COOP
 
 
 @pytest.mark.parametrize("block_scaled", [True, False], ids=["block-scaled", "row-wise"])
@@ -193,9 +203,9 @@ def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block
 
     coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
     swiglu = swiglu_backward_tree()
-    assert _epilogue_factor(swiglu, coop, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
-    assert _epilogue_factor(swiglu, coop) == 1.0 + COOP_TILE_INPUT_COST
-    assert _epilogue_factor(norm_backward_tree(True), coop, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
+    assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
+    assert _epilogue_factor(swiglu, coop, d) == pytest.approx(1.0 + COOP_TILE_INPUT_K / (d + dispatch.COOP_EPILOGUE_K))
+    assert _epilogue_factor(norm_backward_tree(True), coop, 2 * f, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
     trees = (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
              ("residual", residual_norm_stats_tree(), (m, d, f)))
     picks = {name: choose_config(tree if block_scaled else row_scaled(tree), *shape, 1, True, False, 132, block_scaled)

@@ -59,12 +59,17 @@ def segment_widths(tree: N.Epilogue) -> set:
     return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
 
-#: Relative extra time of a cooperative config per tile input of the tree. Cooperative warpgroups
-#: run the epilogue after their mainloop with the tensor cores idle, so a tile input's stream from
+#: The k-loop length (elements of K) each tile input of the tree adds to a cooperative 16-bit
+#: tile's exposed epilogue (on top of ``dispatch.COOP_EPILOGUE_K``): cooperative warpgroups run
+#: the epilogue after their mainloop with the tensor cores idle, so a tile input's stream from
 #: memory adds to the tile's time; under ping-pong the other warpgroup's mainloop covers it.
 #: Measured on the H200 (16384x28672x4096 bf16, timed in turns), cooperative 128x256 2x1 against
-#: ping-pong 128x128 2x1: the plain GEMM +5 % (the rates in ``dispatch`` carry that), trees
-#: without a tile input the same (+4 to +7 %), the four trees with one +10 to +17 %.
+#: ping-pong 128x128 2x1: trees without a tile input cost what the plain GEMM does, the four
+#: trees with one 7 % more of the tile's time at K = 4096 (+10 to +17 % against +5 %), about
+#: 300 elements of K.
+COOP_TILE_INPUT_K = 300
+#: The FP8 kernels' relative extra time per tile input on cooperative configs (their rates
+#: were measured one GEMM at a time, K >= 4096: a factor, not a depth).
 COOP_TILE_INPUT_COST = 0.07
 #: The extra a double-width tile input costs on the FP8 kernels' cooperative configs, whose
 #: mainloop runs twice as fast. Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_
@@ -78,12 +83,14 @@ COOP_TILE_INPUT_COST = 0.07
 COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
 
 
-def _epilogue_factor(tree, cfg: GemmConfig, fp8: bool = False) -> float:
+def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
+    """The tree's tile inputs' share of a cooperative config's time (1 for ping-pong)."""
     if cfg.schedule != "cooperative":
         return 1.0
     tiles = [i for i in tree.inputs if i.kind == "tile"]
-    wide = COOP_WIDE_TILE_INPUT_COST_FP8 if fp8 else COOP_TILE_INPUT_COST
-    return 1.0 + sum(wide if i.wide else COOP_TILE_INPUT_COST for i in tiles)
+    if not fp8:
+        return 1.0 + len(tiles) * COOP_TILE_INPUT_K / (k + dispatch.COOP_EPILOGUE_K)
+    return 1.0 + sum(COOP_WIDE_TILE_INPUT_COST_FP8 if i.wide else COOP_TILE_INPUT_COST for i in tiles)
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
@@ -97,7 +104,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
                    b_rows: bool = False) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
     predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's tile
-    inputs (``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
+    inputs (``COOP_TILE_INPUT_K``; FP8: ``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
     if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
@@ -107,7 +114,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows)
-                  * _epilogue_factor(tree, c, fp8))
+                  * _epilogue_factor(tree, c, k, fp8))
 
 
 def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False,
