@@ -150,7 +150,7 @@ def block_scaled_config_space() -> list[GemmConfig]:
 # runs (``coda_cute.sol.energy``): TFLOP/s of each config's mainloop when it runs back to back,
 # fitted over every distinct GEMM of the 1b and 8b training steps (``scripts/exp_energy_tiles.py``,
 # 2026-12-04; 15 + 15 shapes, both model widths, all three layouts) together with
-# ``COOP_EPILOGUE_K``. The fit's error is 2.4 % rms; fitted on either step alone, it picks the
+# ``COOP_EPILOGUE_K`` (``exp_energy_tiles.py --fit``). The fit's error is 2.4 % rms; fitted on either step alone, it picks the
 # other step's configs within 0.2 % of the best measured one's sum. At the cap a config's speed
 # follows its joules per FLOP: cooperative 128 x 256 2x1 reads the fewest shared-memory and L2
 # bytes per FLOP and is 8 % faster there than ping-pong 128 x 128 2x1, which is 2-5 % faster
@@ -160,8 +160,8 @@ def block_scaled_config_space() -> list[GemmConfig]:
 # Key: (schedule, tile_m, tile_n, cluster_m, cluster_n).
 _COOL_TO_CAP = 683 / 712
 _RATES_16 = {
-    ("cooperative", 128, 256, 2, 1): 740, ("cooperative", 128, 192, 2, 1): 733,
-    ("cooperative", 256, 128, 2, 1): 725, ("cooperative", 128, 256, 1, 2): 725,
+    ("cooperative", 128, 256, 2, 1): 736, ("cooperative", 128, 192, 2, 1): 729,
+    ("cooperative", 256, 128, 2, 1): 722, ("cooperative", 128, 256, 1, 2): 721,
     ("pingpong", 128, 128, 2, 1): 683,
     **{key: cool * _COOL_TO_CAP for key, cool in {
         ("cooperative", 128, 256, 1, 1): 650, ("cooperative", 128, 160, 2, 1): 630,
@@ -176,7 +176,7 @@ _RATES_16 = {
 #: store the tile after their mainloop with the tensor cores idle, where ping-pong's other
 #: warpgroup covers it. Fitted with ``_RATES_16``: it is why ping-pong still wins at K = 2048
 #: (the 1b step's forward GEMMs) while cooperative 128 x 256 wins from K = 4096 on.
-COOP_EPILOGUE_K = 200
+COOP_EPILOGUE_K = 175
 # FP8 (128-element k-tiles): medians over the same six large shapes, bench_gemm.py --dtype fp8
 # --sweep --shapes large, 2026-11-30 (two-level: k-tiles promoted in software-pipelined pairs
 # where three accumulators fit; cooperative WGMMA descriptors in uniform registers).

@@ -2,19 +2,31 @@
 
 During a training step the H200 sits at its 700 W cap, so a GEMM's share of the step follows its
 joules, not its time from a cool GPU (``coda_cute.sol.energy``). ``scripts/bench_step_gemms.py
---energy`` showed the heuristic's pick (ping-pong 128 x 128 2x1, fastest from cool) spending 1.04x
-cuBLAS's joules over the 8b step's GEMMs while taking 0.965x its time. This replays every distinct
-GEMM shape and layout of one CODA step (2 layers, 4 x 4096 tokens) as a plain bf16 GEMM of ours on
-each candidate config and as ``torch.mm``: the median ms in turns from cool
-(``interleaved_medians``) and, back to back for ``--run-ms``, joules and ms per call at the cap.
+--energy`` showed ping-pong 128 x 128 2x1 (fastest from cool) spending 1.04x cuBLAS's joules over
+the 8b step's GEMMs while taking 0.965x its time. This replays every distinct GEMM shape and
+layout of one CODA step (2 layers, 4 x 4096 tokens) as a plain GEMM of ours on each candidate
+config and as torch's: the median ms in turns from cool (``interleaved_medians``) and, back to
+back for ``--run-ms``, joules and ms per call at the cap. Its bf16 run (2026-12-04) is the data of
+``dispatch._RATES_16``.
 
-    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--run-ms 600] [--json out.json]
+``--fp8``: the same (M, N, K) but for the LM head's (which the FP8 recipes keep in bf16), as the
+row-wise recipe's GEMMs with fast accumulation (e4m3, K-major, one scale per row and column) on
+the FP8 candidates, against ``torch._scaled_mm(use_fast_accum=True)``: the data an at-cap
+``dispatch._RATES_FP8_FAST`` would need.
+
+    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8] [--run-ms 600] [--json out.json]
+    python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)
+
+``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
+config and one epilogue depth for the cooperative ones, by least squares on the log of the
+times; then, fitted on each model's shapes alone, how close its picks come on the other's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,6 +36,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_models as TM  # noqa: E402  (the benchmark models' names)
+from bench_gemm import fp8_inputs  # noqa: E402
 from bench_step_gemms import step_launches  # noqa: E402
 
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
@@ -31,6 +44,8 @@ from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
+#: the configs each run tries (the first: the usual pick, whose numbers stand in for a config
+#: that cannot run a shape in the step sums), and torch's GEMM it is measured against
 CANDIDATES = {
     "pp128x128 2x1": GemmConfig(128, 128, 64, "pingpong", 2, 1),
     "coop128x256 2x1": GemmConfig(128, 256, 64, "cooperative", 2, 1),
@@ -38,16 +53,32 @@ CANDIDATES = {
     "coop256x128 2x1": GemmConfig(256, 128, 64, "cooperative", 2, 1),
     "coop128x192 2x1": GemmConfig(128, 192, 64, "cooperative", 2, 1),
 }
+CANDIDATES_FP8 = {label: GemmConfig(tm, tn, 128, sched, cm, cn, fp8_fast_accum=True) for label, (tm, tn, sched, cm, cn) in {
+    "pp128x128 2x1": (128, 128, "pingpong", 2, 1),
+    "coop128x256 2x1": (128, 256, "cooperative", 2, 1),
+    "coop128x256 1x2": (128, 256, "cooperative", 1, 2),
+    "coop256x128 2x1": (256, 128, "cooperative", 2, 1),
+    "coop128x128 2x1": (128, 128, "cooperative", 2, 1),
+}.items()}
+BASE = {False: "cuBLAS", True: "_scaled_mm fast"}
 
 
-def shapes_of(name: str, layers: int) -> list:
-    """The distinct (a, b) operand pairs (shape, strides) of one CODA step's bf16 GEMM launches,
-    with how many launches each made."""
+def shapes_of(name: str, layers: int, fp8: bool) -> list:
+    """[((a shape, a strides, b shape, b strides), launches)] over one CODA step's bf16 GEMM
+    launches, distinct operand pairs; ``fp8``: distinct (M, N, K) outside the LM head, K-major."""
     seen: dict = {}
+    vocab = TM.SPECS[name].vocab_size
     for _plan, a, b, _i, _o, scales, count in step_launches(name, layers):
-        if scales is None and a.dtype == torch.bfloat16:
+        if scales is not None or a.dtype != torch.bfloat16:
+            continue
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        if not fp8:
             key = (tuple(a.shape), a.stride(), tuple(b.shape), b.stride())
-            seen[key] = seen.get(key, 0) + count
+        elif vocab in (m, n, k):
+            continue
+        else:
+            key = ((m, k), (k, 1), (k, n), (1, k))
+        seen[key] = seen.get(key, 0) + count
     torch.cuda.empty_cache()
     return list(seen.items())
 
@@ -60,21 +91,31 @@ def operand(shape, stride):
     return torch.randn(shape[::-1], device="cuda", dtype=torch.bfloat16).transpose(-1, -2)
 
 
-def measure(name: str, layers: int, run_ms: float, rounds: int, console: Console) -> list:
+def functions(m: int, n: int, k: int, ash, ast, bsh, bst, fp8: bool):
+    """(torch's GEMM, ours on a given config) on fresh random operands of the shape."""
+    if fp8:
+        a, b, sa, sb = fp8_inputs(m, n, k)
+        return (lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+                lambda cfg: gemm_impl(a, b, sa, sb, use_fast_accum=True, config=cfg))
+    a, b = operand(ash, ast), operand(bsh, bst)
+    return (lambda: torch.mm(a, b)), (lambda cfg: gemm_impl(a, b, config=cfg))
+
+
+def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, console: Console) -> list:
     rows = []
-    for (ash, ast, bsh, bst), count in shapes_of(name, layers):
-        a, b = operand(ash, ast), operand(bsh, bst)
+    for (ash, ast, bsh, bst), count in shapes_of(name, layers, fp8):
         m, k, n = ash[-2], ash[-1], bsh[-1]
-        fns = {"cuBLAS": lambda: torch.mm(a, b)}
-        for label, cfg in CANDIDATES.items():
+        base, ours = functions(m, n, k, ash, ast, bsh, bst, fp8)
+        fns = {BASE[fp8]: base}
+        for label, cfg in (CANDIDATES_FP8 if fp8 else CANDIDATES).items():
             try:
-                gemm_impl(a, b, config=cfg)
+                ours(cfg)
             except (ValueError, TypeError, RuntimeError) as exc:
                 console.log(f"{name} {m}x{n}x{k}: {label} skipped ({str(exc)[:80]})")
                 continue
-            fns[label] = lambda cfg=cfg: gemm_impl(a, b, config=cfg)
+            fns[label] = lambda cfg=cfg: ours(cfg)
         cool = interleaved_medians(fns, rounds=rounds, settle_ms=300)
-        row = dict(config=name, m=m, n=n, k=k, count=count,
+        row = dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count,
                    layout=("k" if ast[-1] == 1 else "m") + ("k" if bst[-2] == 1 else "n"), variants={})
         for label, fn in fns.items():
             e = joules_over_run(fn, cool[label], run_ms=run_ms)
@@ -87,48 +128,111 @@ def measure(name: str, layers: int, run_ms: float, rounds: int, console: Console
 
 
 def report(rows: list, console: Console):
-    labels = ["cuBLAS", *CANDIDATES]
-    for name in dict.fromkeys(r["config"] for r in rows):
-        sel = [r for r in rows if r["config"] == name]
-        t = Table(title=f"{name}: joules per call at the cap, / cuBLAS's (ms from cool / cuBLAS's in brackets)")
+    for name, fp8 in dict.fromkeys((r["config"], r.get("fp8", False)) for r in rows):
+        sel = [r for r in rows if r["config"] == name and r.get("fp8", False) == fp8]
+        base, usual = BASE[fp8], next(iter(CANDIDATES_FP8 if fp8 else CANDIDATES))
+        labels = [base, *(CANDIDATES_FP8 if fp8 else CANDIDATES)]
+        t = Table(title=f"{name}{' FP8' if fp8 else ''}: joules per call at the cap, / {base}'s "
+                        f"(ms from cool / {base}'s in brackets)")
         for col in ("M x N x K", "layout", "count", *labels):
             t.add_column(col, justify="right")
         tot = {lb: [0.0, 0.0] for lb in labels}
         for r in sel:
-            base = r["variants"]["cuBLAS"]
+            ref = r["variants"][base]
             cells = []
             for lb in labels:
                 v = r["variants"].get(lb)
-                if v is None:
-                    cells.append("-")
-                    continue
-                cells.append(f"{v['j'] / base['j']:.3f} ({v['cool_ms'] / base['cool_ms']:.3f})"
-                             if lb != "cuBLAS" else f"{v['j']:.3f} J ({v['cool_ms']:.3f} ms)")
-            t.add_row(f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), *cells)
-            for lb in labels:
-                v = r["variants"].get(lb) or r["variants"]["pp128x128 2x1"]  # skipped: the usual pick
+                cells.append("-" if v is None else f"{v['j']:.3f} J ({v['cool_ms']:.3f} ms)" if lb == base
+                             else f"{v['j'] / ref['j']:.3f} ({v['cool_ms'] / ref['cool_ms']:.3f})")
+                v = v or r["variants"][usual]
                 tot[lb][0] += r["count"] * v["j"]
                 tot[lb][1] += r["count"] * v["cool_ms"]
-        best_j = sum(r["count"] * min(v["j"] for k, v in r["variants"].items() if k != "cuBLAS") for r in sel)
+            t.add_row(f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), *cells)
+        best_j = sum(r["count"] * min(v["j"] for k, v in r["variants"].items() if k != base) for r in sel)
         console.print(t)
         console.print(f"{name}: step sums (J, cool ms): " + ", ".join(
             f"{lb} {tot[lb][0]:.2f} J / {tot[lb][1]:.2f} ms" for lb in labels)
             + f"; least-joule tile per shape {best_j:.2f} J")
 
 
+#: cooperative epilogue depths (elements of K) :func:`fit` tries
+DEPTHS = range(0, 1201, 25)
+
+
+def _work(cfg: GemmConfig, m: int, n: int, sms: int) -> int:
+    """Output elements the busiest CTA computes (whole tiles, whole cluster rounds) times the SMs:
+    ``dispatch.predicted_time``'s wave model without its rate."""
+    return -(-cfg.cluster_tiles(m, n, 1) // cfg.slots(m, n, 1, sms)) * cfg.tile_m * cfg.tile_n * sms
+
+
+def _predicted_ms(cfg, r, rate, depth, sms):
+    return _work(cfg, r["m"], r["n"], sms) * (r["k"] + (depth if cfg.schedule == "cooperative" else 0)) / rate
+
+
+def fit(rows: list, sms: int = 132) -> tuple[dict, int, float]:
+    """({config label: TFLOP/s back to back}, cooperative epilogue depth, rms log error) fitting
+    ``ms = work (K + depth if cooperative) / rate`` to every measured (shape, config)."""
+    cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
+    best = None
+    for depth in DEPTHS:
+        rates, err = {}, []
+        for label, cfg in cands.items():
+            pts = [(_work(cfg, r["m"], r["n"], sms) * (r["k"] + (depth if cfg.schedule == "cooperative" else 0)),
+                    r["variants"][label]["cap_ms"]) for r in rows if label in r["variants"]]
+            if pts:
+                rates[label] = math.exp(-sum(math.log(ms / x) for x, ms in pts) / len(pts))
+                err += [math.log(x / rates[label] / ms) for x, ms in pts]
+        rms = math.sqrt(sum(e * e for e in err) / len(err))
+        if best is None or rms < best[2]:
+            best = (rates, depth, rms)
+    rates, depth, rms = best
+    return {lb: 2 * v * 1e3 / 1e12 for lb, v in rates.items()}, depth, rms
+
+
+def picks_against_best(rows: list, rates: dict, depth: int, sms: int = 132) -> tuple[float, float]:
+    """(sum of back-to-back ms of the configs the fitted model picks, of the measured best ones),
+    each shape weighted by its launches."""
+    cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
+    picked = best = 0.0
+    for r in rows:
+        have = [lb for lb in cands if lb in r["variants"] and lb in rates]
+        pick = min(have, key=lambda lb: _predicted_ms(cands[lb], r, rates[lb], depth, sms))
+        picked += r["count"] * r["variants"][pick]["cap_ms"]
+        best += r["count"] * min(r["variants"][lb]["cap_ms"] for lb in have)
+    return picked, best
+
+
+def report_fit(rows: list, console: Console):
+    rates, depth, rms = fit(rows)
+    console.print(f"all {len(rows)} shapes: cooperative epilogue depth {depth}, rms error {100 * rms:.1f} %; "
+                  "TFLOP/s back to back: " + ", ".join(f"{lb} {v:.0f}" for lb, v in rates.items()))
+    models = list(dict.fromkeys(r["config"] for r in rows))
+    for train in models:
+        for test in models:
+            if test != train:
+                r_, d_, _ = fit([r for r in rows if r["config"] == train])
+                picked, best = picks_against_best([r for r in rows if r["config"] == test], r_, d_)
+                console.print(f"fitted on {train}, picking on {test}: {picked:.2f} ms against the best "
+                              f"{best:.2f} ({picked / best:.4f})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
+    ap.add_argument("--fp8", action="store_true", help="the row-wise FP8 recipe's GEMMs, fast accumulation")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--run-ms", type=float, default=600)
     ap.add_argument("--json")
+    ap.add_argument("--fit", metavar="JSON", help="fit the heuristic's model to a run's --json and stop")
     args = ap.parse_args(argv)
+    if args.fit:
+        return report_fit(json.loads(Path(args.fit).read_text()), Console(width=200))
     if not torch.cuda.is_available():
         sys.exit("exp_energy_tiles needs a CUDA GPU")
     console, rows = Console(width=200), []
     for name in args.configs:  # the JSON is rewritten after each model: a cut-off run keeps the first
-        rows += measure(name, args.layers, args.run_ms, args.rounds, console)
+        rows += measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     report(rows, console)

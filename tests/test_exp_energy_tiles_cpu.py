@@ -46,3 +46,60 @@ def test_report_sums_by_count_and_fills_skipped_configs(et):
     # least joules per shape: 1.0 (ping-pong) on a, 2.0 on b
     assert "least-joule tile per shape 4.00 J" in text
     assert "0.952 (0.952)" in text  # ping-pong on a: 1.0 / 1.05 J, 2.0 / 2.1 ms
+
+
+def test_report_names_the_fp8_baseline(et):
+    v = {lb: _v(1.0, 1.0) for lb in et.CANDIDATES_FP8}
+    v["_scaled_mm fast"] = _v(0.9, 1.1)
+    console = Console(record=True, width=400)
+    et.report([dict(config="8b", fp8=True, m=16384, n=4096, k=4096, count=3, layout="kk", variants=v)], console)
+    text = console.export_text()
+    assert "8b FP8: joules per call at the cap, / _scaled_mm fast's" in text
+    assert "_scaled_mm fast 2.70 J / 3.30 ms" in text and "coop128x128 2x1 3.00 J / 3.00 ms" in text
+
+
+def test_fp8_shapes_leave_out_the_lm_head_and_go_k_major(et, monkeypatch):
+    """The FP8 recipes keep the LM head in bf16; their GEMMs take both operands K-major, so the
+    step's dgrad and wgrad layouts of one (M, N, K) count as one FP8 shape."""
+    import torch
+
+    vocab = et.TM.SPECS["8b"].vocab_size
+    bf = torch.bfloat16
+    fwd = (None, torch.empty(64, 32, dtype=bf), torch.empty(48, 32, dtype=bf).t(), {}, {}, None, 2)
+    same_mnk_mn = (None, torch.empty(32, 64, dtype=bf).t(), torch.empty(32, 48, dtype=bf), {}, {}, None, 1)
+    lm_head = (None, torch.empty(64, 32, dtype=bf), torch.empty(vocab, 32, dtype=bf).t(), {}, {}, None, 4)
+    fp8_launch = (None, torch.empty(64, 32, dtype=torch.float8_e4m3fn), torch.empty(48, 32, dtype=bf).t(),
+                  {}, {}, ("sa", "sb"), 1)
+    monkeypatch.setattr(et, "step_launches", lambda name, layers: [fwd, same_mnk_mn, lm_head, fp8_launch])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert et.shapes_of("8b", 2, True) == [(((64, 32), (32, 1), (32, 48), (1, 32)), 3)]
+    bf16 = dict(et.shapes_of("8b", 2, False))
+    assert len(bf16) == 3 and sum(bf16.values()) == 7  # both layouts and the LM head, FP8 launch left out
+
+
+def test_fit_recovers_the_rates_and_epilogue_depth_it_was_made_from(et):
+    """Rows made from the model with known rates and cooperative depth give those back, and the
+    picks of a model fitted on one set land on the best configs of the other."""
+    truth = {"pp128x128 2x1": 680.0, "coop128x256 2x1": 740.0, "coop128x256 1x2": 720.0,
+             "coop256x128 2x1": 725.0, "coop128x192 2x1": 730.0}
+    depth = 225
+
+    def rows(name, shapes):
+        out = []
+        for m, n, k in shapes:
+            v = {}
+            for lb, cfg in et.CANDIDATES.items():
+                rate = truth[lb] * 1e12 / 2 / 1e3  # per ms, as fit() reads it
+                v[lb] = _v(1.0, 1.0)
+                v[lb]["cap_ms"] = et._predicted_ms(cfg, dict(m=m, n=n, k=k), rate, depth, 132)
+            out.append(dict(config=name, m=m, n=n, k=k, count=1, layout="kk", variants=v))
+        return out
+
+    a = rows("8b", [(16384, 4096, 4096), (16384, 28672, 4096), (4096, 4096, 128256), (28672, 4096, 16384)])
+    b = rows("1b", [(16384, 2048, 2048), (16384, 3072, 2048), (3072, 2048, 16384), (16384, 2048, 8192)])
+    rates, got_depth, rms = et.fit(a + b)
+    assert got_depth == depth and rms < 1e-9
+    assert rates == pytest.approx(truth, rel=1e-9)
+    r8, d8, _ = et.fit(a)
+    picked, best = et.picks_against_best(b, r8, d8)
+    assert picked == pytest.approx(best, rel=1e-9)
