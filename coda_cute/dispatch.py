@@ -150,8 +150,9 @@ def block_scaled_config_space() -> list[GemmConfig]:
 # runs (``coda_cute.sol.energy``): TFLOP/s of each config's mainloop when it runs back to back,
 # fitted over every distinct GEMM of the 1b and 8b training steps (``scripts/exp_energy_tiles.py``,
 # 2026-12-04; 15 + 15 shapes, both model widths, all three layouts) together with
-# ``COOP_EPILOGUE_K`` (``exp_energy_tiles.py --fit``). The fit's error is 2.4 % rms; fitted on either step alone, it picks the
-# other step's configs within 0.2 % of the best measured one's sum. At the cap a config's speed
+# ``COOP_EPILOGUE_K`` (``exp_energy_tiles.py --fit``). The fit's error is 2.4 % rms; fitted on
+# either step alone, it picks the other step's configs within 0.2 % of the best measured one's
+# sum. At the cap a config's speed
 # follows its joules per FLOP: cooperative 128 x 256 2x1 reads the fewest shared-memory and L2
 # bytes per FLOP and is 8 % faster there than ping-pong 128 x 128 2x1, which is 2-5 % faster
 # from a cool GPU (its two warpgroups overlap the epilogue and draw more power while there is

@@ -53,13 +53,15 @@ CANDIDATES = {
     "coop256x128 2x1": GemmConfig(256, 128, 64, "cooperative", 2, 1),
     "coop128x192 2x1": GemmConfig(128, 192, 64, "cooperative", 2, 1),
 }
-CANDIDATES_FP8 = {label: GemmConfig(tm, tn, 128, sched, cm, cn, fp8_fast_accum=True) for label, (tm, tn, sched, cm, cn) in {
-    "pp128x128 2x1": (128, 128, "pingpong", 2, 1),
-    "coop128x256 2x1": (128, 256, "cooperative", 2, 1),
-    "coop128x256 1x2": (128, 256, "cooperative", 1, 2),
-    "coop256x128 2x1": (256, 128, "cooperative", 2, 1),
-    "coop128x128 2x1": (128, 128, "cooperative", 2, 1),
-}.items()}
+CANDIDATES_FP8 = {
+    label: GemmConfig(tm, tn, 128, sched, cm, cn, fp8_fast_accum=True)
+    for label, (tm, tn, sched, cm, cn) in {
+        "pp128x128 2x1": (128, 128, "pingpong", 2, 1),
+        "coop128x256 2x1": (128, 256, "cooperative", 2, 1),
+        "coop128x256 1x2": (128, 256, "cooperative", 1, 2),
+        "coop256x128 2x1": (256, 128, "cooperative", 2, 1),
+        "coop128x128 2x1": (128, 128, "cooperative", 2, 1),
+    }.items()}
 BASE = {False: "cuBLAS", True: "_scaled_mm fast"}
 
 

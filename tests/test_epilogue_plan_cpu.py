@@ -11,7 +11,6 @@ from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, 
                                        _epilogue_factor, choose_config, ranked_configs, spills,
                                        tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
-from coda_cute.kernels.epilogue import nodes as N
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
 from coda_cute.kernels.epilogue.edges import nonnegative, unmasked_max, zero_past_edge, zero_past_rows
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
@@ -178,9 +177,10 @@ def test_heuristic_charges_cooperative_configs_for_tile_inputs():
     plain = E.Epilogue(E.store(E.acc(), "out"))
     assert _epilogue_factor(plain, COOP, 4096) == _epilogue_factor(norm_swiglu_tree(), COOP, 4096) == 1.0
     depth = 4096 + dispatch.COOP_EPILOGUE_K
-    assert _epilogue_factor(residual_norm_stats_tree(), COOP, 4096) == pytest.approx(1.0 + COOP_TILE_INPUT_K / depth)
-    assert _epilogue_factor(residual_norm_stats_tree(), COOP, 128256) < _epilogue_factor(residual_norm_stats_tree(), COOP, 4096)
-    assert _epilogue_factor(residual_norm_stats_tree(), PP, 4096) == 1.0
+    res = residual_norm_stats_tree()
+    assert _epilogue_factor(res, COOP, 4096) == pytest.approx(1.0 + COOP_TILE_INPUT_K / depth)
+    assert _epilogue_factor(res, COOP, 128256) < _epilogue_factor(res, COOP, 4096)
+    assert _epilogue_factor(res, PP, 4096) == 1.0
     for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
         assert ranked_configs(tree, 16384, 2048, 2048, 1, False, False, 132)[0] == PP
     for tree in (plain, norm_swiglu_tree()):
