@@ -14,12 +14,17 @@ row-wise recipe's GEMMs with fast accumulation (e4m3, K-major, one scale per row
 the FP8 candidates, against ``torch._scaled_mm(use_fast_accum=True)``: the data an at-cap
 ``dispatch._RATES_FP8_FAST`` would need.
 
-    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8] [--run-ms 600] [--json out.json]
+``--fused``: each bf16 launch of the step as it ran, with its epilogue tree, on every candidate
+config that holds the tree without spilling: the data that fits the cooperative configs' charge
+per tile input at the cap (``runner.COOP_TILE_INPUT_K``, so far measured from cool).
+
+    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8 | --fused] [--run-ms 600] [--json out.json]
     python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)
 
 ``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
-config and one epilogue depth for the cooperative ones, by least squares on the log of the
-times; then, fitted on each model's shapes alone, how close its picks come on the other's.
+config, one epilogue depth for the cooperative ones and, on a ``--fused`` run, the depth each
+tile input adds to it, by least squares on the log of the times; then, fitted on each model's
+rows alone, how close its picks come on the other's.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_models as TM  # noqa: E402  (the benchmark models' names)
 from bench_gemm import fp8_inputs  # noqa: E402
-from bench_step_gemms import step_launches  # noqa: E402
+from bench_step_gemms import label as launch_label, step_launches  # noqa: E402
 
+from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
@@ -116,17 +122,46 @@ def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, conso
                 console.log(f"{name} {m}x{n}x{k}: {label} skipped ({str(exc)[:80]})")
                 continue
             fns[label] = lambda cfg=cfg: ours(cfg)
-        cool = interleaved_medians(fns, rounds=rounds, settle_ms=300)
-        row = dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count,
-                   layout=("k" if ast[-1] == 1 else "m") + ("k" if bst[-2] == 1 else "n"), variants={})
-        for label, fn in fns.items():
-            e = joules_over_run(fn, cool[label], run_ms=run_ms)
-            row["variants"][label] = dict(cool_ms=cool[label], j=e and e["j_per_call"],
-                                          cap_ms=e and e["ms_per_call"], watts=e and e["watts"])
-        rows.append(row)
-        console.log(f"{name} {m}x{n}x{k} {row['layout']} x{count}: " + ", ".join(
-            f"{lb} {v['cool_ms']:.3f}/{v['cap_ms']:.3f} ms {v['j']:.3f} J" for lb, v in row["variants"].items()))
+        layout = ("k" if ast[-1] == 1 else "m") + ("k" if bst[-2] == 1 else "n")
+        rows.append(timed_row(fns, dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count, layout=layout),
+                              run_ms, rounds, console))
     return rows
+
+
+def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: Console) -> list:
+    """Each bf16 launch of the step with its epilogue tree (``--fused``) on every candidate config
+    whose build fits the tree's shared memory without spilling, against ``torch.mm``."""
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    for plan, a, b, inputs, _o, scales, count in step_launches(name, layers):
+        if scales is not None or a.dtype != torch.bfloat16:
+            continue
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        fns = {"cuBLAS": lambda a=a, b=b: torch.mm(a, b)}
+        for label, cfg in CANDIDATES.items():
+            if not runner.fits(plan.tree, cfg, 2) or runner.spills(plan.tree, cfg, False, sms):
+                console.log(f"{name} {plan.op} {m}x{n}x{k}: {label} skipped (no room, or spills)")
+                continue
+            fns[label] = lambda cfg=cfg, p=plan, a=a, b=b, i=inputs: runner.run(p.tree, a, b, i, config=cfg, op=p.op)
+        layout = ("k" if a.stride(-1) == 1 else "m") + ("k" if b.stride(-2) == 1 else "n")
+        tiles = sum(1 for i in plan.tree.inputs if i.kind == "tile")
+        rows.append(timed_row(fns, dict(config=name, fp8=False, launch=launch_label(plan), tile_inputs=tiles,
+                                        m=m, n=n, k=k, count=count, layout=layout), run_ms, rounds, console))
+    return rows
+
+
+def timed_row(fns: dict, row: dict, run_ms: float, rounds: int, console: Console) -> dict:
+    """``row`` with each function's ms from cool (in turns) and, back to back, its joules and ms
+    per call under ``variants``."""
+    cool = interleaved_medians(fns, rounds=rounds, settle_ms=300)
+    row["variants"] = {}
+    for label, fn in fns.items():
+        e = joules_over_run(fn, cool[label], run_ms=run_ms)
+        row["variants"][label] = dict(cool_ms=cool[label], j=e and e["j_per_call"],
+                                      cap_ms=e and e["ms_per_call"], watts=e and e["watts"])
+    console.log(f"{row['config']} {row.get('launch', '')} {row['m']}x{row['n']}x{row['k']} {row['layout']} "
+                f"x{row['count']}: " + ", ".join(f"{lb} {v['cool_ms']:.3f}/{v['cap_ms']:.3f} ms {v['j']:.3f} J"
+                                                  for lb, v in row["variants"].items()))
+    return row
 
 
 def report(rows: list, console: Console):
@@ -167,53 +202,64 @@ def _work(cfg: GemmConfig, m: int, n: int, sms: int) -> int:
     return -(-cfg.cluster_tiles(m, n, 1) // cfg.slots(m, n, 1, sms)) * cfg.tile_m * cfg.tile_n * sms
 
 
-def _predicted_ms(cfg, r, rate, depth, sms):
-    return _work(cfg, r["m"], r["n"], sms) * (r["k"] + (depth if cfg.schedule == "cooperative" else 0)) / rate
+def _depth(cfg: GemmConfig, r: dict, depth: int, tile_depth: int) -> int:
+    """The k-loop a tile of ``cfg`` runs for row ``r``, its exposed cooperative epilogue included."""
+    return r["k"] + (depth + r.get("tile_inputs", 0) * tile_depth if cfg.schedule == "cooperative" else 0)
 
 
-def fit(rows: list, sms: int = 132) -> tuple[dict, int, float]:
-    """({config label: TFLOP/s back to back}, cooperative epilogue depth, rms log error) fitting
-    ``ms = work (K + depth if cooperative) / rate`` to every measured (shape, config)."""
+def _predicted_ms(cfg, r, rate, depth, tile_depth, sms):
+    return _work(cfg, r["m"], r["n"], sms) * _depth(cfg, r, depth, tile_depth) / rate
+
+
+def fit(rows: list, sms: int = 132) -> tuple[dict, int, int, float]:
+    """({config label: TFLOP/s back to back}, cooperative epilogue depth, depth per tile input,
+    rms log error) fitting ``ms = work (K + (depth + tile inputs x tile depth if cooperative)) /
+    rate`` to every measured (shape, config); the tile depth is 0 where no row has a tile input
+    (plain GEMMs)."""
     cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
+    tile_depths = DEPTHS if any(r.get("tile_inputs") for r in rows) else (0,)
     best = None
     for depth in DEPTHS:
-        rates, err = {}, []
-        for label, cfg in cands.items():
-            pts = [(_work(cfg, r["m"], r["n"], sms) * (r["k"] + (depth if cfg.schedule == "cooperative" else 0)),
-                    r["variants"][label]["cap_ms"]) for r in rows if label in r["variants"]]
-            if pts:
-                rates[label] = math.exp(-sum(math.log(ms / x) for x, ms in pts) / len(pts))
-                err += [math.log(x / rates[label] / ms) for x, ms in pts]
-        rms = math.sqrt(sum(e * e for e in err) / len(err))
-        if best is None or rms < best[2]:
-            best = (rates, depth, rms)
-    rates, depth, rms = best
-    return {lb: 2 * v * 1e3 / 1e12 for lb, v in rates.items()}, depth, rms
+        for tile_depth in tile_depths:
+            rates, err = {}, []
+            for label, cfg in cands.items():
+                pts = [(_work(cfg, r["m"], r["n"], sms) * _depth(cfg, r, depth, tile_depth),
+                        r["variants"][label]["cap_ms"]) for r in rows if label in r["variants"]]
+                if pts:
+                    rates[label] = math.exp(-sum(math.log(ms / x) for x, ms in pts) / len(pts))
+                    err += [math.log(x / rates[label] / ms) for x, ms in pts]
+            rms = math.sqrt(sum(e * e for e in err) / len(err))
+            if best is None or rms < best[3]:
+                best = (rates, depth, tile_depth, rms)
+    rates, depth, tile_depth, rms = best
+    return {lb: 2 * v * 1e3 / 1e12 for lb, v in rates.items()}, depth, tile_depth, rms
 
 
-def picks_against_best(rows: list, rates: dict, depth: int, sms: int = 132) -> tuple[float, float]:
+def picks_against_best(rows: list, rates: dict, depth: int, tile_depth: int = 0,
+                       sms: int = 132) -> tuple[float, float]:
     """(sum of back-to-back ms of the configs the fitted model picks, of the measured best ones),
-    each shape weighted by its launches."""
+    each row weighted by its launches (``rates`` in TFLOP/s, as :func:`fit` gives them)."""
     cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
     picked = best = 0.0
     for r in rows:
         have = [lb for lb in cands if lb in r["variants"] and lb in rates]
-        pick = min(have, key=lambda lb: _predicted_ms(cands[lb], r, rates[lb], depth, sms))
+        pick = min(have, key=lambda lb: _predicted_ms(cands[lb], r, rates[lb], depth, tile_depth, sms))
         picked += r["count"] * r["variants"][pick]["cap_ms"]
         best += r["count"] * min(r["variants"][lb]["cap_ms"] for lb in have)
     return picked, best
 
 
 def report_fit(rows: list, console: Console):
-    rates, depth, rms = fit(rows)
-    console.print(f"all {len(rows)} shapes: cooperative epilogue depth {depth}, rms error {100 * rms:.1f} %; "
-                  "TFLOP/s back to back: " + ", ".join(f"{lb} {v:.0f}" for lb, v in rates.items()))
+    rates, depth, tile_depth, rms = fit(rows)
+    console.print(f"all {len(rows)} rows: cooperative epilogue depth {depth}, per tile input {tile_depth}, "
+                  f"rms error {100 * rms:.1f} %; TFLOP/s back to back: "
+                  + ", ".join(f"{lb} {v:.0f}" for lb, v in rates.items()))
     models = list(dict.fromkeys(r["config"] for r in rows))
     for train in models:
         for test in models:
             if test != train:
-                r_, d_, _ = fit([r for r in rows if r["config"] == train])
-                picked, best = picks_against_best([r for r in rows if r["config"] == test], r_, d_)
+                r_, d_, t_, _ = fit([r for r in rows if r["config"] == train])
+                picked, best = picks_against_best([r for r in rows if r["config"] == test], r_, d_, t_)
                 console.print(f"fitted on {train}, picking on {test}: {picked:.2f} ms against the best "
                               f"{best:.2f} ({picked / best:.4f})")
 
@@ -222,6 +268,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
     ap.add_argument("--fp8", action="store_true", help="the row-wise FP8 recipe's GEMMs, fast accumulation")
+    ap.add_argument("--fused", action="store_true", help="each bf16 launch with its epilogue tree")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--run-ms", type=float, default=600)
@@ -234,7 +281,8 @@ def main(argv=None):
         sys.exit("exp_energy_tiles needs a CUDA GPU")
     console, rows = Console(width=200), []
     for name in args.configs:  # the JSON is rewritten after each model: a cut-off run keeps the first
-        rows += measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console)
+        rows += (measure_fused(name, args.layers, args.run_ms, args.rounds, console) if args.fused
+                 else measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     report(rows, console)

@@ -77,29 +77,58 @@ def test_fp8_shapes_leave_out_the_lm_head_and_go_k_major(et, monkeypatch):
     assert len(bf16) == 3 and sum(bf16.values()) == 7  # both layouts and the LM head, FP8 launch left out
 
 
+def _model_rows(et, name, shapes, truth, depth, tile_depth=0):
+    """Rows whose back-to-back times are the model's own for (rates, depth, tile depth);
+    ``shapes``: (M, N, K) or (M, N, K, tile inputs)."""
+    out = []
+    for shape in shapes:
+        m, n, k, tiles = (*shape, 0)[:4]
+        row = dict(config=name, m=m, n=n, k=k, count=1, layout="kk", tile_inputs=tiles, variants={})
+        for lb, cfg in et.CANDIDATES.items():
+            rate = truth[lb] * 1e12 / 2 / 1e3  # per ms, as fit() reads it
+            row["variants"][lb] = _v(1.0, 1.0)
+            row["variants"][lb]["cap_ms"] = et._predicted_ms(cfg, row, rate, depth, tile_depth, 132)
+        out.append(row)
+    return out
+
+
+TRUTH = {"pp128x128 2x1": 680.0, "coop128x256 2x1": 740.0, "coop128x256 1x2": 720.0,
+         "coop256x128 2x1": 725.0, "coop128x192 2x1": 730.0}
+
+
 def test_fit_recovers_the_rates_and_epilogue_depth_it_was_made_from(et):
     """Rows made from the model with known rates and cooperative depth give those back, and the
     picks of a model fitted on one set land on the best configs of the other."""
-    truth = {"pp128x128 2x1": 680.0, "coop128x256 2x1": 740.0, "coop128x256 1x2": 720.0,
-             "coop256x128 2x1": 725.0, "coop128x192 2x1": 730.0}
-    depth = 225
-
-    def rows(name, shapes):
-        out = []
-        for m, n, k in shapes:
-            v = {}
-            for lb, cfg in et.CANDIDATES.items():
-                rate = truth[lb] * 1e12 / 2 / 1e3  # per ms, as fit() reads it
-                v[lb] = _v(1.0, 1.0)
-                v[lb]["cap_ms"] = et._predicted_ms(cfg, dict(m=m, n=n, k=k), rate, depth, 132)
-            out.append(dict(config=name, m=m, n=n, k=k, count=1, layout="kk", variants=v))
-        return out
-
-    a = rows("8b", [(16384, 4096, 4096), (16384, 28672, 4096), (4096, 4096, 128256), (28672, 4096, 16384)])
-    b = rows("1b", [(16384, 2048, 2048), (16384, 3072, 2048), (3072, 2048, 16384), (16384, 2048, 8192)])
-    rates, got_depth, rms = et.fit(a + b)
-    assert got_depth == depth and rms < 1e-9
-    assert rates == pytest.approx(truth, rel=1e-9)
-    r8, d8, _ = et.fit(a)
-    picked, best = et.picks_against_best(b, r8, d8)
+    a = _model_rows(et, "8b", [(16384, 4096, 4096), (16384, 28672, 4096), (4096, 4096, 128256),
+                               (28672, 4096, 16384)], TRUTH, 225)
+    b = _model_rows(et, "1b", [(16384, 2048, 2048), (16384, 3072, 2048), (3072, 2048, 16384),
+                               (16384, 2048, 8192)], TRUTH, 225)
+    rates, depth, tile_depth, rms = et.fit(a + b)
+    assert (depth, tile_depth) == (225, 0) and rms < 1e-9
+    assert rates == pytest.approx(TRUTH, rel=1e-9)
+    r8, d8, t8, _ = et.fit(a)
+    picked, best = et.picks_against_best(b, r8, d8, t8)
     assert picked == pytest.approx(best, rel=1e-9)
+
+
+def test_fit_separates_the_tile_inputs_depth(et):
+    """Fused rows (``--fused``) with 0, 1 and 2 tile inputs at several K give back the depth each
+    tile input adds to a cooperative tile, apart from the epilogue's own."""
+    rows = _model_rows(et, "8b", [(16384, 4096, 4096, 0), (16384, 4096, 4096, 1), (16384, 4096, 14336, 1),
+                                  (4096, 4096, 128256, 1), (16384, 28672, 4096, 0), (16384, 4096, 28672, 2)],
+                       TRUTH, 150, 325)
+    rates, depth, tile_depth, rms = et.fit(rows)
+    assert (depth, tile_depth) == (150, 325) and rms < 1e-9
+    assert rates == pytest.approx(TRUTH, rel=1e-9)
+
+
+def test_timed_row_takes_cool_times_in_turns_and_joules_back_to_back(et, monkeypatch):
+    calls = []
+    monkeypatch.setattr(et, "interleaved_medians",
+                        lambda fns, rounds, settle_ms: {k: 2.0 + i for i, k in enumerate(fns)})
+    monkeypatch.setattr(et, "joules_over_run", lambda fn, ms, run_ms: calls.append((ms, run_ms)) or dict(
+        j_per_call=ms / 2, ms_per_call=ms * 1.1, watts=700.0))
+    row = et.timed_row({"cuBLAS": None, "pp128x128 2x1": None}, dict(config="1b", m=1, n=2, k=3, count=2, layout="kn"),
+                       600, 5, Console(record=True))
+    assert calls == [(2.0, 600), (3.0, 600)]  # each run sized by its own cool time
+    assert row["variants"]["pp128x128 2x1"] == dict(cool_ms=3.0, j=1.5, cap_ms=pytest.approx(3.3), watts=700.0)
