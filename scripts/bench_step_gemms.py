@@ -64,6 +64,12 @@ def record_launches(step) -> list:
     return list(seen.values())
 
 
+def layout_of(a_stride, b_stride) -> str:
+    """The operands' majors as the training layouts name them: "kk" (forward), "kn" (dgrad),
+    "mn" (wgrad)."""
+    return ("k" if a_stride[-1] == 1 else "m") + ("k" if b_stride[-2] == 1 else "n")
+
+
 def label(plan) -> str:
     return f"{plan.op} [{'+'.join(o.name for o in plan.tree.outputs)}]"
 
@@ -92,7 +98,7 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
         m, k = a.shape[-2:]
         n = b_.shape[-1]
         rows.append(dict(config=name, launch=label(plan), count=count, m=m, n=n, k=k,
-                         layout=("k" if a.stride(-1) == 1 else "m") + ("k" if b_.stride(-2) == 1 else "n"),
+                         layout=layout_of(a.stride(), b_.stride()),
                          tile=plan.config.name, **{f"{key}_ms": v for key, v in t.items()}))
         r = rows[-1]
         if energy:

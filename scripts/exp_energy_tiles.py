@@ -42,7 +42,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_models as TM  # noqa: E402  (the benchmark models' names)
 from bench_gemm import fp8_inputs  # noqa: E402
-from bench_step_gemms import label as launch_label, step_launches  # noqa: E402
+from bench_step_gemms import label as launch_label, layout_of, step_launches  # noqa: E402
 
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
@@ -122,8 +122,7 @@ def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, conso
                 console.log(f"{name} {m}x{n}x{k}: {label} skipped ({str(exc)[:80]})")
                 continue
             fns[label] = lambda cfg=cfg: ours(cfg)
-        layout = ("k" if ast[-1] == 1 else "m") + ("k" if bst[-2] == 1 else "n")
-        rows.append(timed_row(fns, dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count, layout=layout),
+        rows.append(timed_row(fns, dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count, layout=layout_of(ast, bst)),
                               run_ms, rounds, console))
     return rows
 
@@ -136,16 +135,16 @@ def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: C
         if scales is not None or a.dtype != torch.bfloat16:
             continue
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        fns = {"cuBLAS": lambda a=a, b=b: torch.mm(a, b)}
+        fns = {BASE[False]: lambda a=a, b=b: torch.mm(a, b)}
         for label, cfg in CANDIDATES.items():
             if not runner.fits(plan.tree, cfg, 2) or runner.spills(plan.tree, cfg, False, sms):
                 console.log(f"{name} {plan.op} {m}x{n}x{k}: {label} skipped (no room, or spills)")
                 continue
             fns[label] = lambda cfg=cfg, p=plan, a=a, b=b, i=inputs: runner.run(p.tree, a, b, i, config=cfg, op=p.op)
-        layout = ("k" if a.stride(-1) == 1 else "m") + ("k" if b.stride(-2) == 1 else "n")
         tiles = sum(1 for i in plan.tree.inputs if i.kind == "tile")
         rows.append(timed_row(fns, dict(config=name, fp8=False, launch=launch_label(plan), tile_inputs=tiles,
-                                        m=m, n=n, k=k, count=count, layout=layout), run_ms, rounds, console))
+                                        m=m, n=n, k=k, count=count, layout=layout_of(a.stride(), b.stride())),
+                              run_ms, rounds, console))
     return rows
 
 

@@ -45,3 +45,12 @@ def test_report_without_energy_prints_no_joules(sg):
     sg.report(_rows(False), console)
     text = console.export_text()
     assert "joules" not in text and "fused / cuBLAS 1.019" in text
+
+
+def test_layout_names_the_training_layouts(sg):
+    import torch
+
+    x, w = torch.empty(64, 32), torch.empty(48, 32)
+    assert sg.layout_of(x.stride(), w.t().stride()) == "kk"  # x @ W.T
+    assert sg.layout_of(torch.empty(64, 48).stride(), w.stride()) == "kn"  # dY @ W
+    assert sg.layout_of(torch.empty(64, 48).t().stride(), x.stride()) == "mn"  # dY.T @ X
