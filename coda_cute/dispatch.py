@@ -146,6 +146,13 @@ def block_scaled_config_space() -> list[GemmConfig]:
             if not c.fp8_fast_accum and 128 % c.tile_n == 0]
 
 
+def _at_cap(fitted: dict, cool: dict, pp_cool: float) -> dict:
+    """A rates table: the configs fitted at the cap, and the others' cool rates scaled by
+    ping-pong 128 x 128 2x1's ratio, its fitted rate over its cool one (``pp_cool``)."""
+    ratio = fitted[("pingpong", 128, 128, 2, 1)] / pp_cool
+    return {**{key: rate * ratio for key, rate in cool.items()}, **fitted}
+
+
 # 16-bit rates are sustained throughput at the H200's 700 W power cap, where a training step
 # runs (``coda_cute.sol.energy``): TFLOP/s of each config's mainloop when it runs back to back,
 # fitted over every distinct GEMM of the 1b and 8b training steps (``scripts/exp_energy_tiles.py``,
@@ -159,20 +166,19 @@ def block_scaled_config_space() -> list[GemmConfig]:
 # headroom). Configs the fit did not cover keep their cool sweep rate (bench_gemm.py --sweep,
 # 2026-11-30) times ping-pong 128 x 128 2x1's ratio, cap over cool (683 / 712).
 # Key: (schedule, tile_m, tile_n, cluster_m, cluster_n).
-_COOL_TO_CAP = 683 / 712
-_RATES_16 = {
+_RATES_16 = _at_cap({
     ("cooperative", 128, 256, 2, 1): 736, ("cooperative", 128, 192, 2, 1): 729,
     ("cooperative", 256, 128, 2, 1): 722, ("cooperative", 128, 256, 1, 2): 721,
     ("pingpong", 128, 128, 2, 1): 683,
-    **{key: cool * _COOL_TO_CAP for key, cool in {
-        ("cooperative", 128, 256, 1, 1): 650, ("cooperative", 128, 160, 2, 1): 630,
-        ("cooperative", 128, 128, 2, 1): 640, ("cooperative", 128, 128, 1, 1): 530,
-        ("pingpong", 128, 128, 1, 1): 520, ("pingpong", 128, 192, 1, 2): 655,
-        ("pingpong", 64, 256, 1, 1): 360, ("pingpong", 64, 192, 1, 1): 340,
-        ("pingpong", 64, 128, 1, 1): 330, ("pingpong", 64, 64, 1, 1): 315,
-        # M = 128 sweep: 1.15x (64x128) and 1.02-1.03x (64x64) their 1x1 cluster's time
-        ("pingpong", 64, 128, 2, 1): 378, ("pingpong", 64, 64, 2, 1): 322}.items()},
-}
+}, {
+    ("cooperative", 128, 256, 1, 1): 650, ("cooperative", 128, 160, 2, 1): 630,
+    ("cooperative", 128, 128, 2, 1): 640, ("cooperative", 128, 128, 1, 1): 530,
+    ("pingpong", 128, 128, 1, 1): 520, ("pingpong", 128, 192, 1, 2): 655,
+    ("pingpong", 64, 256, 1, 1): 360, ("pingpong", 64, 192, 1, 1): 340,
+    ("pingpong", 64, 128, 1, 1): 330, ("pingpong", 64, 64, 1, 1): 315,
+    # M = 128 sweep: 1.15x (64x128) and 1.02-1.03x (64x64) their 1x1 cluster's time
+    ("pingpong", 64, 128, 2, 1): 378, ("pingpong", 64, 64, 2, 1): 322,
+}, pp_cool=712)
 #: The k-loop length (elements of K) a cooperative 16-bit tile's epilogue costs: its warpgroups
 #: store the tile after their mainloop with the tensor cores idle, where ping-pong's other
 #: warpgroup covers it. Fitted with ``_RATES_16``: it is why ping-pong still wins at K = 2048
@@ -199,16 +205,30 @@ _RATES_FP8_WGRAD = {
     ("pingpong", 64, 128, 2, 1): 610, ("pingpong", 64, 128, 1, 1): 589,
 }
 _WGRAD_UNTIMED_SCALE = 845 / 1204
-_RATES_FP8_FAST = {
-    ("pingpong", 128, 128, 2, 1): 1317, ("cooperative", 128, 256, 1, 2): 1247,
-    ("cooperative", 128, 256, 2, 1): 1245, ("cooperative", 128, 256, 1, 1): 1241,
-    ("cooperative", 128, 128, 2, 1): 1240, ("cooperative", 256, 128, 2, 1): 1238,
-    ("cooperative", 128, 192, 2, 1): 1203, ("pingpong", 128, 128, 1, 1): 1194,
-    ("cooperative", 128, 160, 2, 1): 1155, ("cooperative", 128, 128, 1, 1): 1154,
-    ("pingpong", 64, 128, 2, 1): 1071, ("pingpong", 64, 256, 1, 1): 869,
-    ("pingpong", 64, 192, 1, 1): 800, ("pingpong", 64, 128, 1, 1): 731,
-    ("pingpong", 64, 64, 2, 1): 706, ("pingpong", 64, 64, 1, 1): 583,
-}
+# FP8 with fast accumulation (the row-wise recipe's GEMMs): sustained throughput at the power cap,
+# fitted like ``_RATES_16`` over the 1b and 8b steps' 21 distinct FP8 GEMMs outside the LM head
+# (``scripts/exp_energy_tiles.py --fp8``, 2026-12-04, against ``_scaled_mm(use_fast_accum=True)``)
+# with ``COOP_EPILOGUE_K_FP8_FAST``: 2.1 % rms; fitted on either step alone, it picks the other's
+# configs within 0.03 % (8b -> 1b) and 1.3 % (1b -> 8b) of the best measured sum. As at 16 bits,
+# cooperative 128 x 256 2x1 leads at the cap (ping-pong 128 x 128 2x1 led from cool, 1317 against
+# 1245). Configs the fit did not cover keep their cool rate (bench_gemm.py --dtype fp8 --sweep
+# --fast-accum, 2026-12-03) times ping-pong 128 x 128 2x1's ratio, cap over cool (1327 / 1317).
+_RATES_FP8_FAST = _at_cap({
+    ("cooperative", 128, 256, 2, 1): 1432, ("cooperative", 256, 128, 2, 1): 1405,
+    ("cooperative", 128, 256, 1, 2): 1404, ("cooperative", 128, 128, 2, 1): 1348,
+    ("pingpong", 128, 128, 2, 1): 1327,
+}, {
+    ("cooperative", 128, 256, 1, 1): 1241, ("cooperative", 128, 192, 2, 1): 1203,
+    ("pingpong", 128, 128, 1, 1): 1194, ("cooperative", 128, 160, 2, 1): 1155,
+    ("cooperative", 128, 128, 1, 1): 1154, ("pingpong", 64, 128, 2, 1): 1071,
+    ("pingpong", 64, 256, 1, 1): 869, ("pingpong", 64, 192, 1, 1): 800,
+    ("pingpong", 64, 128, 1, 1): 731, ("pingpong", 64, 64, 2, 1): 706,
+    ("pingpong", 64, 64, 1, 1): 583,
+}, pp_cool=1317)
+#: ``COOP_EPILOGUE_K`` of the FP8 fast-accumulation kernels, fitted with ``_RATES_FP8_FAST``: about
+#: twice the 16-bit depth, the epilogue taking as long while the k-loop runs twice as fast. It puts
+#: the K = 4096 GEMMs on ping-pong and the weight gradients and long dgrads on cooperative 128 x 256.
+COOP_EPILOGUE_K_FP8_FAST = 375
 
 
 def _rate(cfg: GemmConfig, fp8: bool, wgrad_form: bool = False) -> float:
@@ -247,8 +267,8 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     block-scaled kernel's weight-gradient form (its own rates).
 
     Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
-    the busiest CTA's tile count x the tile's work / the per-SM rate; a cooperative 16-bit tile's
-    work is K + ``COOP_EPILOGUE_K`` deep (its exposed epilogue). Partial tiles at the edges
+    the busiest CTA's tile count x the tile's work / the per-SM rate; a cooperative tile's work is
+    K + :func:`coop_epilogue_k` deep (its exposed epilogue). Partial tiles at the edges
     cost as much as full ones; a cluster slot processes a whole cluster tile. On operands past
     ``LARGE_OPERAND_BYTES`` the rate is scaled by the config's L2 intensity over the densest
     config's (the measured ratios there follow it).
@@ -264,8 +284,19 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     _, split = cfg.tail(m, n, k, batch, sms)
     if split > 1:  # the last round: one slice and the owner's read-back of the others
         per_cta += 1 / split + TAIL_PARTIAL_K_TILES * (split - 1) / -(-k // cfg.tile_k) - 1
-    depth = k + (COOP_EPILOGUE_K if not fp8 and cfg.schedule == "cooperative" else 0)
-    return per_cta * cfg.tile_m * cfg.tile_n * depth * sms / rate
+    return per_cta * cfg.tile_m * cfg.tile_n * (k + coop_epilogue_k(cfg, fp8)) * sms / rate
+
+
+def coop_epilogue_k(cfg: GemmConfig, fp8: bool) -> int:
+    """The k-loop length a tile's exposed epilogue costs: ``COOP_EPILOGUE_K`` (16-bit) or
+    ``COOP_EPILOGUE_K_FP8_FAST`` on cooperative configs; 0 on ping-pong (the other warpgroup's
+    mainloop covers it) and on the promoted FP8 kernels (their rates were measured from cool,
+    one GEMM at a time, the epilogue inside them)."""
+    if cfg.schedule != "cooperative":
+        return 0
+    if not fp8:
+        return COOP_EPILOGUE_K
+    return COOP_EPILOGUE_K_FP8_FAST if cfg.fp8_fast_accum else 0
 
 
 def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:

@@ -7,24 +7,25 @@ the 8b step's GEMMs while taking 0.965x its time. This replays every distinct GE
 layout of one CODA step (2 layers, 4 x 4096 tokens) as a plain GEMM of ours on each candidate
 config and as torch's: the median ms in turns from cool (``interleaved_medians``) and, back to
 back for ``--run-ms``, joules and ms per call at the cap. Its bf16 run (2026-12-04) is the data of
-``dispatch._RATES_16``.
+``dispatch._RATES_16`` and ``dispatch.COOP_EPILOGUE_K``.
 
 ``--fp8``: the same (M, N, K) but for the LM head's (which the FP8 recipes keep in bf16), as the
 row-wise recipe's GEMMs with fast accumulation (e4m3, K-major, one scale per row and column) on
-the FP8 candidates, against ``torch._scaled_mm(use_fast_accum=True)``: the data an at-cap
-``dispatch._RATES_FP8_FAST`` would need.
+the FP8 candidates, against ``torch._scaled_mm(use_fast_accum=True)``: the data of
+``dispatch._RATES_FP8_FAST`` and ``dispatch.COOP_EPILOGUE_K_FP8_FAST`` (2026-12-04).
 
 ``--fused``: each bf16 launch of the step as it ran, with its epilogue tree, on every candidate
-config that holds the tree without spilling: the data that fits the cooperative configs' charge
-per tile input at the cap (``runner.COOP_TILE_INPUT_K``, so far measured from cool).
+config that holds the tree without spilling, each row marked with its tile inputs and whether its
+tree computes more than a scaled store (``runner.computes``): the data of the cooperative
+configs' charges for a tree (``runner.COOP_TREE_K``, ``runner.COOP_TILE_INPUT_K``; 2026-12-04).
 
     python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8 | --fused] [--run-ms 600] [--json out.json]
     python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)
 
 ``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
-config, one epilogue depth for the cooperative ones and, on a ``--fused`` run, the depth each
-tile input adds to it, by least squares on the log of the times; then, fitted on each model's
-rows alone, how close its picks come on the other's.
+config, one epilogue depth for the cooperative ones and, on a ``--fused`` run, the depths a
+computing tree and each tile input add to it, by least squares on the log of the times; then,
+fitted on each model's rows alone, how close its picks come on the other's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 import torch
 from rich.console import Console
@@ -109,8 +113,9 @@ def functions(m: int, n: int, k: int, ash, ast, bsh, bst, fp8: bool):
     return (lambda: torch.mm(a, b)), (lambda cfg: gemm_impl(a, b, config=cfg))
 
 
-def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, console: Console) -> list:
-    rows = []
+def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, console: Console):
+    """Each distinct GEMM of the step (plain, or ``fp8``) on every candidate config: its rows, one
+    at a time."""
     for (ash, ast, bsh, bst), count in shapes_of(name, layers, fp8):
         m, k, n = ash[-2], ash[-1], bsh[-1]
         base, ours = functions(m, n, k, ash, ast, bsh, bst, fp8)
@@ -122,15 +127,15 @@ def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, conso
                 console.log(f"{name} {m}x{n}x{k}: {label} skipped ({str(exc)[:80]})")
                 continue
             fns[label] = lambda cfg=cfg: ours(cfg)
-        rows.append(timed_row(fns, dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count, layout=layout_of(ast, bst)),
-                              run_ms, rounds, console))
-    return rows
+        yield timed_row(fns, dict(config=name, fp8=fp8, m=m, n=n, k=k, count=count, layout=layout_of(ast, bst)),
+                        run_ms, rounds, console)
 
 
-def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: Console) -> list:
+def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: Console):
     """Each bf16 launch of the step with its epilogue tree (``--fused``) on every candidate config
-    whose build fits the tree's shared memory without spilling, against ``torch.mm``."""
-    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    whose build fits the tree's shared memory without spilling, against ``torch.mm``: its rows,
+    one at a time."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for plan, a, b, inputs, _o, scales, count in step_launches(name, layers):
         if scales is not None or a.dtype != torch.bfloat16:
             continue
@@ -142,10 +147,10 @@ def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: C
                 continue
             fns[label] = lambda cfg=cfg, p=plan, a=a, b=b, i=inputs: runner.run(p.tree, a, b, i, config=cfg, op=p.op)
         tiles = sum(1 for i in plan.tree.inputs if i.kind == "tile")
-        rows.append(timed_row(fns, dict(config=name, fp8=False, launch=launch_label(plan), tile_inputs=tiles,
-                                        m=m, n=n, k=k, count=count, layout=layout_of(a.stride(), b.stride())),
-                              run_ms, rounds, console))
-    return rows
+        yield timed_row(fns, dict(config=name, fp8=False, launch=launch_label(plan), tile_inputs=tiles,
+                                  computes=runner.computes(plan.tree),
+                                  m=m, n=n, k=k, count=count, layout=layout_of(a.stride(), b.stride())),
+                        run_ms, rounds, console)
 
 
 def timed_row(fns: dict, row: dict, run_ms: float, rounds: int, console: Console) -> dict:
@@ -201,64 +206,85 @@ def _work(cfg: GemmConfig, m: int, n: int, sms: int) -> int:
     return -(-cfg.cluster_tiles(m, n, 1) // cfg.slots(m, n, 1, sms)) * cfg.tile_m * cfg.tile_n * sms
 
 
-def _depth(cfg: GemmConfig, r: dict, depth: int, tile_depth: int) -> int:
-    """The k-loop a tile of ``cfg`` runs for row ``r``, its exposed cooperative epilogue included."""
-    return r["k"] + (depth + r.get("tile_inputs", 0) * tile_depth if cfg.schedule == "cooperative" else 0)
+def _depth(cfg: GemmConfig, r: dict, depth: int, tile_depth: int, tree_depth: int = 0) -> int:
+    """The k-loop a tile of ``cfg`` runs for row ``r``, its exposed cooperative epilogue included:
+    ``depth`` for the plain store, ``tree_depth`` more for a tree that computes (``--fused`` rows),
+    ``tile_depth`` per tile input."""
+    extra = depth + r.get("tile_inputs", 0) * tile_depth + r.get("computes", False) * tree_depth
+    return r["k"] + (extra if cfg.schedule == "cooperative" else 0)
 
 
-def _predicted_ms(cfg, r, rate, depth, tile_depth, sms):
-    return _work(cfg, r["m"], r["n"], sms) * _depth(cfg, r, depth, tile_depth) / rate
+def _predicted_ms(cfg, r, rate, depth, tile_depth, sms, tree_depth=0):
+    return _work(cfg, r["m"], r["n"], sms) * _depth(cfg, r, depth, tile_depth, tree_depth) / rate
 
 
-def fit(rows: list, sms: int = 132) -> tuple[dict, int, int, float]:
-    """({config label: TFLOP/s back to back}, cooperative epilogue depth, depth per tile input,
-    rms log error) fitting ``ms = work (K + (depth + tile inputs x tile depth if cooperative)) /
-    rate`` to every measured (shape, config); the tile depth is 0 where no row has a tile input
-    (plain GEMMs)."""
+class Fit(NamedTuple):
+    """The model fitted to a run: TFLOP/s back to back per config label, the cooperative depths
+    (elements of K: the plain epilogue's, per tile input, for a computing tree) and the rms log
+    error."""
+    rates: dict
+    depth: int
+    tile_depth: int
+    tree_depth: int
+    rms: float
+
+
+def fit(rows: list, sms: int = 132) -> Fit:
+    """:class:`Fit` of ``ms = work (K + (depth + tile inputs x tile depth + computes x tree depth
+    if cooperative)) / rate`` to every measured (shape, config), least squares on the logs over a
+    grid of depths; the tile and tree depths are 0 where no row has a tile input or a computing
+    tree (plain GEMMs)."""
     cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
-    tile_depths = DEPTHS if any(r.get("tile_inputs") for r in rows) else (0,)
+    pts = [(lb, r, _work(cfg, r["m"], r["n"], sms), r["variants"][lb]["cap_ms"])
+           for lb, cfg in cands.items() for r in rows if lb in r["variants"]]
+    labels = sorted({p[0] for p in pts})
+    group = np.array([labels.index(p[0]) for p in pts])
+    coop = np.array([cands[p[0]].schedule == "cooperative" for p in pts], dtype=float)
+    k = np.array([p[1]["k"] for p in pts], dtype=float)
+    tiles = np.array([p[1].get("tile_inputs", 0) for p in pts], dtype=float)
+    computes = np.array([p[1].get("computes", False) for p in pts], dtype=float)
+    log_base = np.log([p[2] / p[3] for p in pts])
+    counts = np.bincount(group)
     best = None
     for depth in DEPTHS:
-        for tile_depth in tile_depths:
-            rates, err = {}, []
-            for label, cfg in cands.items():
-                pts = [(_work(cfg, r["m"], r["n"], sms) * _depth(cfg, r, depth, tile_depth),
-                        r["variants"][label]["cap_ms"]) for r in rows if label in r["variants"]]
-                if pts:
-                    rates[label] = math.exp(-sum(math.log(ms / x) for x, ms in pts) / len(pts))
-                    err += [math.log(x / rates[label] / ms) for x, ms in pts]
-            rms = math.sqrt(sum(e * e for e in err) / len(err))
-            if best is None or rms < best[3]:
-                best = (rates, depth, tile_depth, rms)
-    rates, depth, tile_depth, rms = best
-    return {lb: 2 * v * 1e3 / 1e12 for lb, v in rates.items()}, depth, tile_depth, rms
+        for tile_depth in (DEPTHS if tiles.any() else (0,)):
+            for tree_depth in (DEPTHS if computes.any() else (0,)):
+                logs = log_base + np.log(k + coop * (depth + tiles * tile_depth + computes * tree_depth))
+                log_rates = np.bincount(group, logs) / counts
+                err = logs - log_rates[group]
+                rms = math.sqrt(float(err @ err) / len(err))
+                if best is None or rms < best[0]:
+                    best = (rms, log_rates, depth, tile_depth, tree_depth)
+    rms, log_rates, depth, tile_depth, tree_depth = best
+    rates = {lb: 2 * math.exp(lr) * 1e3 / 1e12 for lb, lr in zip(labels, log_rates)}
+    return Fit(rates, depth, tile_depth, tree_depth, rms)
 
 
-def picks_against_best(rows: list, rates: dict, depth: int, tile_depth: int = 0,
-                       sms: int = 132) -> tuple[float, float]:
+def picks_against_best(rows: list, f: Fit, sms: int = 132) -> tuple[float, float]:
     """(sum of back-to-back ms of the configs the fitted model picks, of the measured best ones),
-    each row weighted by its launches (``rates`` in TFLOP/s, as :func:`fit` gives them)."""
+    each row weighted by its launches."""
     cands = CANDIDATES_FP8 if rows and rows[0].get("fp8") else CANDIDATES
     picked = best = 0.0
     for r in rows:
-        have = [lb for lb in cands if lb in r["variants"] and lb in rates]
-        pick = min(have, key=lambda lb: _predicted_ms(cands[lb], r, rates[lb], depth, tile_depth, sms))
+        have = [lb for lb in cands if lb in r["variants"] and lb in f.rates]
+        pick = min(have, key=lambda lb: _predicted_ms(cands[lb], r, f.rates[lb] * 1e12 / 2 / 1e3, f.depth,
+                                                      f.tile_depth, sms, f.tree_depth))
         picked += r["count"] * r["variants"][pick]["cap_ms"]
         best += r["count"] * min(r["variants"][lb]["cap_ms"] for lb in have)
     return picked, best
 
 
 def report_fit(rows: list, console: Console):
-    rates, depth, tile_depth, rms = fit(rows)
-    console.print(f"all {len(rows)} rows: cooperative epilogue depth {depth}, per tile input {tile_depth}, "
-                  f"rms error {100 * rms:.1f} %; TFLOP/s back to back: "
-                  + ", ".join(f"{lb} {v:.0f}" for lb, v in rates.items()))
+    f = fit(rows)
+    console.print(f"all {len(rows)} rows: cooperative epilogue depth {f.depth}, per tile input {f.tile_depth}, "
+                  f"for a computing tree {f.tree_depth}, rms error {100 * f.rms:.1f} %; TFLOP/s back to back: "
+                  + ", ".join(f"{lb} {v:.0f}" for lb, v in f.rates.items()))
     models = list(dict.fromkeys(r["config"] for r in rows))
     for train in models:
         for test in models:
             if test != train:
-                r_, d_, t_, _ = fit([r for r in rows if r["config"] == train])
-                picked, best = picks_against_best([r for r in rows if r["config"] == test], r_, d_, t_)
+                picked, best = picks_against_best([r for r in rows if r["config"] == test],
+                                                  fit([r for r in rows if r["config"] == train]))
                 console.print(f"fitted on {train}, picking on {test}: {picked:.2f} ms against the best "
                               f"{best:.2f} ({picked / best:.4f})")
 
@@ -279,11 +305,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("exp_energy_tiles needs a CUDA GPU")
     console, rows = Console(width=200), []
-    for name in args.configs:  # the JSON is rewritten after each model: a cut-off run keeps the first
-        rows += (measure_fused(name, args.layers, args.run_ms, args.rounds, console) if args.fused
-                 else measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+    for name in args.configs:
+        for row in (measure_fused(name, args.layers, args.run_ms, args.rounds, console) if args.fused
+                    else measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console)):
+            rows.append(row)
+            if args.json:  # rewritten after each row: a run cut off by a time limit keeps its rows
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     report(rows, console)
 
 

@@ -443,11 +443,12 @@ def test_small_model_trains():
 
 
 def test_lm_head_config_choices_do_not_spill():
-    """The LM head's training GEMMs at the benchmark shape pick spill-free configs."""
+    """The LM head's logits GEMM at the benchmark shapes (d 2048 and 4096, whose cooperative
+    128 x 256 build spills) picks spill-free configs."""
     from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tree, mnk in ((LH.logits_tree(), (4096, 128256, 2048)),):
+    for tree, mnk in ((LH.logits_tree(), (4096, 128256, 2048)), (LH.logits_tree(), (4096, 128256, 4096))):
         cfg = choose_config(tree, *mnk, 1, False, False, sms)
         assert spill_bytes(get_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", sms))) == 0
 

@@ -7,13 +7,14 @@ import pytest
 from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
-from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, COOP_WIDE_TILE_INPUT_COST_FP8,
-                                       _epilogue_factor, choose_config, ranked_configs, spills,
-                                       tree_smem_bytes)
+from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, COOP_TREE_K,
+                                       COOP_WIDE_TILE_INPUT_COST_FP8, _epilogue_factor, choose_config,
+                                       computes, ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
 from coda_cute.kernels.epilogue.edges import nonnegative, unmasked_max, zero_past_edge, zero_past_rows
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
+from coda_cute.ops.lm_head_ce import logits_tree
 from coda_cute.ops.qkv import norm_rope_qkv_tree
 from coda_cute.ops.residual import residual_norm_stats_tree
 from coda_cute.ops.swiglu import norm_swiglu_tree
@@ -167,26 +168,46 @@ def test_smem_bytes_are_the_buffers_without_padding():
     assert tree_smem_bytes(residual_norm_stats_tree(), COOP) == 2 * 8192 + 2 * 8192 + 2 * 2 * 8
 
 
-def test_heuristic_charges_cooperative_configs_for_tile_inputs():
-    """A bf16 tile input deepens a cooperative tile's exposed epilogue by COOP_TILE_INPUT_K
-    elements of K, a share that shrinks as the k-loop grows: a tree with one stays on ping-pong
-    at K = 4096 and takes the cooperative tile where the loop is long (the LM head's dgrad
-    chunks, K = the vocabulary); trees without one rank as the plain GEMM does (cooperative from
-    K = 4096, ping-pong at 2048)."""
-    assert COOP_TILE_INPUT_K > 0
+def test_heuristic_charges_cooperative_configs_for_tree_work_and_tile_inputs():
+    """A bf16 tree deepens a cooperative tile's exposed epilogue by COOP_TREE_K elements of K when
+    it computes more than a scaled store, and by COOP_TILE_INPUT_K per tile input: shares that
+    shrink as the k-loop grows. Measured at the cap (8b step, exp_energy_tiles --fused): the
+    computing trees without tile inputs (norm + SwiGLU, the LM head's logits) and those with one
+    at K = 4096 run on ping-pong, the plain GEMM and the long loops (the residual at K = 14336,
+    the LM head's dgrad chunks at K = the vocabulary) on cooperative 128 x 256."""
+    assert COOP_TREE_K > 0 and COOP_TILE_INPUT_K > 0
     plain = E.Epilogue(E.store(E.acc(), "out"))
-    assert _epilogue_factor(plain, COOP, 4096) == _epilogue_factor(norm_swiglu_tree(), COOP, 4096) == 1.0
     depth = 4096 + dispatch.COOP_EPILOGUE_K
+    assert _epilogue_factor(plain, COOP, 4096) == 1.0
+    assert _epilogue_factor(norm_swiglu_tree(), COOP, 4096) == pytest.approx(1.0 + COOP_TREE_K / depth)
     res = residual_norm_stats_tree()
-    assert _epilogue_factor(res, COOP, 4096) == pytest.approx(1.0 + COOP_TILE_INPUT_K / depth)
+    assert _epilogue_factor(res, COOP, 4096) == pytest.approx(1.0 + (COOP_TREE_K + COOP_TILE_INPUT_K) / depth)
     assert _epilogue_factor(res, COOP, 128256) < _epilogue_factor(res, COOP, 4096)
-    assert _epilogue_factor(res, PP, 4096) == 1.0
-    for tree in (plain, norm_swiglu_tree(), residual_norm_stats_tree()):
+    assert _epilogue_factor(res, PP, 4096) == _epilogue_factor(norm_swiglu_tree(), PP, 4096) == 1.0
+    for tree in (plain, norm_swiglu_tree(), res, logits_tree()):
         assert ranked_configs(tree, 16384, 2048, 2048, 1, False, False, 132)[0] == PP
-    for tree in (plain, norm_swiglu_tree()):
-        assert ranked_configs(tree, 16384, 28672, 4096, 1, False, False, 132)[0] == COOP
-    assert ranked_configs(residual_norm_stats_tree(), 16384, 28672, 4096, 1, False, False, 132)[0] == PP
-    assert ranked_configs(residual_norm_stats_tree(), 4096, 4096, 128256, 1, False, False, 132)[0] == COOP
+    assert ranked_configs(plain, 16384, 28672, 4096, 1, False, False, 132)[0] == COOP
+    for tree in (norm_swiglu_tree(), res):
+        assert ranked_configs(tree, 16384, 28672, 4096, 1, False, False, 132)[0] == PP
+    assert ranked_configs(logits_tree(), 4096, 128256, 4096, 1, False, False, 132)[0] == PP
+    assert ranked_configs(res, 16384, 4096, 14336, 1, False, False, 132)[0] == COOP
+    assert ranked_configs(res, 4096, 4096, 128256, 1, False, False, 132)[0] == COOP
+
+
+def test_computes_tells_a_scaled_store_from_a_tree_that_computes():
+    """The plain GEMM's trees (any scale modes and output dtype) do not compute; a sum with a
+    tile, a second sink, a reduction or a nonlinearity does."""
+    from coda_cute.kernels.epilogue.plain import gemm_tree
+    from coda_cute.ops.lm_head_ce import accumulate_tree
+
+    for modes in (("none", "none"), ("row", "row"), ("tensor", "tensor")):
+        assert not computes(gemm_tree(*modes, "float32"))
+    assert not computes(E.Epilogue(E.store(E.acc() * E.row_vec("r") * 2.0, "out")))
+    assert computes(accumulate_tree("float32"))
+    assert computes(norm_swiglu_tree())
+    assert computes(logits_tree())
+    assert computes(E.Epilogue(E.store(E.exp(E.acc()), "out")))
+    assert computes(E.Epilogue(E.row_reduce(E.acc(), "sum", "s")))
 
 
 @pytest.mark.parametrize("block_scaled", [True, False], ids=["block-scaled", "row-wise"])
@@ -204,7 +225,8 @@ def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block
     coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
     swiglu = swiglu_backward_tree()
     assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
-    assert _epilogue_factor(swiglu, coop, d) == pytest.approx(1.0 + COOP_TILE_INPUT_K / (d + dispatch.COOP_EPILOGUE_K))
+    assert _epilogue_factor(swiglu, coop, d) == pytest.approx(
+        1.0 + (COOP_TREE_K + COOP_TILE_INPUT_K) / (d + dispatch.COOP_EPILOGUE_K))
     assert _epilogue_factor(norm_backward_tree(True), coop, 2 * f, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
     trees = (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
              ("residual", residual_norm_stats_tree(), (m, d, f)))

@@ -77,17 +77,18 @@ def test_fp8_shapes_leave_out_the_lm_head_and_go_k_major(et, monkeypatch):
     assert len(bf16) == 3 and sum(bf16.values()) == 7  # both layouts and the LM head, FP8 launch left out
 
 
-def _model_rows(et, name, shapes, truth, depth, tile_depth=0):
-    """Rows whose back-to-back times are the model's own for (rates, depth, tile depth);
-    ``shapes``: (M, N, K) or (M, N, K, tile inputs)."""
+def _model_rows(et, name, shapes, truth, depth, tile_depth=0, tree_depth=0):
+    """Rows whose back-to-back times are the model's own for (rates, depths); ``shapes``: (M, N,
+    K), (M, N, K, tile inputs) or (M, N, K, tile inputs, computes)."""
     out = []
     for shape in shapes:
-        m, n, k, tiles = (*shape, 0)[:4]
-        row = dict(config=name, m=m, n=n, k=k, count=1, layout="kk", tile_inputs=tiles, variants={})
+        m, n, k, tiles, computes = (*shape, 0, False)[:5]
+        row = dict(config=name, m=m, n=n, k=k, count=1, layout="kk", tile_inputs=tiles, computes=computes,
+                   variants={})
         for lb, cfg in et.CANDIDATES.items():
             rate = truth[lb] * 1e12 / 2 / 1e3  # per ms, as fit() reads it
             row["variants"][lb] = _v(1.0, 1.0)
-            row["variants"][lb]["cap_ms"] = et._predicted_ms(cfg, row, rate, depth, tile_depth, 132)
+            row["variants"][lb]["cap_ms"] = et._predicted_ms(cfg, row, rate, depth, tile_depth, 132, tree_depth)
         out.append(row)
     return out
 
@@ -103,11 +104,10 @@ def test_fit_recovers_the_rates_and_epilogue_depth_it_was_made_from(et):
                                (28672, 4096, 16384)], TRUTH, 225)
     b = _model_rows(et, "1b", [(16384, 2048, 2048), (16384, 3072, 2048), (3072, 2048, 16384),
                                (16384, 2048, 8192)], TRUTH, 225)
-    rates, depth, tile_depth, rms = et.fit(a + b)
-    assert (depth, tile_depth) == (225, 0) and rms < 1e-9
-    assert rates == pytest.approx(TRUTH, rel=1e-9)
-    r8, d8, t8, _ = et.fit(a)
-    picked, best = et.picks_against_best(b, r8, d8, t8)
+    f = et.fit(a + b)
+    assert (f.depth, f.tile_depth, f.tree_depth) == (225, 0, 0) and f.rms < 1e-9
+    assert f.rates == pytest.approx(TRUTH, rel=1e-9)
+    picked, best = et.picks_against_best(b, et.fit(a))
     assert picked == pytest.approx(best, rel=1e-9)
 
 
@@ -117,9 +117,23 @@ def test_fit_separates_the_tile_inputs_depth(et):
     rows = _model_rows(et, "8b", [(16384, 4096, 4096, 0), (16384, 4096, 4096, 1), (16384, 4096, 14336, 1),
                                   (4096, 4096, 128256, 1), (16384, 28672, 4096, 0), (16384, 4096, 28672, 2)],
                        TRUTH, 150, 325)
-    rates, depth, tile_depth, rms = et.fit(rows)
-    assert (depth, tile_depth) == (150, 325) and rms < 1e-9
-    assert rates == pytest.approx(TRUTH, rel=1e-9)
+    f = et.fit(rows)
+    assert (f.depth, f.tile_depth, f.tree_depth) == (150, 325, 0) and f.rms < 1e-9
+    assert f.rates == pytest.approx(TRUTH, rel=1e-9)
+
+
+def test_fit_separates_the_computing_trees_depth(et):
+    """Fused rows whose trees compute (more than a scaled store) give back the depth such a tree
+    adds, apart from the plain epilogue's and the tile inputs'; the picks follow."""
+    rows = _model_rows(et, "8b", [(16384, 4096, 4096, 0, False), (16384, 4096, 4096, 0, True),
+                                  (16384, 4096, 14336, 1, True), (4096, 128256, 4096, 0, True),
+                                  (16384, 28672, 4096, 0, False), (16384, 4096, 28672, 2, True),
+                                  (4096, 4096, 128256, 1, True)],
+                       TRUTH, 175, 200, 150)
+    f = et.fit(rows)
+    assert (f.depth, f.tile_depth, f.tree_depth) == (175, 200, 150) and f.rms < 1e-9
+    picked, best = et.picks_against_best(rows, f)
+    assert picked == pytest.approx(best, rel=1e-9)
 
 
 def test_timed_row_takes_cool_times_in_turns_and_joules_back_to_back(et, monkeypatch):

@@ -511,19 +511,41 @@ def test_large_operands_rank_tiles_by_l2_intensity(m, n, k, monkeypatch):
     assert with_rule == pytest.approx(gap() * dispatch.l2_intensity(dense) / dispatch.l2_intensity(pp))
 
 
-@pytest.mark.parametrize("m, n, k, want", [
-    # the 1b step (d 2048): K = 2048 keeps ping-pong, whose other warpgroup hides the epilogue
-    (16384, 3072, 2048, "pp_128x128x64_c2x1_g8"), (16384, 16384, 2048, "pp_128x128x64_c2x1_g8"),
-    (4096, 128256, 2048, "pp_128x128x64_c2x1_g8"), (16384, 8192, 2048, "pp_128x128x64_c2x1_g8"),
+#: (fp8 fast accumulation, M, N, K, the pick) on the training steps' GEMMs
+CAP_PICKS = [
+    # bf16, the 1b step (d 2048): K = 2048 keeps ping-pong, whose other warpgroup hides the epilogue
+    *((False, *s, "pp_128x128x64_c2x1_g8") for s in [
+        (16384, 3072, 2048), (16384, 16384, 2048), (4096, 128256, 2048), (16384, 8192, 2048)]),
     # from K = 4096 the cooperative 128 x 256 tile's fewer joules per FLOP win
-    (16384, 2048, 8192, "coop_128x256x64_c2x1_g8"), (4096, 2048, 128256, "coop_128x256x64_c2x1_g8"),
-    (128256, 2048, 4096, "coop_128x256x64_c2x1_g8"), (16384, 28672, 4096, "coop_128x256x64_c2x1_g8"),
-    (4096, 4096, 128256, "coop_128x256x64_c2x1_g8"), (28672, 4096, 16384, "coop_128x256x64_c2x1_g8"),
+    *((False, *s, "coop_128x256x64_c2x1_g8") for s in [
+        (16384, 2048, 8192), (4096, 2048, 128256), (128256, 2048, 4096), (16384, 28672, 4096),
+        (4096, 4096, 128256), (28672, 4096, 16384)]),
     # 24 x 8 tiles of 128 x 256 fill 1.45 waves of 132 SMs; 128 x 192 tiles fill them better
-    (3072, 2048, 16384, "coop_128x192x64_c2x1_g8"),
-])
-def test_heuristic_picks_the_measured_best_at_the_power_cap(m, n, k, want):
-    """The picks on the training steps' GEMMs are the configs that ran fastest back to back at
-    the H200's power cap (scripts/exp_energy_tiles.py, 2026-12-04: the measured best or within
-    0.2 % of it on each of these shapes)."""
-    assert dispatch.select_config(m, n, k, 1, False, False, 132).name == want
+    (False, 3072, 2048, 16384, "coop_128x192x64_c2x1_g8"),
+    # FP8 fast: K = 4096 (the 8b forward, the SwiGLU's dgrad) and 2048 (the 1b forward) ping-pong
+    *((True, *s, "pp_128x128x128_c2x1_g8_fastacc") for s in [
+        (16384, 6144, 4096), (16384, 28672, 4096), (16384, 14336, 4096), (16384, 16384, 2048)]),
+    # the FP8 weight gradients and the long dgrads: cooperative 128 x 256
+    *((True, *s, "coop_128x256x128_c2x1_g8_fastacc") for s in [
+        (28672, 4096, 16384), (4096, 14336, 16384), (16384, 4096, 28672), (16384, 4096, 14336),
+        (2048, 8192, 16384)]),
+]
+
+
+@pytest.mark.parametrize("fp8, m, n, k, want", CAP_PICKS)
+def test_heuristic_picks_the_measured_best_at_the_power_cap(fp8, m, n, k, want):
+    """The picks on the training steps' GEMMs (bf16, and FP8 with fast accumulation) are the
+    configs that ran fastest back to back at the H200's power cap (scripts/exp_energy_tiles.py and
+    its --fp8 run, 2026-12-04: the measured best or within 0.2 % of it on each of these shapes);
+    from cool, ping-pong 128 x 128 2x1 had been the pick for all of them."""
+    assert dispatch.select_config(m, n, k, 1, fp8, fp8, 132).name == want
+
+
+def test_coop_epilogue_depth_by_kernel():
+    """The exposed-epilogue depth: 16-bit and FP8 fast-accumulation cooperative tiles have their
+    fitted ones, ping-pong and the promoted FP8 kernels none."""
+    coop = GemmConfig(128, 256, 64, "cooperative", 2, 1)
+    assert dispatch.coop_epilogue_k(coop, False) == dispatch.COOP_EPILOGUE_K
+    assert dispatch.coop_epilogue_k(coop.with_(tile_k=128, fp8_fast_accum=True), True) == dispatch.COOP_EPILOGUE_K_FP8_FAST
+    assert dispatch.coop_epilogue_k(coop.with_(tile_k=128), True) == 0
+    assert dispatch.coop_epilogue_k(GemmConfig(128, 128, 64, "pingpong", 2, 1), False) == 0

@@ -59,15 +59,34 @@ def segment_widths(tree: N.Epilogue) -> set:
     return {n.width for s in tree.sinks for n in N.walk(s.x) if isinstance(n, N.SegmentReduce)}
 
 
-#: The k-loop length (elements of K) each tile input of the tree adds to a cooperative 16-bit
-#: tile's exposed epilogue (on top of ``dispatch.COOP_EPILOGUE_K``): cooperative warpgroups run
-#: the epilogue after their mainloop with the tensor cores idle, so a tile input's stream from
-#: memory adds to the tile's time; under ping-pong the other warpgroup's mainloop covers it.
-#: Measured on the H200 (16384x28672x4096 bf16, timed in turns), cooperative 128x256 2x1 against
-#: ping-pong 128x128 2x1: trees without a tile input cost what the plain GEMM does, the four
-#: trees with one 7 % more of the tile's time at K = 4096 (+10 to +17 % against +5 %), about
-#: 300 elements of K.
-COOP_TILE_INPUT_K = 300
+#: The k-loop lengths (elements of K) a tree adds to a cooperative 16-bit tile's exposed epilogue
+#: (on top of ``dispatch.COOP_EPILOGUE_K``, a plain store's): cooperative warpgroups run the
+#: epilogue after their mainloop with the tensor cores idle, where ping-pong's other warpgroup
+#: covers it. ``COOP_TREE_K`` for a tree that computes more than a scaled store (:func:`computes`),
+#: ``COOP_TILE_INPUT_K`` for each tile it streams from memory. Fitted at the H200's power cap over
+#: the 8b step's 17 distinct fused bf16 launches on five configs each (``scripts/exp_energy_tiles.py
+#: --fused``, 2026-12-04). With the rates fixed to ``dispatch._RATES_16`` these depths pick configs
+#: within 0.2 % of the least joules measured per launch, where the one-depth model (a tile input
+#: 300, measured from cool, and no tree depth) was 2.6 % over; the free fit (``--fit``: 200 for the
+#: plain epilogue, 200 per tree, 125 per tile input, 3.0 % rms) makes the same picks on the 1b and
+#: 8b steps. The logits GEMM of the LM head (an exp per element, three sinks) spent 1.09-1.10x
+#: cuBLAS's joules on cooperative tiles and 0.98x on ping-pong 128 x 128 2x1; the norm + SwiGLU
+#: GEMM 1.05x against 1.02x.
+COOP_TREE_K = 175
+COOP_TILE_INPUT_K = 175
+#: Node kinds a tree that does not compute holds: a store of the accumulator times scale factors.
+_SCALED_STORE_KINDS = frozenset({"acc", "row_vec", "col_vec", "scalar", "scalar_tensor", "const", "cast"})
+
+
+def computes(tree: N.Epilogue) -> bool:
+    """Whether the tree does more than one store of acc times scale factors (the plain GEMM's
+    epilogue)."""
+    if len(tree.sinks) != 1 or tree.sinks[0].kind != "store":
+        return True
+    return any(n.kind not in _SCALED_STORE_KINDS and not (n.kind == "binary" and n.op == "mul")
+               for n in N.walk(tree.sinks[0].x))
+
+
 #: The FP8 kernels' relative extra time per tile input on cooperative configs (their rates
 #: were measured one GEMM at a time, K >= 4096: a factor, not a depth).
 COOP_TILE_INPUT_COST = 0.07
@@ -84,12 +103,14 @@ COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
 
 
 def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
-    """The tree's tile inputs' share of a cooperative config's time (1 for ping-pong)."""
+    """The tree's share of a cooperative config's time (1 for ping-pong): 16-bit, its depths
+    (``COOP_TREE_K``, ``COOP_TILE_INPUT_K``) over the plain tile's; FP8, its tile inputs' costs."""
     if cfg.schedule != "cooperative":
         return 1.0
     tiles = [i for i in tree.inputs if i.kind == "tile"]
     if not fp8:
-        return 1.0 + len(tiles) * COOP_TILE_INPUT_K / (k + dispatch.COOP_EPILOGUE_K)
+        extra = COOP_TREE_K * computes(tree) + len(tiles) * COOP_TILE_INPUT_K
+        return 1.0 + extra / (k + dispatch.COOP_EPILOGUE_K)
     return 1.0 + sum(COOP_WIDE_TILE_INPUT_COST_FP8 if i.wide else COOP_TILE_INPUT_COST for i in tiles)
 
 
@@ -103,8 +124,8 @@ SPILL_CHECKS = 8
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
                    b_rows: bool = False) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
-    predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's tile
-    inputs (``COOP_TILE_INPUT_K``; FP8: ``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
+    predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's work
+    (``COOP_TREE_K``, ``COOP_TILE_INPUT_K``; FP8: ``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
     if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
