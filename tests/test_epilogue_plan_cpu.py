@@ -195,14 +195,18 @@ def test_heuristic_charges_cooperative_configs_for_tree_work_and_tile_inputs():
 
 
 def test_computes_tells_a_scaled_store_from_a_tree_that_computes():
-    """The plain GEMM's trees (any scale modes and output dtype) do not compute; a sum with a
-    tile, a second sink, a reduction or a nonlinearity does."""
+    """The plain GEMM's trees (any scale modes and output dtype) and a store scaled by an
+    RMSNorm's r (row-uniform, however it is computed) do not compute; a sum with a tile or a
+    column vector, a second sink, a reduction or a per-element nonlinearity does."""
     from coda_cute.kernels.epilogue.plain import gemm_tree
     from coda_cute.ops.lm_head_ce import accumulate_tree
+    from coda_cute.ops.proj import norm_proj_tree
 
     for modes in (("none", "none"), ("row", "row"), ("tensor", "tensor")):
         assert not computes(gemm_tree(*modes, "float32"))
-    assert not computes(E.Epilogue(E.store(E.acc() * E.row_vec("r") * 2.0, "out")))
+    assert not computes(norm_proj_tree())
+    assert not computes(E.Epilogue(E.store(E.acc() * E.col_vec("c") * 2.0, "out")))
+    assert computes(E.Epilogue(E.store(E.acc() + E.col_vec("bias"), "out")))
     assert computes(accumulate_tree("float32"))
     assert computes(norm_swiglu_tree())
     assert computes(logits_tree())

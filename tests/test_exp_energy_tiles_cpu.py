@@ -124,16 +124,23 @@ def test_fit_separates_the_tile_inputs_depth(et):
 
 def test_fit_separates_the_computing_trees_depth(et):
     """Fused rows whose trees compute (more than a scaled store) give back the depth such a tree
-    adds, apart from the plain epilogue's and the tile inputs'; the picks follow."""
+    adds, apart from the plain epilogue's and the tile inputs'; with it, the picks put the
+    computing trees at K = 4096 on ping-pong (as measured at the cap) and the plain GEMMs on the
+    cooperative tile, which a fit without the tree depth gets wrong."""
     rows = _model_rows(et, "8b", [(16384, 4096, 4096, 0, False), (16384, 4096, 4096, 0, True),
                                   (16384, 4096, 14336, 1, True), (4096, 128256, 4096, 0, True),
-                                  (16384, 28672, 4096, 0, False), (16384, 4096, 28672, 2, True),
-                                  (4096, 4096, 128256, 1, True)],
-                       TRUTH, 175, 200, 150)
+                                  (16384, 28672, 4096, 0, False), (16384, 28672, 4096, 0, True),
+                                  (16384, 4096, 28672, 2, True), (4096, 4096, 128256, 1, True)],
+                       TRUTH, 175, 200, 300)
     f = et.fit(rows)
-    assert (f.depth, f.tile_depth, f.tree_depth) == (175, 200, 150) and f.rms < 1e-9
+    assert (f.depth, f.tile_depth, f.tree_depth) == (175, 200, 300) and f.rms < 1e-9
     picked, best = et.picks_against_best(rows, f)
     assert picked == pytest.approx(best, rel=1e-9)
+    fastest = {(r["k"], r["computes"]): min(r["variants"], key=lambda lb: r["variants"][lb]["cap_ms"])
+               for r in rows}
+    assert fastest[(4096, True)] == "pp128x128 2x1" and fastest[(4096, False)] == "coop128x256 2x1"
+    blind = f._replace(tree_depth=0)
+    assert et.picks_against_best(rows, blind)[0] > best * 1.001
 
 
 def test_timed_row_takes_cool_times_in_turns_and_joules_back_to_back(et, monkeypatch):

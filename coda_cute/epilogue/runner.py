@@ -74,21 +74,25 @@ def segment_widths(tree: N.Epilogue) -> set:
 #: GEMM 1.05x against 1.02x.
 COOP_TREE_K = 175
 COOP_TILE_INPUT_K = 175
-#: Node kinds a tree that does not compute holds: a store of the accumulator times scale factors.
-_SCALED_STORE_KINDS = frozenset({"acc", "row_vec", "col_vec", "scalar", "scalar_tensor", "const", "cast"})
+#: Node kinds of a scaled store's per-element values (its row-uniform factors, such as an RMSNorm's
+#: r, may be computed in any way: once per row).
+_SCALED_STORE_KINDS = frozenset({"acc", "col_vec", "cast"})
 
 
 def computes(tree: N.Epilogue) -> bool:
     """Whether the tree does more than one store of acc times scale factors (the plain GEMM's
-    epilogue)."""
+    epilogue, or an RMSNorm's r applied to it): per-element work beyond a product with column
+    vectors and row-uniform values."""
     if len(tree.sinks) != 1 or tree.sinks[0].kind != "store":
         return True
-    return any(n.kind not in _SCALED_STORE_KINDS and not (n.kind == "binary" and n.op == "mul")
-               for n in N.walk(tree.sinks[0].x))
+    return any(n.domain is not None and n.kind not in _SCALED_STORE_KINDS
+               and not (n.kind == "binary" and n.op == "mul") for n in N.walk(tree.sinks[0].x))
 
 
-#: The FP8 kernels' relative extra time per tile input on cooperative configs (their rates
-#: were measured one GEMM at a time, K >= 4096: a factor, not a depth).
+#: The FP8 kernels' relative extra time per tile input on cooperative configs: a factor measured
+#: from cool, one GEMM at a time at K >= 4096, on top of the fast-accumulation kernels' cooperative
+#: depth (``dispatch.COOP_EPILOGUE_K_FP8_FAST``); FP8 trees take no tree depth (not yet measured at
+#: the cap).
 COOP_TILE_INPUT_COST = 0.07
 #: The extra a double-width tile input costs on the FP8 kernels' cooperative configs, whose
 #: mainloop runs twice as fast. Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_
