@@ -74,12 +74,13 @@ def label(plan) -> str:
     return f"{plan.op} [{'+'.join(o.name for o in plan.tree.outputs)}]"
 
 
-def step_launches(name: str, layers: int) -> list:
+def step_launches(name: str, layers: int, precision=None) -> list:
     """:func:`record_launches` of one training step of ``scripts/bench_train.py``'s CODA model
-    ``name`` (``layers`` layers, 4 x 4096 tokens), after a first step that compiles every kernel."""
+    ``name`` (``layers`` layers, 4 x 4096 tokens), after a first step that compiles every kernel;
+    ``precision``: the model's (``CodaLlama``'s argument: "fp8" or an ``Fp8Recipe``)."""
     spec = TM.SPECS[name]
     torch.manual_seed(0)
-    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers)), device="cuda")
+    model = CodaLlama(LlamaConfig(**spec.coda_kwargs(layers)), device="cuda", precision=precision)
     model.train()
     tokens = TM.random_tokens(4, 4096, spec.vocab_size).cuda()
     step = TM.coda_step(model, tokens, TM.shift_labels(tokens), list(model.parameters()))

@@ -18,8 +18,11 @@ the FP8 candidates, against ``torch._scaled_mm(use_fast_accum=True)``: the data 
 config that holds the tree without spilling, each row marked with its tile inputs and whether its
 tree computes more than a scaled store (``runner.computes``): the data of the cooperative
 configs' charges for a tree (``runner.COOP_TREE_K``, ``runner.COOP_TILE_INPUT_K``; 2026-12-04).
+``--fused --fp8``: the same for the FP8 launches of the step in the row-wise recipe with fast
+accumulation, against ``_scaled_mm``: the data the FP8 trees' charges at the cap need (so far
+``runner.COOP_TILE_INPUT_COST``, a factor measured from cool). Not run yet.
 
-    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8 | --fused] [--run-ms 600] [--json out.json]
+    python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8] [--fused] [--run-ms 600] [--json out.json]
     python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)
 
 ``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
@@ -51,6 +54,7 @@ from bench_step_gemms import label as launch_label, layout_of, step_launches  # 
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
+from coda_cute.precision import Fp8Recipe  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
@@ -133,26 +137,47 @@ def measure(name: str, layers: int, run_ms: float, rounds: int, fp8: bool, conso
                         run_ms, rounds, console)
 
 
-def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: Console):
+#: the FP8 step ``--fused --fp8`` records: the row-wise recipe, every GEMM accumulating fast
+FP8_FUSED_RECIPE = dict(scaling="row", fast_accum="all")
+
+
+def measure_fused(name: str, layers: int, run_ms: float, rounds: int, console: Console, fp8: bool = False):
     """Each bf16 launch of the step with its epilogue tree (``--fused``) on every candidate config
     whose build fits the tree's shared memory without spilling, against ``torch.mm``: its rows,
-    one at a time."""
+    one at a time. ``fp8``: the FP8 launches of the step in the row-wise recipe with fast
+    accumulation (``FP8_FUSED_RECIPE``) on the FP8 candidates, against ``torch._scaled_mm`` with
+    unit row and column scales."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for plan, a, b, inputs, _o, scales, count in step_launches(name, layers):
-        if scales is not None or a.dtype != torch.bfloat16:
+    precision = Fp8Recipe(**FP8_FUSED_RECIPE) if fp8 else None
+    for plan, a, b, inputs, _o, scales, count in step_launches(name, layers, precision):
+        if scales is not None or a.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
             continue
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        fns = {BASE[False]: lambda a=a, b=b: torch.mm(a, b)}
-        for label, cfg in CANDIDATES.items():
-            if not runner.fits(plan.tree, cfg, 2) or runner.spills(plan.tree, cfg, False, sms):
+        fns = {BASE[fp8]: _scaled_mm_fast(a, b) if fp8 else lambda a=a, b=b: torch.mm(a, b)}
+        for label, cfg in (CANDIDATES_FP8 if fp8 else CANDIDATES).items():
+            fn = (lambda cfg=cfg, p=plan, a=a, b=b, i=inputs:
+                  runner.run(p.tree, a, b, i, config=cfg, use_fast_accum=fp8, op=p.op))
+            if not runner.fits(plan.tree, cfg, 1 if fp8 else 2) or runner.spills(plan.tree, cfg, fp8, sms):
                 console.log(f"{name} {plan.op} {m}x{n}x{k}: {label} skipped (no room, or spills)")
                 continue
-            fns[label] = lambda cfg=cfg, p=plan, a=a, b=b, i=inputs: runner.run(p.tree, a, b, i, config=cfg, op=p.op)
+            try:
+                fn()
+            except ValueError as exc:  # a config the tree's sinks cannot run on (quantize sinks)
+                console.log(f"{name} {plan.op} {m}x{n}x{k}: {label} skipped ({str(exc)[:80]})")
+                continue
+            fns[label] = fn
         tiles = sum(1 for i in plan.tree.inputs if i.kind == "tile")
-        yield timed_row(fns, dict(config=name, fp8=False, launch=launch_label(plan), tile_inputs=tiles,
+        yield timed_row(fns, dict(config=name, fp8=fp8, launch=launch_label(plan), tile_inputs=tiles,
                                   computes=runner.computes(plan.tree),
                                   m=m, n=n, k=k, count=count, layout=layout_of(a.stride(), b.stride())),
                         run_ms, rounds, console)
+
+
+def _scaled_mm_fast(a: torch.Tensor, b: torch.Tensor):
+    """``torch._scaled_mm`` of the FP8 operands with fast accumulation and unit row-wise scales."""
+    sa = torch.ones(a.shape[0], 1, device=a.device)
+    sb = torch.ones(1, b.shape[1], device=a.device)
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
 def timed_row(fns: dict, row: dict, run_ms: float, rounds: int, console: Console) -> dict:
@@ -295,7 +320,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
     ap.add_argument("--fp8", action="store_true", help="the row-wise FP8 recipe's GEMMs, fast accumulation")
-    ap.add_argument("--fused", action="store_true", help="each bf16 launch with its epilogue tree")
+    ap.add_argument("--fused", action="store_true",
+                    help="each launch with its epilogue tree (bf16; with --fp8 the row-wise FP8 recipe's)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--run-ms", type=float, default=600)
@@ -308,7 +334,7 @@ def main(argv=None):
         sys.exit("exp_energy_tiles needs a CUDA GPU")
     console, rows = Console(width=200), []
     for name in args.configs:
-        for row in (measure_fused(name, args.layers, args.run_ms, args.rounds, console) if args.fused
+        for row in (measure_fused(name, args.layers, args.run_ms, args.rounds, console, args.fp8) if args.fused
                     else measure(name, args.layers, args.run_ms, args.rounds, args.fp8, console)):
             rows.append(row)
             if args.json:  # rewritten after each row: a run cut off by a time limit keeps its rows

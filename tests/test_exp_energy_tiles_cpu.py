@@ -153,3 +153,46 @@ def test_timed_row_takes_cool_times_in_turns_and_joules_back_to_back(et, monkeyp
                        600, 5, Console(record=True))
     assert calls == [(2.0, 600), (3.0, 600)]  # each run sized by its own cool time
     assert row["variants"]["pp128x128 2x1"] == dict(cool_ms=3.0, j=1.5, cap_ms=pytest.approx(3.3), watts=700.0)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_rows_take_the_launches_of_their_precision(et, monkeypatch, fp8):
+    """``--fused`` times the bf16 launches against torch.mm; ``--fused --fp8`` builds the step in
+    the row-wise FP8 recipe with fast accumulation and times its FP8 launches (row-scaled, no
+    block scales) against ``_scaled_mm`` on the FP8 candidates; a candidate whose run raises is
+    left out."""
+    import types
+
+    import torch
+    from coda_cute.kernels.epilogue.plain import gemm_tree
+
+    plan = types.SimpleNamespace(op="coda.gemm", tree=gemm_tree("row", "row", "bfloat16"))
+    f8 = torch.float8_e4m3fn
+    bf16_launch = (plan, torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(48, 32, dtype=torch.bfloat16).t(),
+                   {}, {}, None, 2)
+    fp8_launch = (plan, torch.empty(64, 32, dtype=f8), torch.empty(48, 32, dtype=f8).t(), {}, {}, None, 3)
+    blocked = (plan, torch.empty(64, 32, dtype=f8), torch.empty(48, 32, dtype=f8).t(), {}, {}, ("sa", "sb"), 1)
+    precisions = []
+    monkeypatch.setattr(et, "step_launches", lambda name, layers, precision=None: precisions.append(precision)
+                        or [bf16_launch, fp8_launch, blocked])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(et.runner, "fits", lambda tree, cfg, ab: True)
+    monkeypatch.setattr(et.runner, "spills", lambda tree, cfg, fp8, sms: False)
+    calls = []
+
+    def run(tree, a, b, i, config, use_fast_accum, op):
+        calls.append((config.schedule, use_fast_accum))
+        if config.tile_n == 192:
+            raise ValueError("no")
+
+    monkeypatch.setattr(et.runner, "run", run)
+    monkeypatch.setattr(et, "timed_row", lambda fns, row, run_ms, rounds, console: (list(fns), row))
+    (labels, row), = list(et.measure_fused("8b", 2, 600, 5, Console(record=True), fp8))
+    assert row["fp8"] is fp8 and row["count"] == (3 if fp8 else 2) and (row["m"], row["n"], row["k"]) == (64, 48, 32)
+    assert row["computes"] is False and row["tile_inputs"] == 0
+    assert labels[0] == et.BASE[fp8]
+    assert labels[1:] == [lb for lb in (et.CANDIDATES_FP8 if fp8 else et.CANDIDATES) if "128x192" not in lb]
+    assert {fast for _, fast in calls} == {fp8}
+    assert (precisions[0] is None) is (not fp8)
+    if fp8:
+        assert (precisions[0].scaling, precisions[0].fast_accum) == ("row", "all")
