@@ -546,6 +546,7 @@ def test_coop_epilogue_depth_by_kernel():
     fitted ones, ping-pong and the promoted FP8 kernels none."""
     coop = GemmConfig(128, 256, 64, "cooperative", 2, 1)
     assert dispatch.coop_epilogue_k(coop, False) == dispatch.COOP_EPILOGUE_K
-    assert dispatch.coop_epilogue_k(coop.with_(tile_k=128, fp8_fast_accum=True), True) == dispatch.COOP_EPILOGUE_K_FP8_FAST
+    fast = coop.with_(tile_k=128, fp8_fast_accum=True)
+    assert dispatch.coop_epilogue_k(fast, True) == dispatch.COOP_EPILOGUE_K_FP8_FAST
     assert dispatch.coop_epilogue_k(coop.with_(tile_k=128), True) == 0
     assert dispatch.coop_epilogue_k(GemmConfig(128, 128, 64, "pingpong", 2, 1), False) == 0
