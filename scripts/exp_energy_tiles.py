@@ -19,8 +19,8 @@ config that holds the tree without spilling, each row marked with its tile input
 tree computes more than a scaled store (``runner.computes``): the data of the cooperative
 configs' charges for a tree (``runner.COOP_TREE_K``, ``runner.COOP_TILE_INPUT_K``; 2026-12-04).
 ``--fused --fp8``: the same for the FP8 launches of the step in the row-wise recipe with fast
-accumulation, against ``_scaled_mm``: the data the FP8 trees' charges at the cap need (so far
-``runner.COOP_TILE_INPUT_COST``, a factor measured from cool). Not run yet.
+accumulation, against ``_scaled_mm``: the data that moved the FP8 fast kernels' trees from a
+factor measured from cool (``runner.COOP_TILE_INPUT_COST``) to the 16-bit depths (2026-12-04).
 
     python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8] [--fused] [--run-ms 600] [--json out.json]
     python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)

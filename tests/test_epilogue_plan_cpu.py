@@ -240,6 +240,37 @@ def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block
     assert picks["norm"].schedule == picks["residual"].schedule == "cooperative"
 
 
+def test_fast_fp8_trees_take_the_16_bit_depths_and_the_wide_tile_its_factor():
+    """The FP8 fast-accumulation kernels (the row-wise recipe) charge a cooperative tile the
+    16-bit depths over their own plain depth, and a double-width tile input its FP8 factor on
+    top. Measured at the cap (8b step, exp_energy_tiles --fused --fp8): the norm backward at
+    K = 28672 and the residual at K = 14336 ran on cooperative 128 x 256 (0.95x / 1.05x
+    _scaled_mm's joules, against 1.05x / 1.08x on ping-pong), the K = 4096 trees on ping-pong, the
+    SwiGLU backward on ping-pong (1.36x against 1.58-1.65x)."""
+    from coda_cute.ops.fp8_gemms import row_scaled
+    from coda_cute.ops.rmsnorm import norm_backward_tree
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    fast = GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True)
+    depth = 28672 + dispatch.COOP_EPILOGUE_K_FP8_FAST
+    norm = row_scaled(norm_backward_tree(True))
+    assert _epilogue_factor(norm, fast, 28672, True) == pytest.approx(1.0 + (COOP_TREE_K + 2 * COOP_TILE_INPUT_K) / depth)
+    swiglu = row_scaled(swiglu_backward_tree())
+    assert _epilogue_factor(swiglu, fast, 4096, True) == pytest.approx(
+        1.0 + COOP_TREE_K / (4096 + dispatch.COOP_EPILOGUE_K_FP8_FAST) + COOP_WIDE_TILE_INPUT_COST_FP8)
+    assert _epilogue_factor(norm, fast.with_(schedule="pingpong", tile_n=128), 28672, True) == 1.0
+
+    def pick(tree, m, n, k):
+        c = choose_config(row_scaled(tree), m, n, k, 1, True, True, 132)
+        return c.schedule, c.tile_m, c.tile_n
+
+    assert pick(norm_backward_tree(True), 16384, 4096, 28672) == ("cooperative", 128, 256)
+    assert pick(residual_norm_stats_tree(), 16384, 4096, 14336) == ("cooperative", 128, 256)
+    for tree, shape in ((norm_backward_tree(True), (16384, 4096, 6144)), (residual_norm_stats_tree(), (16384, 4096, 4096)),
+                        (norm_swiglu_tree(), (16384, 28672, 4096)), (swiglu_backward_tree(), (16384, 14336, 4096))):
+        assert pick(tree, *shape) == ("pingpong", 128, 128)
+
+
 def test_choose_config_takes_the_first_candidate_that_does_not_spill(monkeypatch):
     tree = norm_swiglu_tree()
     shape = (16384, 28672, 4096, 1, False, False, 132)

@@ -89,10 +89,10 @@ def computes(tree: N.Epilogue) -> bool:
                and not (n.kind == "binary" and n.op == "mul") for n in N.walk(tree.sinks[0].x))
 
 
-#: The FP8 kernels' relative extra time per tile input on cooperative configs: a factor measured
-#: from cool, one GEMM at a time at K >= 4096, on top of the fast-accumulation kernels' cooperative
-#: depth (``dispatch.COOP_EPILOGUE_K_FP8_FAST``); FP8 trees take no tree depth (not yet measured at
-#: the cap).
+#: The promoted FP8 kernels' relative extra time per tile input on cooperative configs (the
+#: block-scaled kernel, and the row-wise recipe without fast accumulation): a factor measured from
+#: cool, one GEMM at a time at K >= 4096, as their rates and epilogue depth (0) were. The fast-
+#: accumulation kernels take the 16-bit depths instead (:func:`_epilogue_factor`).
 COOP_TILE_INPUT_COST = 0.07
 #: The extra a double-width tile input costs on the FP8 kernels' cooperative configs, whose
 #: mainloop runs twice as fast. Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_
@@ -107,15 +107,27 @@ COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
 
 
 def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
-    """The tree's share of a cooperative config's time (1 for ping-pong): 16-bit, its depths
-    (``COOP_TREE_K``, ``COOP_TILE_INPUT_K``) over the plain tile's; FP8, its tile inputs' costs."""
+    """The tree's share of a cooperative config's time (1 for ping-pong). 16-bit and FP8 with fast
+    accumulation: its depths (``COOP_TREE_K``, ``COOP_TILE_INPUT_K`` per plain tile input) over
+    the plain tile's (``k`` + ``dispatch.coop_epilogue_k``), a double-width tile input costing FP8
+    ``COOP_WIDE_TILE_INPUT_COST_FP8`` on top. The promoted FP8 kernels: their tile inputs' factors.
+
+    The fast kernels' depths are the 16-bit ones, not fitted again: at the cap (8b step in the
+    row-wise recipe with fast accumulation, ``scripts/exp_energy_tiles.py --fused --fp8``,
+    2026-12-04: 14 distinct FP8 launches, each with its tree, on six configs) they pick configs
+    spending 26.10 J over the step's launches against 26.01 J for the least per launch, where
+    the promoted kernels' factors picked 26.61 J (the norm backward at K = 28672 on ping-pong at
+    1.049x ``_scaled_mm``'s joules, against 0.954x on cooperative 128 x 256). The SwiGLU
+    backward's double-width z kept ping-pong there (1.36x; cooperative 128 x 128 1.65x,
+    128 x 192 1.58x; 128 x 256 spills)."""
     if cfg.schedule != "cooperative":
         return 1.0
     tiles = [i for i in tree.inputs if i.kind == "tile"]
-    if not fp8:
-        extra = COOP_TREE_K * computes(tree) + len(tiles) * COOP_TILE_INPUT_K
-        return 1.0 + extra / (k + dispatch.COOP_EPILOGUE_K)
-    return 1.0 + sum(COOP_WIDE_TILE_INPUT_COST_FP8 if i.wide else COOP_TILE_INPUT_COST for i in tiles)
+    wide = sum(1 for i in tiles if i.wide)
+    if fp8 and not cfg.fp8_fast_accum:
+        return 1.0 + wide * COOP_WIDE_TILE_INPUT_COST_FP8 + (len(tiles) - wide) * COOP_TILE_INPUT_COST
+    extra = COOP_TREE_K * computes(tree) + (len(tiles) - wide * fp8) * COOP_TILE_INPUT_K
+    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + fp8 * wide * COOP_WIDE_TILE_INPUT_COST_FP8
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
