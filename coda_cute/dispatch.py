@@ -213,9 +213,10 @@ _WGRAD_UNTIMED_SCALE = 845 / 1204
 # cooperative 128 x 256 2x1 leads at the cap (ping-pong 128 x 128 2x1 led from cool, 1317 against
 # 1245). Cooperative 128 x 192 2x1, measured in a second run (2026-12-04, the same 21 shapes, the
 # six configs fitted together: 1382 against cooperative 128 x 256 2x1's 1417), takes that ratio
-# to the first run's 1432; its cool rate had ranked it 15 % lower. It moves no pick of the 8b
+# to the first run's 1432; its cool rate had put it 13 % below that. It moves no pick of the 8b
 # step; at 1b the QKV weight gradient (3072 x 2048 x 16384: two whole rounds of 128 x 192 tiles)
-# leaves ping-pong for it (measured 1.019x ``_scaled_mm``'s joules against 1.011x). Over both
+# leaves ping-pong for it, which costs that launch 0.8 % (measured 1.019x ``_scaled_mm``'s joules
+# against ping-pong's 1.011x: within the model's 2.5 % rms, not tuned away per shape). Over both
 # steps the picks spend 0.8 % more than the least-joule config per shape. Configs no fit covered
 # keep their cool rate (bench_gemm.py --dtype fp8 --sweep
 # --fast-accum, 2026-12-03) times ping-pong 128 x 128 2x1's ratio, cap over cool (1327 / 1317).

@@ -245,8 +245,8 @@ def test_fast_fp8_trees_take_the_16_bit_depths_and_the_wide_tile_its_factor():
     16-bit depths over their own plain depth, and a double-width tile input its FP8 factor on
     top. Measured at the cap (8b step, exp_energy_tiles --fused --fp8): the norm backward at
     K = 28672 and the residual at K = 14336 ran on cooperative 128 x 256 (0.95x / 1.05x
-    _scaled_mm's joules, against 1.05x / 1.08x on ping-pong), the K = 4096 trees on ping-pong, the
-    SwiGLU backward on ping-pong (1.36x against 1.58-1.65x)."""
+    _scaled_mm's joules, against 1.05x / 1.08x on ping-pong), the trees at K = 4096 and the norm
+    backward at K = 6144 on ping-pong, the SwiGLU backward on ping-pong (1.36x against 1.58-1.65x)."""
     from coda_cute.ops.fp8_gemms import row_scaled
     from coda_cute.ops.rmsnorm import norm_backward_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree

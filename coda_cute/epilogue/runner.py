@@ -101,16 +101,19 @@ COOP_TILE_INPUT_COST = 0.07
 #: x 2048 / 16384 x 14336 x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x
 #: its predicted time. Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST``
 #: ranks them: the residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at
-#: 0.77x (8b). The plain FP8 kernel (the row-wise recipe's trees) takes it too: its mainloop is
-#: no slower than the block-scaled one's (not timed with such a tree yet).
+#: 0.77x (8b). The plain FP8 kernel with fast accumulation (the row-wise recipe's trees) takes it
+#: on top of its depths: at the cap its SwiGLU backward spent 1.36x ``_scaled_mm``'s joules on
+#: ping-pong 128 x 128 against 1.58-1.65x on cooperative tiles (:func:`_epilogue_factor`).
 COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
 
 
 def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
     """The tree's share of a cooperative config's time (1 for ping-pong). 16-bit and FP8 with fast
-    accumulation: its depths (``COOP_TREE_K``, ``COOP_TILE_INPUT_K`` per plain tile input) over
-    the plain tile's (``k`` + ``dispatch.coop_epilogue_k``), a double-width tile input costing FP8
-    ``COOP_WIDE_TILE_INPUT_COST_FP8`` on top. The promoted FP8 kernels: their tile inputs' factors.
+    accumulation: its depths over the plain tile's (``k`` + ``dispatch.coop_epilogue_k``):
+    ``COOP_TREE_K`` for a tree that computes, ``COOP_TILE_INPUT_K`` per tile input (on FP8 only
+    per plain one: a double-width one adds ``COOP_WIDE_TILE_INPUT_COST_FP8`` to the factor
+    instead). The promoted FP8 kernels: their tile inputs' factors (``COOP_TILE_INPUT_COST``,
+    ``COOP_WIDE_TILE_INPUT_COST_FP8``).
 
     The fast kernels' depths are the 16-bit ones, not fitted again: at the cap (8b step in the
     row-wise recipe with fast accumulation, ``scripts/exp_energy_tiles.py --fused --fp8``,
@@ -119,15 +122,18 @@ def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
     the promoted kernels' factors picked 26.61 J (the norm backward at K = 28672 on ping-pong at
     1.049x ``_scaled_mm``'s joules, against 0.954x on cooperative 128 x 256). The SwiGLU
     backward's double-width z kept ping-pong there (1.36x; cooperative 128 x 128 1.65x,
-    128 x 192 1.58x; 128 x 256 spills)."""
+    128 x 192 1.58x; 128 x 256 spills). At 1b (not measured with trees) the same rule moves
+    the norm backward at K = 16384 to cooperative 128 x 256, as at 8b."""
     if cfg.schedule != "cooperative":
         return 1.0
     tiles = [i for i in tree.inputs if i.kind == "tile"]
-    wide = sum(1 for i in tiles if i.wide)
+    n_wide = sum(1 for i in tiles if i.wide)
     if fp8 and not cfg.fp8_fast_accum:
-        return 1.0 + wide * COOP_WIDE_TILE_INPUT_COST_FP8 + (len(tiles) - wide) * COOP_TILE_INPUT_COST
-    extra = COOP_TREE_K * computes(tree) + (len(tiles) - wide * fp8) * COOP_TILE_INPUT_K
-    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + fp8 * wide * COOP_WIDE_TILE_INPUT_COST_FP8
+        return 1.0 + n_wide * COOP_WIDE_TILE_INPUT_COST_FP8 + (len(tiles) - n_wide) * COOP_TILE_INPUT_COST
+    wide_factor = n_wide * COOP_WIDE_TILE_INPUT_COST_FP8 if fp8 else 0.0
+    depth_tiles = len(tiles) - (n_wide if fp8 else 0)
+    extra = COOP_TREE_K * computes(tree) + depth_tiles * COOP_TILE_INPUT_K
+    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + wide_factor
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
@@ -141,7 +147,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
                    b_rows: bool = False) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
     predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's work
-    (``COOP_TREE_K``, ``COOP_TILE_INPUT_K``; FP8: ``COOP_TILE_INPUT_COST``); ``block_scaled``: those of
+    (:func:`_epilogue_factor`); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
     if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
