@@ -216,7 +216,8 @@ _WGRAD_UNTIMED_SCALE = 845 / 1204
 # to the first run's 1432; its cool rate had put it 13 % below that. It moves no pick of the 8b
 # step; at 1b the QKV weight gradient (3072 x 2048 x 16384: two whole rounds of 128 x 192 tiles)
 # leaves ping-pong for it, which costs that launch 0.8 % (measured 1.019x ``_scaled_mm``'s joules
-# against ping-pong's 1.011x: within the model's 2.5 % rms, not tuned away per shape). Over both
+# against ping-pong's 1.011x: within the model's 2.5 % rms, not tuned away per shape), as do the
+# untimed weight gradients of a d 3072 model (5120 x 3072, from cooperative 128 x 256). Over both
 # steps the picks spend 0.8 % more than the least-joule config per shape. Configs no fit covered
 # keep their cool rate (bench_gemm.py --dtype fp8 --sweep
 # --fast-accum, 2026-12-03) times ping-pong 128 x 128 2x1's ratio, cap over cool (1327 / 1317).
