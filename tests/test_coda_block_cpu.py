@@ -557,3 +557,40 @@ def test_compiled_training_step_traces_every_op_and_matches_eager(precision):
             torch._dynamo.config.trace_autograd_ops = False
     assert torch.equal(loss, want_loss)
     assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+
+
+def test_model_folds_each_sublayer_weight_just_before_it_and_keeps_its_positions(monkeypatch):
+    """A step's first GEMM waits on the host for what is launched ahead of it: the MLP's γ fold
+    comes after the attention sublayer, and the per-token positions are made once per (B, S).
+    A layer also takes positions one per token (B*S,), with the same result as (S,)."""
+    import coda_cute.nn.fold as NF
+    import coda_cute.nn.llama as NL
+
+    order = []
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            order.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(NF, "fold_gamma", logged("fold", NF.fold_gamma))
+    monkeypatch.setattr(NL, "attention_block", logged("attention", NL.attention_block))
+    monkeypatch.setattr(NL, "mlp_block", logged("mlp", NL.mlp_block))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16)
+    model = CodaLlama(cfg)
+    tokens = torch.randint(0, 96, (2, 16))
+    with coda_cute.reference_on_cpu():
+        model(tokens, torch.roll(tokens, -1, 1))
+        assert order == ["fold", "attention", "fold", "mlp"] * 2
+        positions = model._positions[(2, 16, torch.device("cpu"))]
+        model(tokens, torch.roll(tokens, -1, 1))
+        assert model._positions[(2, 16, torch.device("cpu"))] is positions
+        assert torch.equal(positions, torch.arange(16, dtype=torch.int32).repeat(2))
+        x = torch.randn(2, 16, 64).to(torch.bfloat16)
+        ss = x.float().square().sum(-1).reshape(-1, 1)
+        layer = model.layers[0]
+        a = layer(x, ss, torch.arange(16, dtype=torch.int32), model.rope_inv_freq)
+        b = layer(x, ss, positions, model.rope_inv_freq)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))

@@ -34,6 +34,7 @@ as outputs are refused: the CODA path is for training.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Optional
 
@@ -149,7 +150,9 @@ def coda_layer_forward(self, x, ss, positions, inv_freq):
     it: FSDP2 unshards the layer's parameters in its pre-forward hook (and again before its
     backward), which a loop reading the parameters from outside the module would skip."""
     check_layer_inputs(ss, inv_freq)
-    return block_forward(self._coda_cfg, x, ss, positions, inv_freq, *layer_weights(self, self._coda_cfg))
+    c = self._coda_cfg
+    return block_forward(c, x, ss, positions, inv_freq, functools.partial(sublayer_weights, self, c),
+                         *qk_norm_weights(self, c))
 
 
 def _frequencies(state, device) -> torch.Tensor:
@@ -163,19 +166,28 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == BF16 else t.to(BF16)
 
 
-def layer_weights(layer, c: LlamaConfig):
-    """One HF decoder layer's weights in the CODA layouts, bf16, RMSNorm weights folded in:
-    (w_qkv, w_o, w_gu, w_down, q_norm, k_norm); differentiable into the HF parameters."""
-    att, mlp = layer.self_attn, layer.mlp
-    w_qkv = fuse_qkv(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, c.n_heads, c.n_kv_heads,
-                     c.head_dim)
+def sublayer_weights(layer, c: LlamaConfig, i: int):
+    """Sublayer i's weights of one HF decoder layer as ``block_forward`` takes them: 0 the
+    attention's (w_qkv, w_o), 1 the MLP's (w_gu, w_down), in the CODA layouts, bf16, the RMSNorm
+    weight folded into the first; differentiable into the HF parameters. No cached FP8
+    quantization (None): the FP8 ops quantize."""
+    if i == 0:
+        att = layer.self_attn
+        w_qkv = fuse_qkv(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, c.n_heads, c.n_kv_heads,
+                         c.head_dim)
+        return _bf16(fold_gamma(w_qkv, layer.input_layernorm.weight)), _bf16(att.o_proj.weight), None
+    mlp = layer.mlp
     w_gu = interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight)
-    qn = kn = None
-    if c.qk_norm:
-        qn, kn = (_bf16(head_norm_weight(n.weight, c.head_dim, "rotate_half", to_pairs=True))
-                  for n in (att.q_norm, att.k_norm))
-    return (_bf16(fold_gamma(w_qkv, layer.input_layernorm.weight)), _bf16(att.o_proj.weight),
-            _bf16(fold_gamma(w_gu, layer.post_attention_layernorm.weight)), _bf16(mlp.down_proj.weight), qn, kn)
+    return _bf16(fold_gamma(w_gu, layer.post_attention_layernorm.weight)), _bf16(mlp.down_proj.weight), None
+
+
+def qk_norm_weights(layer, c: LlamaConfig):
+    """(q_norm, k_norm) in the CODA pair order, bf16, or (None, None) without QK-norm."""
+    if not c.qk_norm:
+        return None, None
+    att = layer.self_attn
+    return tuple(_bf16(head_norm_weight(n.weight, c.head_dim, "rotate_half", to_pairs=True))
+                 for n in (att.q_norm, att.k_norm))
 
 
 def _rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:

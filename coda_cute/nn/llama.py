@@ -148,28 +148,43 @@ def _norm(d, device, dtype):
     return nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
 
-def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, w_qkv, w_o, w_gu, w_down,
-                  q_norm=None, k_norm=None, quantized=None):
+def block_forward(c: LlamaConfig, x, ss, positions, inv_freq, weights, q_norm=None, k_norm=None):
     """One decoder layer on the two sublayer ops: x (B, S, d) bf16 and its partials ss,
-    positions (B*S,) int32 (per token: packed sequences restart them), inv_freq (hd/2,) fp32;
-    the weights in the CODA layouts with the RMSNorm weights already folded into w_qkv and w_gu;
-    ``quantized``: for FP8, the four weights' [q, scales, qt] in that order (each None: the op
-    quantizes it). Returns the next residual stream (B, S, d) and its partials."""
+    positions (B*S,) int32 (per token: packed sequences restart them), inv_freq (hd/2,) fp32.
+    ``weights(i)``: sublayer i's (w_in, w_out, quantized), 0 the attention (w_qkv, w_o), 1 the MLP
+    (w_gu, w_down), in the CODA layouts with the RMSNorm weight folded into w_in; ``quantized``
+    for FP8 the two weights' [q, scales, qt] (each None: the op quantizes it), else None. Each
+    sublayer asks for its weights just before it runs: the MLP's fold then launches behind the
+    attention's GEMMs, and a step's first GEMM waits on the host for one fold instead of two.
+    Returns the next residual stream (B, S, d) and its partials."""
     b, s, d = x.shape
+    w_qkv, w_o, quantized = weights(0)
     args = (x.contiguous(), ss, w_qkv, w_o, positions, inv_freq, c.norm_eps, c.n_heads, c.n_kv_heads,
             c.head_dim, q_norm, k_norm, c.qk_norm_eps)
     if c.precision == "bf16":
         y1, ss1 = attention_block(*args)[:2]
+        w_gu, w_down, _ = weights(1)
         y2, ss2, _ = mlp_block(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps)
     else:  # the projections' GEMMs in FP8; the attention core and the LM head stay bf16
         e5m2, pow2 = c.precision.grad_format == "e5m2", c.precision.pow2_scales
-        row = c.precision.scaling == "row"
-        qkv_q, o_q, gu_q, down_q = (q or [None] * 3 for q in (quantized or (None,) * 4))
-        fast = c.precision.fast_accum
+        row, fast = c.precision.scaling == "row", c.precision.fast_accum
+        qkv_q, o_q = _quantized_pair(quantized)
         y1, ss1 = attention_block_fp8(*args, e5m2, pow2, *qkv_q, *o_q, row_scaling=row, fast_accum=fast)[:2]
+        w_gu, w_down, quantized = weights(1)
+        gu_q, down_q = _quantized_pair(quantized)
         y2, ss2 = mlp_block_fp8(y1.view(b * s, d), ss1, w_gu, w_down, c.norm_eps, e5m2, pow2, *gu_q, *down_q,
                                 row_scaling=row, fast_accum=fast)[:2]
     return y2.view(b, s, d), ss2
+
+
+def _quantized_pair(quantized):
+    return tuple(q or [None] * 3 for q in (quantized or (None, None)))
+
+
+def row_positions(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Per-token positions (B*S,): positions shared by every sequence (S,) repeated, or the
+    positions as given when they already have one per token (the two agree at B = 1)."""
+    return positions if positions.dim() == 1 and positions.shape[0] == batch * seq else positions.repeat(batch)
 
 
 class CodaLlamaBlock(nn.Module):
@@ -206,18 +221,22 @@ class CodaLlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, ss: torch.Tensor, positions: torch.Tensor,
                 inv_freq: torch.Tensor):
         """x: (B, S, d) bf16 residual stream; ss: (B*S, T) fp32 its norm-stat partials;
-        positions: (S,) int32; inv_freq: (hd/2,) fp32 rotary frequencies (angle = position * inv_freq).
-        Returns the next residual stream (B, S, d) and its partials."""
-        b = x.shape[0]
+        positions: (S,) int32, or (B*S,) one per token; inv_freq: (hd/2,) fp32 rotary
+        frequencies (angle = position * inv_freq). Returns the next residual stream (B, S, d)
+        and its partials."""
         check_layer_inputs(ss, inv_freq)
-        weights = (self._folds[0](self.wqkv, self.attn_norm), self.wo,
-                   self._folds[1](self.w_gu, self.ffn_norm), self.w_down)
-        quantized = None
-        if self.cfg.precision != "bf16":
-            pow2, row = self.cfg.precision.pow2_scales, self.cfg.precision.scaling == "row"
-            quantized = tuple(cache(w, pow2, row) for cache, w in zip(self._quants, weights))
-        return block_forward(self.cfg, x, ss, positions.repeat(b), inv_freq, *weights, self.q_norm,
-                             self.k_norm, quantized)
+        return block_forward(self.cfg, x, ss, row_positions(positions, *x.shape[:2]), inv_freq,
+                             self.sublayer_weights, self.q_norm, self.k_norm)
+
+    def sublayer_weights(self, i: int):
+        """(w_in, w_out, quantized) of sublayer i (0 attention, 1 MLP) as :func:`block_forward`
+        takes them: w_in with its RMSNorm weight folded in; for FP8 the cached quantizations."""
+        w_in = self._folds[i](*((self.wqkv, self.attn_norm), (self.w_gu, self.ffn_norm))[i])
+        w_out = (self.wo, self.w_down)[i]
+        if self.cfg.precision == "bf16":
+            return w_in, w_out, None
+        pow2, row = self.cfg.precision.pow2_scales, self.cfg.precision.scaling == "row"
+        return w_in, w_out, tuple(cache(w, pow2, row) for cache, w in zip(self._quants[2 * i:2 * i + 2], (w_in, w_out)))
 
     def load_hf(self, p: dict, rope: str = "rotate_half"):
         """Copy in one layer's HF tensors (names relative to the layer)."""
@@ -274,6 +293,7 @@ class CodaLlama(nn.Module):
         self.head = CodaLlamaHead(cfg, device, dtype, cache_folds)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, device),
                              persistent=False)
+        self._positions = {}  # (B, S, device) -> per-token positions (_row_positions)
 
     def clear_folds(self):
         """Drop every cached gamma fold (see ``cache_folds``)."""
@@ -306,12 +326,26 @@ class CodaLlama(nn.Module):
             self._follow_fsdp()
         x = embedding(self.embed.weight, tokens)
         ss = embedding_norm_stats(x.reshape(b * s, -1))
-        positions = torch.arange(s, device=tokens.device, dtype=torch.int32)
+        positions = self._row_positions(b, s, tokens.device)
         for layer in self.layers:
             x, ss = layer(x, ss, positions, self.rope_inv_freq)
         if targets is None:
             return self.head.logits(x, ss)
         return self.head(x, ss, targets, ignore_index, reduction)
+
+    def _row_positions(self, b: int, s: int, device) -> torch.Tensor:
+        """0..S-1 per sequence, (B*S,) int32, made once per (B, S, device): two launches fewer
+        ahead of each step's first GEMM, while the GPU waits for the host. Never written to
+        (the ops save it for their backward as it is)."""
+        if torch.compiler.is_compiling():
+            return torch.arange(s, device=device, dtype=torch.int32).repeat(b)
+        key = (b, s, torch.device(device))
+        table = self._positions
+        if key not in table:
+            if len(table) >= 8:
+                table.clear()
+            table[key] = torch.arange(s, device=device, dtype=torch.int32).repeat(b)
+        return table[key]
 
     @classmethod
     def from_hf(cls, cfg: LlamaConfig, state_dict: dict, rope: str = "rotate_half", device=None,

@@ -107,8 +107,14 @@ def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True):
     return m, n, d
 
 
-def _out_of_range(t: torch.Tensor, hi: int, ignore: Optional[int]) -> torch.Tensor:
-    bad = (t < 0) | (t >= hi)
+def _out_of_range(t: torch.Tensor, hi: int, ignore: Optional[int],
+                  clamped: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Where t lies outside [0, hi) (and is not ``ignore``): t against its clamp, which a caller
+    that gathers with clamped values already has (one launch where lt, ge and or took three)."""
+    if hi < 1:
+        bad = torch.ones_like(t, dtype=torch.bool)
+    else:
+        bad = (t.clamp(0, hi - 1) if clamped is None else clamped) != t
     if ignore is not None:
         bad &= t != ignore
     return bad
@@ -150,7 +156,9 @@ class PendingCheck:
         self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.flag.copy_(bad, non_blocking=True)
         self.done = torch.cuda.Event()
-        self.done.record()
+        # the stream of bad's device named: current_stream() without one first asks which
+        # device is current, a tenth of a millisecond of host time per check
+        self.done.record(torch.cuda.current_stream(bad.device))
 
     def wait(self):
         if self.done is None:
@@ -165,10 +173,13 @@ class PendingCheck:
 
 
 class PendingIndexCheck(PendingCheck):
-    """:func:`check_index_range` as a :class:`PendingCheck`."""
+    """:func:`check_index_range` as a :class:`PendingCheck`; ``clamped``: ``t.clamp(0, hi - 1)``
+    where the caller has it."""
 
-    def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None):
-        super().__init__(_out_of_range(t, hi, ignore).any(), lambda: _range_error(op, name, t, hi, ignore))
+    def __init__(self, op: str, name: str, t: torch.Tensor, hi: int, ignore: Optional[int] = None,
+                 clamped: Optional[torch.Tensor] = None):
+        super().__init__(_out_of_range(t, hi, ignore, clamped).any(),
+                         lambda: _range_error(op, name, t, hi, ignore))
 
 
 #: the checks whose read-back a :func:`deferred_checks` context of this thread postponed

@@ -55,8 +55,9 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1) ->
         dispatch.require_reference(OP)
         check_index_range(OP, "ids", ids, weight.shape[0])
         return torch.nn.functional.embedding(ids, weight)
-    check = PendingIndexCheck(OP, "ids", ids, weight.shape[0])
-    out = torch.nn.functional.embedding(ids.clamp(0, weight.shape[0] - 1), weight)
+    clamped = ids.clamp(0, weight.shape[0] - 1)
+    check = PendingIndexCheck(OP, "ids", ids, weight.shape[0], clamped=clamped)
+    out = torch.nn.functional.embedding(clamped, weight)
     check.wait()
     return out
 
