@@ -559,10 +559,10 @@ def test_compiled_training_step_traces_every_op_and_matches_eager(precision):
     assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
 
 
-def test_model_folds_each_sublayer_weight_just_before_it_and_keeps_its_positions(monkeypatch):
+def test_model_folds_each_sublayer_weight_just_before_it(monkeypatch):
     """A step's first GEMM waits on the host for what is launched ahead of it: the MLP's γ fold
-    comes after the attention sublayer, and the per-token positions are made once per (B, S).
-    A layer also takes positions one per token (B*S,), with the same result as (S,)."""
+    comes after the attention sublayer. A layer also takes positions one per token (B*S,), with
+    the same result as (S,)."""
     import coda_cute.nn.fold as NF
     import coda_cute.nn.llama as NL
 
@@ -584,13 +584,24 @@ def test_model_folds_each_sublayer_weight_just_before_it_and_keeps_its_positions
     with coda_cute.reference_on_cpu():
         model(tokens, torch.roll(tokens, -1, 1))
         assert order == ["fold", "attention", "fold", "mlp"] * 2
-        positions = model._positions[(2, 16, torch.device("cpu"))]
-        model(tokens, torch.roll(tokens, -1, 1))
-        assert model._positions[(2, 16, torch.device("cpu"))] is positions
-        assert torch.equal(positions, torch.arange(16, dtype=torch.int32).repeat(2))
         x = torch.randn(2, 16, 64).to(torch.bfloat16)
         ss = x.float().square().sum(-1).reshape(-1, 1)
         layer = model.layers[0]
         a = layer(x, ss, torch.arange(16, dtype=torch.int32), model.rope_inv_freq)
-        b = layer(x, ss, positions, model.rope_inv_freq)
+        b = layer(x, ss, torch.arange(16, dtype=torch.int32).repeat(2), model.rope_inv_freq)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_training_after_an_inference_mode_forward():
+    """A validation pass under ``torch.inference_mode`` leaves nothing behind that a later
+    training step saves for its backward (inference tensors cannot be saved)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16)
+    model = CodaLlama(cfg)
+    tokens = torch.randint(0, 96, (2, 16))
+    targets = torch.roll(tokens, -1, 1)
+    with coda_cute.reference_on_cpu():
+        with torch.inference_mode():
+            model(tokens, targets)
+        model(tokens, targets).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -293,7 +293,6 @@ class CodaLlama(nn.Module):
         self.head = CodaLlamaHead(cfg, device, dtype, cache_folds)
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, device),
                              persistent=False)
-        self._positions = {}  # (B, S, device) -> per-token positions (_row_positions)
 
     def clear_folds(self):
         """Drop every cached gamma fold (see ``cache_folds``)."""
@@ -326,26 +325,13 @@ class CodaLlama(nn.Module):
             self._follow_fsdp()
         x = embedding(self.embed.weight, tokens)
         ss = embedding_norm_stats(x.reshape(b * s, -1))
-        positions = self._row_positions(b, s, tokens.device)
+        # per token, made once per forward rather than by every layer
+        positions = torch.arange(s, device=tokens.device, dtype=torch.int32).repeat(b)
         for layer in self.layers:
             x, ss = layer(x, ss, positions, self.rope_inv_freq)
         if targets is None:
             return self.head.logits(x, ss)
         return self.head(x, ss, targets, ignore_index, reduction)
-
-    def _row_positions(self, b: int, s: int, device) -> torch.Tensor:
-        """0..S-1 per sequence, (B*S,) int32, made once per (B, S, device): two launches fewer
-        ahead of each step's first GEMM, while the GPU waits for the host. Never written to
-        (the ops save it for their backward as it is)."""
-        if torch.compiler.is_compiling():
-            return torch.arange(s, device=device, dtype=torch.int32).repeat(b)
-        key = (b, s, torch.device(device))
-        table = self._positions
-        if key not in table:
-            if len(table) >= 8:
-                table.clear()
-            table[key] = torch.arange(s, device=device, dtype=torch.int32).repeat(b)
-        return table[key]
 
     @classmethod
     def from_hf(cls, cfg: LlamaConfig, state_dict: dict, rope: str = "rotate_half", device=None,

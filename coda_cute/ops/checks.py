@@ -109,12 +109,14 @@ def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True):
 
 def _out_of_range(t: torch.Tensor, hi: int, ignore: Optional[int],
                   clamped: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Where t lies outside [0, hi) (and is not ``ignore``): t against its clamp, which a caller
-    that gathers with clamped values already has (one launch where lt, ge and or took three)."""
+    """Where t lies outside [0, hi) (and is not ``ignore``): t against its clamp (two launches
+    where lt, ge and or took three; one where the caller gathers with the clamped values and
+    passes them)."""
     if hi < 1:
         bad = torch.ones_like(t, dtype=torch.bool)
     else:
-        bad = (t.clamp(0, hi - 1) if clamped is None else clamped) != t
+        top = min(hi - 1, torch.iinfo(t.dtype).max)  # an int32 t with hi past its range
+        bad = (t.clamp(0, top) if clamped is None else clamped) != t
     if ignore is not None:
         bad &= t != ignore
     return bad
