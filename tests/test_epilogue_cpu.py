@@ -304,6 +304,31 @@ def test_segment_reduce_takes_row_factors_out(op, acc):
         E.segment_reduce(E.row_vec("r") * 2.0, op, 8)
 
 
+def test_segment_max(acc):
+    """The max over each row's segment, the columns past N left out; a row factor that is never
+    negative (an rsqrt) is taken out of it, one of unknown sign (a row vector) stays inside."""
+    m, n = acc.shape
+    parts, r = torch.rand(m, 3), torch.randn(m)
+
+    def seg_max(xs, w):
+        return torch.nn.functional.pad(xs, (0, -n % w), value=-math.inf).reshape(m, -1, w).amax(-1) \
+            .repeat_interleave(w, -1)[:, :n]
+
+    rstd = E.rsqrt(E.row_sum("p") + 1.0)
+    taken = E.segment_reduce(E.acc() * rstd, "max", 8)
+    inner = [k for k in N.walk(taken) if isinstance(k, N.SegmentReduce)]
+    assert len(inner) == 1 and isinstance(inner[0].children[0], N.Acc)
+    want = seg_max(acc * torch.rsqrt(parts.sum(-1, keepdim=True) + 1.0), 8)
+    torch.testing.assert_close(ev(taken, acc, p=parts), want, rtol=1e-6, atol=1e-6)
+    kept = E.segment_reduce(E.acc() * E.row_vec("r"), "max", 8)
+    assert isinstance(kept, N.SegmentReduce)  # max(-x) is not -max(x): r stays inside
+    torch.testing.assert_close(ev(kept, acc, r=r), seg_max(acc * r[:, None], 8), rtol=1e-6, atol=1e-6)
+    shifted = E.exp(E.acc() - E.segment_reduce(E.acc(), "max", 16))  # one whole segment, N = 10
+    torch.testing.assert_close(ev(shifted, acc), torch.exp(acc - seg_max(acc, 16)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(N.EpilogueError, match="op must be one of"):
+        E.segment_reduce(E.acc(), "min", 8)
+
+
 @pytest.mark.parametrize("op", N.COMPARE_OPS)
 def test_compare_and_where(op, acc):
     c = torch.randn(NN)

@@ -106,6 +106,9 @@ FIXED = {
     "tile_split": lambda: E.Epilogue(E.store(E.where(
         E.col_index() < 256, E.acc() * E.rsqrt(E.segment_reduce(E.acc(), "sumsq", 128) + 1.0),
         E.where(E.col_index() >= 512, E.acc() + E.col_vec("b"), E.acc() * 2.0)), "out", "float32")),
+    # a segment max as a shift (columns past N left out: N = 272 ends in a part segment)
+    "segment_max_shift": lambda: E.Epilogue(E.store(E.exp(
+        E.acc() * E.scalar("t") - E.segment_reduce(E.acc() * E.scalar("t"), "max", 64)), "out", "float32")),
     "select_cast_indices": lambda: E.Epilogue(E.store(
         E.where(E.acc() > E.scalar_tensor("thr"), E.cast(E.acc(), "bfloat16"),
                 E.to_float(E.col_index() - E.row_index()) / 64.0), "out", "float16")),

@@ -12,7 +12,8 @@ from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, 
                                        computes, ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
-from coda_cute.kernels.epilogue.edges import nonnegative, unmasked_max, zero_past_edge, zero_past_rows
+from coda_cute.kernels.epilogue.edges import unmasked_max, zero_past_edge, zero_past_rows
+from coda_cute.kernels.epilogue.nodes import nonnegative
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
 from coda_cute.ops.lm_head_ce import logits_tree
 from coda_cute.ops.qkv import norm_rope_qkv_tree
@@ -319,6 +320,20 @@ def test_pingpong_takes_one_store_buffer_where_two_cost_an_ab_stage():
     assert spill_bytes(compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", PP, tree, "sm_90a", 132))) == 0
     assert Sm90TreeEpilogue(residual_norm_stats_tree(), PP, 2).stages == 2
     assert Sm90TreeEpilogue(tree, COOP, 2).stages == 2
+
+
+def test_segment_max_shift_builds_without_spills():
+    """exp(x - max over the 128-column segment) stored, x = acc * r (the shifted exponentials of
+    a softmax over each segment, r taken out of the max): real sm_90a builds, spill-free, on
+    ping-pong 128 x 128 with the LM head's (max, sum exp) partials beside it, and alone on
+    cooperative 128 x 256 (with the partials as well, that build spills 176 bytes)."""
+    from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
+    from coda_cute.ops.rmsnorm import rstd_node
+
+    x = E.acc() * rstd_node()
+    shifted = E.store(E.exp(x - E.segment_reduce(x, "max", 128)), "e", "bfloat16")
+    for cfg, tree in ((PP, E.Epilogue(shifted, E.row_reduce(x, "lse", "lse"))), (COOP, E.Epilogue(shifted))):
+        assert spill_bytes(compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", 132))) == 0
 
 
 def test_cooperative_elementwise_trees_get_wider_sub_tiles():

@@ -141,7 +141,10 @@ class _Evaluator:
             x = kids[0].float().expand(L, M, Nn)
             x = x * x if node.op == "sumsq" else x
             w = node.width
-            seg = _pad_to(x, -1, w, 0.0).reshape(L, M, -1, w).sum(-1)
+            if node.op == "max":  # the columns past N left out
+                seg = _pad_to(x, -1, w, -math.inf).reshape(L, M, -1, w).amax(-1)
+            else:
+                seg = _pad_to(x, -1, w, 0.0).reshape(L, M, -1, w).sum(-1)
             return seg.repeat_interleave(w, dim=-1)[..., :Nn]
         if isinstance(node, N.Pairwise):
             x = kids[0].float()

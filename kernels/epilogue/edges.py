@@ -198,25 +198,6 @@ def zero_past_edge(x: N.Node) -> bool:
     return isinstance(v, Known) and v.zero
 
 
-#: unary ops whose result is never negative (NaN aside)
-_NONNEGATIVE = ("abs", "square", "relu", "exp", "sqrt", "sigmoid")
-
-
-def nonnegative(x: N.Node) -> bool:
-    """Whether ``x`` is >= 0 (or NaN) everywhere, structurally: |.|, squares, exp and the like,
-    constants >= 0, and sums, products, maxima and minima of such values."""
-    if isinstance(x, N.Const):
-        return float(x.value) >= 0.0
-    if isinstance(x, N.Cast):
-        return nonnegative(x.children[0])
-    if isinstance(x, N.Unary):
-        return x.op in _NONNEGATIVE
-    if isinstance(x, N.Binary):
-        a, b = (nonnegative(c) for c in x.children)
-        return (a or b) if x.op == "max" else (a and b and x.op in ("add", "mul", "min"))
-    return False
-
-
 @functools.lru_cache(maxsize=None)
 def zero_past_rows(x: N.Node) -> bool:
     """Whether ``x`` is exactly zero in every row past M, so that a column sum over a tile may add
@@ -228,5 +209,5 @@ def zero_past_rows(x: N.Node) -> bool:
 @functools.lru_cache(maxsize=None)
 def unmasked_max(x: N.Node, axis: str = "col") -> bool:
     """Whether a row max of ``x`` over a tile may take its columns past N unmasked (``axis="row"``:
-    a column max its rows past M): ``x`` is zero there and never negative (:func:`nonnegative`)."""
-    return nonnegative(x) and (zero_past_edge(x) if axis == "col" else zero_past_rows(x))
+    a column max its rows past M): ``x`` is zero there and never negative (:func:`nodes.nonnegative`)."""
+    return N.nonnegative(x) and (zero_past_edge(x) if axis == "col" else zero_past_rows(x))

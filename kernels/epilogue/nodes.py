@@ -22,8 +22,8 @@ accumulator is still in registers. Values are fp32 (indices are int32, compariso
               result has half as many columns) or a pair (written back to columns 2j and 2j+1)
               interleave(a, b): the 1 -> 2 pairwise node, columns 2n = a[n] and 2n + 1 = b[n]
               (a double-width value)
-              segment_reduce(x, op, w): sum / sum of squares of x over each row's aligned
-              w-column segment (per-head statistics), usable as a value; fn may
+              segment_reduce(x, op, w): sum / sum of squares / max of x over each row's
+              aligned w-column segment (per-head statistics), usable as a value; fn may
               use the pair, scalars, row vectors and indices
     sinks     store(x, name, dtype)           an (M, N), (M, N/2) or (M, 2N) output
               row_reduce(x, op, name)         per-tile partials over the tile's columns:
@@ -65,6 +65,7 @@ INT_ONLY_OPS = ("floordiv", "mod")
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 ROW_REDUCE_OPS = ("sum", "sumsq", "max", "lse")
 COL_REDUCE_OPS = ("sum", "sumsq", "max")
+SEGMENT_REDUCE_OPS = ("sum", "sumsq", "max")
 FULL, HALF, DOUBLE = "full", "half", "double"
 #: columns of a value of each domain per GEMM output column
 DOMAIN_WIDTH = {HALF: 0.5, FULL: 1, DOUBLE: 2}
@@ -271,16 +272,17 @@ class Lookup(Node):
 
 
 class SegmentReduce(Node):
-    """Sum (or sum of squares) of ``x`` over the ``width``-column segment each element lies in,
-    per row: e.g. a per-head statistic when ``width`` is the head dimension. Computed in a first
-    pass over the tile, so ``x`` may not read tile inputs; ``width`` must divide the kernel's
-    tile width."""
+    """Sum, sum of squares or max of ``x`` over the ``width``-column segment each element lies
+    in, per row: e.g. a per-head statistic when ``width`` is the head dimension, or a shift for an
+    exp over the segment. Computed in a first pass over the tile, so ``x`` may not read tile
+    inputs; ``width`` must divide the kernel's tile width. Columns past the problem's edge N are
+    left out."""
 
     kind = "segment_reduce"
 
     def __init__(self, x: Node, op: str, width: int):
-        if op not in ("sum", "sumsq"):
-            raise EpilogueError(f"segment_reduce: op must be 'sum' or 'sumsq', got {op!r}")
+        if op not in SEGMENT_REDUCE_OPS:
+            raise EpilogueError(f"segment_reduce: op must be one of {SEGMENT_REDUCE_OPS}, got {op!r}")
         if not isinstance(width, int) or width < 8 or width % 8:
             raise EpilogueError(f"segment_reduce: width must be a multiple of 8, got {width!r}")
         if x.domain != FULL:
@@ -701,16 +703,22 @@ def lookup(name: str, row: Node, col: Node) -> Node: return Lookup(name, row, co
 
 
 def segment_reduce(x: Node, op: str, width: int) -> Node:
-    """Sum / sum of squares of ``x`` over each row's aligned ``width``-column segment.
+    """Sum / sum of squares / max of ``x`` over each row's aligned ``width``-column segment.
 
     Row-uniform factors of a product are taken out of the reduction,
-    sum_seg(f x) = f sum_seg(x) and sumsq_seg(f x) = f^2 sumsq_seg(x), so the first pass over
-    the tile reads only the accumulator part. Reducing ``acc * r`` directly lets the compiler
-    keep the products from that pass for the second one: a second accumulator-sized set of
-    live registers next to the accumulator itself, which spills.
+    sum_seg(f x) = f sum_seg(x), sumsq_seg(f x) = f^2 sumsq_seg(x) and, for factors that are
+    never negative (:func:`nonnegative`: an rsqrt, an exp, ...), max_seg(f x) = f max_seg(x), so
+    the first pass over the tile reads only the accumulator part. Reducing ``acc * r`` directly
+    lets the compiler keep the products from that pass for the second one: a second
+    accumulator-sized set of live registers next to the accumulator itself, which spills.
     """
     whole = SegmentReduce(x, op, width)  # validates x: full-width, so never wholly row-uniform
     rest, factors = _row_factors(x)
+    if op == "max":  # a factor of unknown sign stays inside: max(-x) is -min(x)
+        inside = [f for f in factors if not nonnegative(f)]
+        factors = [f for f in factors if nonnegative(f)]
+        for f in inside:
+            rest = f if rest is None else rest * f
     if not factors:
         return whole
     out = SegmentReduce(rest, op, width)
@@ -748,6 +756,25 @@ def scale_acc(tree: Epilogue, row: str, col: str) -> Epilogue:
         out.x = rebuild(sink.x)
         sinks.append(out)
     return Epilogue(*sinks)
+
+
+#: unary ops whose result is never negative (NaN aside)
+_NONNEGATIVE = ("abs", "square", "relu", "exp", "sqrt", "rsqrt", "sigmoid")
+
+
+def nonnegative(x: Node) -> bool:
+    """Whether ``x`` is >= 0 (or NaN) everywhere, structurally: |.|, squares, exp and the like,
+    constants >= 0, and sums, products, maxima and minima of such values."""
+    if isinstance(x, Const):
+        return float(x.value) >= 0.0
+    if isinstance(x, Cast):
+        return nonnegative(x.children[0])
+    if isinstance(x, Unary):
+        return x.op in _NONNEGATIVE
+    if isinstance(x, Binary):
+        a, b = (nonnegative(c) for c in x.children)
+        return (a or b) if x.op == "max" else (a and b and x.op in ("add", "mul", "min"))
+    return False
 
 
 def is_row_uniform(node: Node) -> bool:

@@ -23,6 +23,8 @@ Row and column vectors are read once per tile into registers laid out like the a
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -32,8 +34,9 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.config import GemmConfig, pipeline_stages
+from ..common.fastmath import fast_max
 from ..epilogue import nodes as N
-from ..epilogue.edges import zero_past_edge
+from ..epilogue.edges import unmasked_max, zero_past_edge
 from .acc_vectors import AccVectors
 from .epilogue_folds import FP8_TYPES, SinkFolds, _as_float, _lse_fold
 from ..epilogue.codegen import (Emitter, assumed_walk, lookups_ahead, read_lookups_ahead, split_value,
@@ -568,9 +571,10 @@ class Sm90TreeEpilogue(SinkFolds):
                          assume):
         """Values of the tree's ``segment_reduce`` nodes (those the pass under ``assume`` uses):
         for each row this thread holds and each ``width``-column segment of the tile, the sum (of
-        squares) over the segment, computed in a first pass over the accumulator (before anything
-        is stored) and completed across the 4 threads that share a row. Columns past the problem
-        edge are masked out unless the summand is zero there anyway (``edges.zero_past_edge``)."""
+        squares) or max over the segment, computed in a first pass over the accumulator (before
+        anything is stored) and completed across the 4 threads that share a row. Columns past the
+        problem edge are masked out (to 0, or -inf for a max) unless the value is zero there
+        anyway (and, for a max, never negative: ``edges.unmasked_max``)."""
         used = {id(n) for n in assumed_walk([s.x for s in self.tree.sinks], assume)}
         nodes = [n for n in self.segment_nodes if id(n) in used]
         if not nodes:
@@ -586,18 +590,24 @@ class Sm90TreeEpilogue(SinkFolds):
                        emc * em, enc * en, {})
             emit = Emitter(ctx, assume=assume)
             for node in nodes:
+                is_max = node.op == "max"
+                child = node.children[0]
+                masked = not (unmasked_max(child) if is_max else zero_past_edge(child))
                 for v in range(n_frag):
-                    x = _as_float(emit.value(node.children[0], v))
+                    x = _as_float(emit.value(child, v))
                     if node.op == "sumsq":
                         x = x * x
-                    if not zero_past_edge(node.children[0]):
-                        x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x, Float32(0.0)))
+                    if masked:
+                        x = Float32(cutlass.select_(ctx.col_index(v) < problem_mnl[1], x,
+                                                    Float32(-math.inf if is_max else 0.0)))
                     key = (id(node), ctx.row_slot(v), ctx.segment(node, v))
-                    sums[key] = sums[key] + x if key in sums else x
+                    sums[key] = (fast_max(sums[key], x) if is_max else sums[key] + x) if key in sums else x
+        ops = {id(n): n.op for n in nodes}
         for key in list(sums):
             x = sums[key]
             for off in (1, 2):
-                x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+                y = cute.arch.shuffle_sync_bfly(x, offset=off)
+                x = fast_max(x, y) if ops[key[0]] == "max" else x + y
             sums[key] = x
         return sums
 
