@@ -106,9 +106,14 @@ FIXED = {
     "tile_split": lambda: E.Epilogue(E.store(E.where(
         E.col_index() < 256, E.acc() * E.rsqrt(E.segment_reduce(E.acc(), "sumsq", 128) + 1.0),
         E.where(E.col_index() >= 512, E.acc() + E.col_vec("b"), E.acc() * 2.0)), "out", "float32")),
-    # a segment max as a shift (columns past N left out: N = 272 ends in a part segment)
+    # a segment max as a shift (columns past N left out: N = 272 ends in a part segment); a
+    # factor of unknown sign kept inside, an rsqrt taken out, |acc| unmasked past N
     "segment_max_shift": lambda: E.Epilogue(E.store(E.exp(
         E.acc() * E.scalar("t") - E.segment_reduce(E.acc() * E.scalar("t"), "max", 64)), "out", "float32")),
+    "segment_max_factor_abs": lambda: E.Epilogue(
+        E.store(E.acc() * E.rsqrt(E.row_sum("ss") + 1.0)
+                - E.segment_reduce(E.acc() * E.rsqrt(E.row_sum("ss") + 1.0), "max", 64), "out", "float32"),
+        E.store(E.acc() / (E.segment_reduce(E.absolute(E.acc()), "max", 128) + 1.0), "amax", "float32")),
     "select_cast_indices": lambda: E.Epilogue(E.store(
         E.where(E.acc() > E.scalar_tensor("thr"), E.cast(E.acc(), "bfloat16"),
                 E.to_float(E.col_index() - E.row_index()) / 64.0), "out", "float16")),

@@ -332,7 +332,11 @@ def test_segment_max_shift_builds_without_spills():
 
     x = E.acc() * rstd_node()
     shifted = E.store(E.exp(x - E.segment_reduce(x, "max", 128)), "e", "bfloat16")
-    for cfg, tree in ((PP, E.Epilogue(shifted, E.row_reduce(x, "lse", "lse"))), (COOP, E.Epilogue(shifted))):
+    # |acc| is zero past N and never negative: its segment max takes those columns unmasked
+    amax = E.store(E.acc() / (E.segment_reduce(E.absolute(E.acc()), "max", 128) + 1.0), "a", "bfloat16")
+    assert unmasked_max(E.absolute(E.acc())) and not unmasked_max(E.acc())
+    for cfg, tree in ((PP, E.Epilogue(shifted, E.row_reduce(x, "lse", "lse"))), (COOP, E.Epilogue(shifted)),
+                      (PP, E.Epilogue(amax))):
         assert spill_bytes(compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", 132))) == 0
 
 

@@ -10,7 +10,7 @@ max over values >= 0.
 Past N the accumulator is zero (TMA fills B's elements past N with zeros, and the block-scaled
 kernel's scales with them) and so are tile inputs (their TMA loads fill the same way). Column
 vectors are zero-padded too, but rsqrt or 1 / x of one is inf there, so they count as unknown;
-so do indices, lookups and segment sums. (Taking a bare one as zero unmasked the row-wise FP8
+so do indices, lookups and segment reductions. (Taking a bare one as zero unmasked the row-wise FP8
 SwiGLU backward's zdz sum, and that build then spilled 56 bytes on ping-pong 64 x 128: its down
 dgrad went from 2.00 to 2.36 ms on the H200.) Row-uniform values (row vectors, scalars, row sums) are
 unknown numbers, the same past the edge as inside it: a product of one with a value that is zero

@@ -731,8 +731,9 @@ def segment_reduce(x: Node, op: str, width: int) -> Node:
 def scale_acc(tree: Epilogue, row: str, col: str) -> Epilogue:
     """``tree`` with every ``acc()`` read as ``acc() * col_vec(col) * row_vec(row)``: the same
     epilogue on a GEMM whose operands carry one scale per row of A and one per column of B (an
-    FP8 recipe's row-wise scaling, applied once to the fp32 accumulator). A segment reduction of
-    the scaled accumulator keeps the row scale outside its sum (:func:`segment_reduce`)."""
+    FP8 recipe's row-wise scaling, applied once to the fp32 accumulator). A segment sum of the
+    scaled accumulator keeps the row scale outside (:func:`segment_reduce`); a segment max keeps
+    it inside, its sign being unknown to the tree."""
     scaled = Acc() * ColVec(col) * RowVec(row)
     memo: dict = {}
 
@@ -758,8 +759,9 @@ def scale_acc(tree: Epilogue, row: str, col: str) -> Epilogue:
     return Epilogue(*sinks)
 
 
-#: unary ops whose result is never negative (NaN aside)
-_NONNEGATIVE = ("abs", "square", "relu", "exp", "sqrt", "rsqrt", "sigmoid")
+#: unary ops whose result is never negative (NaN aside; and rsqrt(-0) = -inf, a row scale that is
+#: infinite, so its row is inf or NaN whichever way a max over it is taken)
+_NONNEGATIVE = ("abs", "square", "relu", "exp", "exp2", "sqrt", "rsqrt", "sigmoid")
 
 
 def nonnegative(x: Node) -> bool:
