@@ -26,8 +26,11 @@ training op computes p_t from the logit it stored in bf16: a rounding of up to 2
 (0.03 at 15) moves p_t by that much relative, far more than 1 - p_t of a confident row, so the
 target's term is mostly rounding there. The recompute path (the loss-only op's backward) has the
 fp32 logit, but c (p_t - 1) still cancels to 0 once 1 - p_t is below the fp32 rounding of the
-LSE. The variant "exp form, target in e'" keeps the target column in e' (a = -c instead) to show
-why the target needs its own term. Here s and a are formed in float64 from the fp32 partials
+LSE. The variant "exp form, -others at the target" writes a / s = -sum_{v != t} e'_v into e' at the
+target (bf16) instead, so that both GEMMs take e' with the row scale alone (no gathered row in
+the dgrad, no per-target sums in dW): one bf16 rounding of the row's largest entry, like today's
+operand, without the cancellation. The variant "exp form, target in e'" keeps the target column
+in e' (a = -c instead) to show why the target needs its own term. Here s and a are formed in float64 from the fp32 partials
 (in the kernels: fp32).
 
 Scenarios (logits given, fp32; u, W random): ``init`` (N(0, 1), p_t ~ 1/V), ``confident`` (the
@@ -114,9 +117,10 @@ def recompute(logits, targets, r, w, u):
     return bf16_operand(logits, targets, r, w, u, logits)
 
 
-def exp_form(logits, targets, r, w, u, exact_target: bool = True):
+def exp_form(logits, targets, r, w, u, exact_target: bool = True, written: bool = False):
     """The exp form (module docstring): e' in bf16 with per-tile shifts, the fix-up, the row scale
-    and, with ``exact_target``, the target's term in fp32."""
+    and, with ``exact_target``, the target's term in fp32; ``written``: that term instead written
+    into e' at the target as -(the others' share) in bf16, so that both GEMMs take e' alone."""
     m, v = logits.shape
     valid = targets != IGNORE
     rows = torch.arange(m)
@@ -136,11 +140,16 @@ def exp_form(logits, targets, r, w, u, exact_target: bool = True):
     others = (torch.nn.functional.pad(e, (0, pad)).view(m, -1, TILE).sum(-1).to(F64) * fix.to(F64)).sum(-1)
     e = e.to(BF16)                                                              # what the GEMM stores
     e = (torch.nn.functional.pad(e.float(), (0, pad)).view(m, -1, TILE) * fix[..., None]).view(m, -1)[:, :v]
-    e = e.to(BF16).to(F64)                                                      # the fix-up rewrites bf16
+    e = e.to(BF16)                                                              # the fix-up rewrites bf16
+    if written:  # s e'_t = a: the target's entry is -(the others' share), one bf16 rounding
+        e[rows[valid], tgt[valid]] = (-others[valid]).to(BF16)
+    e = e.to(F64)
     lse = torch.logsumexp(logits, -1)
     c = coef(targets)
     s = c * torch.exp((k_row - lse).to(F64))
-    if exact_target:  # a = c (p_t - 1) = -c (1 - p_t) = -s sum_{v != t} e'_v: no cancellation
+    if written:
+        a = torch.zeros_like(s)  # in e' already
+    elif exact_target:  # a = c (p_t - 1) = -c (1 - p_t) = -s sum_{v != t} e'_v: no cancellation
         a = torch.where(valid, -s * others, 0.0)
     else:
         a = -c
@@ -170,7 +179,8 @@ def main(argv=None) -> int:
     r = torch.rand(args.rows, generator=g) + 0.5
     table = Table(title=f"relative error against float64: {args.rows} rows, vocabulary {args.vocab}, d {args.dim}")
     labels = {"training": "training op (bf16 logits)", "recompute": "recompute (fp32 logits)",
-              "exp": "exp form", "exp_target_in_e": "exp form, target in e'"}
+              "exp": "exp form", "exp_written": "exp form, -others at the target",
+              "exp_target_in_e": "exp form, target in e'"}
     table.add_column("scenario")
     for part in ("G", "dW"):
         for label in labels.values():
@@ -183,11 +193,12 @@ def main(argv=None) -> int:
         for label, (gg, ww) in (("training", training_op(logits, targets, r, w, u)),
                                 ("recompute", recompute(logits, targets, r, w, u)),
                                 ("exp", exp_form(logits, targets, r, w, u)),
+                                ("exp_written", exp_form(logits, targets, r, w, u, written=True)),
                                 ("exp_target_in_e", exp_form(logits, targets, r, w, u, exact_target=False))):
             errs[label] = (rel(gg, ref_g), rel(ww, ref_w))
         out[name] = errs
         table.add_row(name, *(f"{errs[k][i]:.2e}" for i in (0, 1) for k in labels))
-    Console(width=200).print(table)
+    Console(width=240).print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "errors": out}, f, indent=1)
