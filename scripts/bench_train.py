@@ -33,7 +33,10 @@ Timing: every variant's step is a function; all of a config's steps are timed IN
 ``coda_cute.sol.timing.interleaved_medians`` call (CUDA events around each step, L2 flushed
 before each, a fresh random order per round, warm-up calls and a settle period first): the
 medians share the GPU's clock drift. A variant that fails (build, first step, timing) prints its
-error and is recorded as null; the others go on.
+error and is recorded as null; the others go on. With no sync between the steps the host runs
+ahead and hides what a step costs it before its first launch; ``--sync-each`` times every step
+after a host sync instead, as a loop that logs ``loss.item()`` each step runs them (the idle GPU
+while the host prepares a step's first GEMM then counts).
 
 The shadow: what the step would cost if it were only its GEMMs on cuBLAS plus attention. Each
 GEMM of the step with its training layout (torch.mm, bf16), M = batch x seq tokens:
@@ -149,6 +152,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
     errors: dict = {}
     rec = {"config": spec.name, "mode": "smoke" if smoke else "gpu", "tokens": m, "batch": b, "seq": s,
            "layers": layers, "spec": asdict(spec), "rounds": args.rounds, "warmup": args.warmup,
+           "sync_each": args.sync_each,
            **{f"{v}_ms": None for v in VARIANTS}, **{f"{v}_peak_gib": None for v in VARIANTS},
            **{f"{v}_j_per_step": None for v in VARIANTS}, "energy": {},
            "losses": {}, "loss_rel_diff": None, "loss_ok": None, "ratio_to_coda": {}, "profile": None,
@@ -273,7 +277,8 @@ def run_config(spec: ModelSpec, args, device) -> dict:
 
     # The steps, in turns.
     say(f"timing {', '.join(steps)} " + ("once each (smoke)" if smoke else f"in turns ({args.rounds} rounds)"))
-    times = time_fns({n: st for n, (st, _) in steps.items()}, args.rounds, args.warmup, smoke, errors, "step")
+    timed = {n: (_after_sync(st, device) if args.sync_each else st) for n, (st, _) in steps.items()}
+    times = time_fns(timed, args.rounds, args.warmup, smoke, errors, "step")
     for name in VARIANTS:
         if times.get(name) is not None:
             rec[f"{name}_ms"] = times[name]
@@ -423,6 +428,15 @@ def _print_profile(rec: dict, variant: str, prof: dict, smoke: bool, console: Co
 
 
 # -- main -------------------------------------------------------------------------------------------------
+def _after_sync(step, device):
+    """``step`` run after a host sync (``--sync-each``): inside the timed span the GPU waits for
+    the host from the sync to the step's first launch."""
+    def run():
+        sync(device)
+        return step()
+    return run
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", choices=sorted(SPECS), default=["1b", "8b"])
@@ -441,6 +455,8 @@ def parse_args(argv=None):
                          "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
+    ap.add_argument("--sync-each", action="store_true",
+                    help="time each step after a host sync (a loop that reads its loss every step)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
     ap.add_argument("--smoke", action="store_true",
                     help="run every variant once on a tiny config on CPU (no timing, compile, Liger)")

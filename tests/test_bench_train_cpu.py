@@ -36,7 +36,7 @@ def test_parse_args_defaults(bt):
     assert a.configs == ["1b", "8b"]
     assert (a.batch, a.seq, a.layers) == (4, 4096, 2)
     assert 10 <= a.rounds <= 20 and a.warmup >= 1
-    assert not (a.no_compile or a.no_liger or a.smoke) and a.json is None
+    assert not (a.no_compile or a.no_liger or a.smoke or a.sync_each) and a.json is None
 
 
 def test_parse_args_flags(bt):
@@ -47,6 +47,15 @@ def test_parse_args_flags(bt):
     s = bt.parse_args(["--smoke"])
     assert s.smoke and s.configs == [bt.SMOKE_SPEC.name] and (s.batch, s.seq) == (bt.SMOKE_BATCH, bt.SMOKE_SEQ)
     assert bt.parse_args(["--smoke", "--seq", "16"]).seq == 16
+    assert bt.parse_args(["--sync-each"]).sync_each
+
+
+def test_after_sync_syncs_before_the_step(bt, monkeypatch):
+    """``--sync-each``: the host syncs, then the step runs (its result passed through)."""
+    calls = []
+    monkeypatch.setitem(bt._after_sync.__globals__, "sync", lambda device: calls.append(("sync", device)))
+    run = bt._after_sync(lambda: calls.append("step") or 7, "cuda")
+    assert run() == 7 and calls == [("sync", "cuda"), "step"]
 
 
 @pytest.mark.parametrize("argv", [["--configs", "70b"], ["--rounds", "0"], ["--seq", "-1"]])
