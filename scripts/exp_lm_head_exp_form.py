@@ -30,14 +30,14 @@ LSE. The variant "exp form, -others at the target" writes a / s = -sum_{v != t} 
 target (bf16) instead, so that both GEMMs take e' with the row scale alone (no gathered row in
 the dgrad, no per-target sums in dW): one bf16 rounding of the row's largest entry, like today's
 operand, without the cancellation. The variant "exp form, target in e'" keeps the target column
-in e' (a = -c instead) to show why the target needs its own term. Here s and a are formed in float64 from the fp32 partials
-(in the kernels: fp32).
+in e' (a = -c instead) to show why the target needs its own term. Here s and a are formed in
+float64 from the fp32 partials (in the kernels: fp32).
 
 Scenarios (logits given, fp32; u, W random): ``init`` (N(0, 1), p_t ~ 1/V), ``confident`` (the
 target 15 nats up: p_t ~ 0.999), ``certain`` (25 up: 1 - p_t ~ 4e-8), ``wide`` (N(0, 30)),
 ``spike`` (a few rows with one logit 150 nats above the target: the fix-up path), ``ignored``
 (a third of the rows ignored). Prints the relative error (Frobenius) of G and dW against float64
-for the bf16 dl' operand of today's training op and of the recompute path, and the two exp forms.
+for the bf16 dl' operand of today's training op and of the recompute path, and the three exp forms.
 
     python scripts/exp_lm_head_exp_form.py [--rows 256] [--vocab 2000] [--dim 64] [--json out.json]
 """
