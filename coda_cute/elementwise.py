@@ -574,13 +574,14 @@ class CrossEntropyGradSpec:
         return CrossEntropyGrad(), (
             _fake("bfloat16", (m, v), (cute.sym_int64(divisibility=8), 1), 16),
             _fake("float32", vec, (1,)), _fake("float32", vec, (1,)), _fake("float32", vec, (1,)),
-            _fake("int32", vec, (1,)),
+            _fake("int32", vec, (1,)), _fake("float32", vec, (1,)),
             _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), 1)),
         )
 
 
-def cross_entropy_grad_(logits: torch.Tensor, lse, rstd, coef, targets) -> torch.Tensor:
-    """In place on ``logits`` (M, V) bf16 (rows 16-byte aligned): rstd coef (softmax - onehot);
+def cross_entropy_grad_(logits: torch.Tensor, lse, rstd, coef, targets, target_logit) -> torch.Tensor:
+    """In place on ``logits`` (M, V) bf16 (rows 16-byte aligned): rstd coef (softmax - onehot),
+    the target's probability from ``target_logit`` (M,) fp32 rather than its bf16 logit;
     returns the (M, T) fp32 partials of coef sum_v (softmax - onehot) logits per column chunk
     (``kernels.elementwise.ce_grad``)."""
     from .kernels.elementwise.ce_grad import num_chunks
@@ -590,7 +591,7 @@ def cross_entropy_grad_(logits: torch.Tensor, lse, rstd, coef, targets) -> torch
     m, v = logits.shape
     partials = torch.empty((m, num_chunks(v)), dtype=torch.float32, device=logits.device)
     get_kernel(CrossEntropyGradSpec(dispatch.arch_of(logits.device))).fn(
-        logits, lse, rstd, coef, targets, partials)
+        logits, lse, rstd, coef, targets, target_logit, partials)
     return partials
 
 

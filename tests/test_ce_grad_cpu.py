@@ -20,21 +20,22 @@ from coda_cute.elementwise import CrossEntropyGradSpec, compile_elementwise
 from coda_cute.kernels.elementwise import ce_grad
 
 
-def ce_grad_reference(logits, lse, rstd, coef, targets, chunk: int = ce_grad.CHUNK):
+def ce_grad_reference(logits, lse, rstd, coef, targets, target_logit, chunk: int = ce_grad.CHUNK):
     """What the kernel computes, in fp32 on the CPU: ``(gradient in logits' dtype, partials (M, T)
-    fp32)`` with ``l = float(logits)``, ``p = exp(l - lse)`` and, per row ``m`` and chunk ``j``,
+    fp32)`` with ``l = float(logits)`` but ``target_logit`` at each row's target, ``p = exp(l - lse)``
+    and, per row ``m`` and chunk ``j``,
 
         grad[m, v]     = rstd[m] * coef[m] * (p - [v == targets[m]])
         partials[m, j] = coef[m] * sum_{v in chunk j} (p - [v == targets[m]]) * l
 
     Ignored rows (``coef == 0``) are exact zeros whatever their ``lse`` and ``targets`` hold (the
     kernel takes ``p = 0`` there); ``targets`` are compared, never used as indices."""
-    l = logits.float()
-    m, v = l.shape
+    m, v = logits.shape
+    onehot = (torch.arange(v)[None, :] == targets[:, None].long()).float()
+    l = torch.where(onehot.bool(), target_logit[:, None], logits.float())
     t = -(-v // chunk)
     ignored = coef == 0
     p = torch.where(ignored[:, None], 0.0, torch.exp(l - lse[:, None]))
-    onehot = (torch.arange(v)[None, :] == targets[:, None].long()).float()
     d = p - onehot
     grad = ((rstd * coef)[:, None] * d).to(logits.dtype)
     per_chunk = F.pad(d * l, (0, t * chunk - v)).view(m, t, chunk).sum(-1)
@@ -42,11 +43,13 @@ def ce_grad_reference(logits, lse, rstd, coef, targets, chunk: int = ce_grad.CHU
 
 
 def _problem(m: int, v: int, seed: int, chunk: int):
-    """Random bf16 logits with their fp32 lse, ~1/4 of the rows ignored (target -100, coef 0, lse
-    NaN), row 0's target the last column and row 1's the first column of the last chunk."""
+    """Random fp32 logits stored in bf16 with their fp32 lse, ~1/4 of the rows ignored (target -100,
+    coef 0, lse NaN), row 0's target the last column and row 1's the first column of the last
+    chunk; each row's target logit in fp32 (the logits GEMM's gather, before the rounding)."""
     g = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(m, v, generator=g)).to(torch.bfloat16)
-    lse = torch.logsumexp(logits.float(), dim=1)
+    exact = 3 * torch.randn(m, v, generator=g)
+    logits = exact.to(torch.bfloat16)
+    lse = torch.logsumexp(exact, dim=1)
     rstd = 0.5 + torch.rand(m, generator=g)
     coef = 0.1 + torch.rand(m, generator=g)
     targets = torch.randint(0, v, (m,), generator=g, dtype=torch.int32)
@@ -56,7 +59,8 @@ def _problem(m: int, v: int, seed: int, chunk: int):
     targets[ignored], coef[ignored], lse[ignored] = -100, 0.0, float("nan")
     targets[0] = v - 1
     targets[1] = (-(-v // chunk) - 1) * chunk
-    return logits, lse, rstd, coef, targets, ignored
+    target_logit = torch.where(ignored, 0.0, exact[torch.arange(m), targets.clamp(0, v - 1).long()])
+    return logits, lse, rstd, coef, targets, target_logit, ignored
 
 
 @pytest.mark.parametrize("m, v, chunk", [
@@ -66,19 +70,20 @@ def _problem(m: int, v: int, seed: int, chunk: int):
     (3, 7, ce_grad.CHUNK),  # less than one vector
 ])
 def test_reference_is_softmax_minus_onehot_in_float64(m, v, chunk):
-    logits, lse, rstd, coef, targets, ignored = _problem(m, v, seed=m * 1000 + v, chunk=chunk)
-    grad, partials = ce_grad_reference(logits, lse, rstd, coef, targets, chunk)
+    logits, lse, rstd, coef, targets, target_logit, ignored = _problem(m, v, seed=m * 1000 + v, chunk=chunk)
+    grad, partials = ce_grad_reference(logits, lse, rstd, coef, targets, target_logit, chunk)
     t = -(-v // chunk)
     assert partials.shape == (m, t) and partials.dtype == torch.float32
     if chunk == ce_grad.CHUNK:
         assert ce_grad.num_chunks(v) == t
 
-    # float64, straight from the definition: dlogit = coef * (softmax - onehot) on kept rows
-    l64 = logits.double()
+    # float64, straight from the definition: dlogit = coef * (softmax - onehot) on kept rows, the
+    # logits as stored but the target's as gathered in fp32, the lse of the fp32 logits
     keep = ~ignored
     onehot = torch.zeros(m, v, dtype=torch.float64)
     onehot[keep] = F.one_hot(targets[keep].long(), v).double()
-    softmax = torch.softmax(l64, dim=1)
+    l64 = torch.where(onehot.bool(), target_logit.double()[:, None], logits.double())
+    softmax = torch.exp(l64 - lse.double()[:, None])
     dlogit = torch.where(keep[:, None], coef.double()[:, None] * (softmax - onehot), 0.0)
     torch.testing.assert_close(grad.double(), rstd.double()[:, None] * dlogit, rtol=2 ** -8, atol=1e-6)
 

@@ -484,7 +484,7 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
                         outputs={"logits": dl}, op=OP_TRAIN)
             lse_combine(*out["lse"], out=lse[s])
             target_logit[s] = out["target_logit"]
-            zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
+            zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s], target_logit[s])
         else:
             zdz = E.run(dlogits_tree(), u[s], w_lm.t(),
                         dict(stats, lse=lse[s], coef=coef[s], dlse=dlse[s], targets=tgt[s]),

@@ -92,7 +92,7 @@ def _chunked_fp8(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, grad
                       outputs={"logits": dl})
         lse_combine(*out["lse"], out=lse[s])
         target_logit[s] = out["target_logit"]
-        zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s])
+        zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s], target_logit[s])
         dl_q, dl_s, dlt_q, dlt_s = grad_operands(dl, grad_dtype, pow2)
         inputs = dict(stats, zdz=zdz, y=y[s])
         if gamma is not None:
