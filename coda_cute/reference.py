@@ -215,6 +215,61 @@ def lm_head_ce_grad_ref(y, w_lm, ss, eps: float, targets, ignore_index: int = -1
     return dy.to(y.dtype), dw.to(w_lm.dtype), dgamma
 
 
+def target_logits_ref(u, w, targets, rstd):
+    """rstd_m (u_m . w[t_m]) in fp32 (float64 sums), t_m clamped into [0, V)
+    (``kernels.elementwise.target_logits``)."""
+    t = targets.long().clamp(0, w.shape[0] - 1)
+    return (rstd.double() * (u.double() * w[t].double()).sum(1)).float()
+
+
+def exp_logits_ref(logits, tl, tile: int, guard: float):
+    """The exp-form logits epilogue (``coda_cute.ops.lm_head_ce.exp_logits_tree``): for fp32
+    logits (M, V) and the targets' fp32 logits tl (M,), per ``tile``-column tile j (the last one
+    ragged) K_mj = max(tl_m, max_{v in j} l_mv - guard); returns (e = exp(l - K) bf16 (M, V),
+    K (M, T) fp32, se = sum_{v in j} e (M, T) fp32)."""
+    m, v = logits.shape
+    nt = -(-v // tile)
+    pad = torch.full((m, nt * tile), float("-inf"), dtype=torch.float64, device=logits.device)
+    pad[:, :v] = logits.double()
+    k = torch.maximum(tl.double().unsqueeze(1), pad.view(m, nt, tile).amax(-1) - guard)
+    e = torch.exp(pad.view(m, nt, tile) - k.unsqueeze(-1))
+    return e.reshape(m, -1)[:, :v].to(torch.bfloat16), k.float(), e.sum(-1).float()
+
+
+def exp_combine_ref(e, k, se, targets, coef, rstd, tile: int):
+    """``kernels.elementwise.exp_combine`` in float64 (its docstring has the math): returns
+    (e' bf16, lse, rs), e' = e rescaled to the row's largest K with -(the others' share) at the
+    target, so that diag(rs) e' = r c (softmax - onehot)."""
+    m, v = e.shape
+    k64 = k.double()
+    kp = k64.amax(1, keepdim=True)
+    f = torch.exp(k64 - kp)
+    total = (f * se.double()).sum(1)
+    col_tile = torch.arange(v, device=e.device) // tile
+    scaled = e.double() * f[:, col_tile]
+    valid = (targets >= 0) & (targets < v)
+    tgt = targets.long().clamp(0, v - 1)
+    rows = torch.arange(m, device=e.device)
+    in_jt = col_tile.unsqueeze(0) == torch.where(valid, tgt // tile, -1).unsqueeze(1)
+    not_t = torch.ones_like(in_jt)
+    not_t[rows[valid], tgt[valid]] = False
+    other_tiles = torch.arange(k.shape[1], device=e.device).unsqueeze(0) != torch.where(valid, tgt // tile, -1).unsqueeze(1)
+    others = (torch.where(other_tiles, f * se.double(), 0.0).sum(1)
+              + torch.where(in_jt & not_t, scaled, 0.0).sum(1))
+    out = torch.where(not_t, scaled, -others.unsqueeze(1))
+    return out.to(torch.bfloat16), (kp.squeeze(1) + torch.log(total)).float(), (rstd.double() * coef.double() / total).float()
+
+
+def lm_head_rows_ref(dy, y, gamma, r, zdz, rs):
+    """``kernels.elementwise.lm_head_rows``: (dy - r^2 (zdz / d) y, rs y gamma), each rounded
+    once to bf16 from float64."""
+    d = y.shape[1]
+    y64 = y.double()
+    proj = (r.double() ** 2 * zdz.double() / d).unsqueeze(1) * y64
+    return ((dy.double() - proj).to(dy.dtype),
+            (rs.double().unsqueeze(1) * y64 * gamma.double()).to(y.dtype))
+
+
 def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss

@@ -22,8 +22,9 @@ Kernel families compiled (no GPU needed):
 ``--configs default`` keeps one config per GEMM family: the one the heuristic picks for a large
 square problem on a 132-SM Hopper part. Then the ``elementwise`` family
 (``coda_cute.report_elementwise``): the step's bandwidth-bound kernels (the gamma fold and its
-backward, the embedding and RoPE backwards, the cross-entropy gradient, the FP8 quantizers and
-transpose), each with its intended instructions counted in its PTX.
+backward, the embedding and RoPE backwards, the LM head's row kernels, the cross-entropy
+gradient, the FP8 quantizers and transpose), each with its intended instructions counted in its
+PTX.
 
 Per kernel: ptxas registers, spill stores/loads and stack frame; shared memory (A/B stage ring +
 epilogue ring + mbarriers, from ``kernels.common.config.smem_bytes``); compile seconds; and whether
@@ -128,15 +129,18 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
            ("norm_rope_qkv_qk_norm", qkv.norm_rope_qkv_tree(n_qk, c.head_dim, True, True), fwd["qkv"], "kk"),
            ("norm_proj", proj.norm_proj_tree(), fwd["qkv"], "kk"),
            ("lm_head_ce", lm.lm_head_ce_tree(), fwd["lm_head"], "kk"),
-           ("lm_head_ce_train.logits", lm.logits_tree(), fwd["lm_head"], "kk"),
+           ("lm_head_ce_train.logits", lm.exp_logits_tree(), fwd["lm_head"], "kk"),
            ("lm_head_ce_backward.dlogits", lm.dlogits_tree(), fwd["lm_head"], "kk"),
            ("swiglu_backward", swiglu.swiglu_backward_tree(), (fwd["down"][0], c.ffn, c.d), "kn"),
            ("norm_backward.gate_up", rmsnorm.norm_backward_tree(True), dgrad("gate_up"), "kn"),
            ("norm_backward.qkv", rmsnorm.norm_backward_tree(True), dgrad("qkv"), "kn"),
            ("norm_backward.lm_head", rmsnorm.norm_backward_tree(False, True), dgrad("lm_head"), "kn"),
+           ("lm_head_ce_train.dgrad", lm.exp_dgrad_tree(True), dgrad("lm_head"), "kn"),
            ("lm_head_ce_train.dw", lm.accumulate_tree("bfloat16"), (c.vocab, c.d, fwd["lm_head"][0]), "mn"))
+    fixed = {"lm_head_ce_train.logits": lm.EXP_CONFIG}  # its tile is the exp form's tile
     return [KernelSpec.of("bfloat16", "bfloat16", majors[0], majors[1],
-                          choose_config(tree, *mnk, 1, False, False, sms), tree, ARCH, sms, label=op)
+                          fixed.get(op) or choose_config(tree, *mnk, 1, False, False, sms), tree, ARCH, sms,
+                          label=op)
             for op, tree, mnk, majors in ops]
 
 

@@ -2,8 +2,9 @@
 built for sm_90a as a Llama-3-8B step launches it (d 4096, ffn 14336, 32 / 8 heads of 128), with
 what the compiler made of it.
 
-The kernels: the gamma fold (W * gamma) and its backward, the embedding backward, the
-cross-entropy gradient and its log-sum-exp combine, the RoPE backward (with and without
+The kernels: the gamma fold (W * gamma) and its backward, the embedding backward, the LM head's
+target logits, exp-form row step and row finish, the FP8 LM head's cross-entropy gradient, the
+log-sum-exp combine, the RoPE backward (with and without
 QK-norm), and the FP8 quantizers of both recipes (1 x 128 rows, both layouts, the weights' 128 x
 128 blocks with their transpose; the row-wise recipe's one-read rows, a gradient's rows with their
 fold factors, the amax passes, the columns, the folded columns) with the FP8 byte transpose.
@@ -27,6 +28,7 @@ from .elementwise import (AbsMaxSpec, CrossEntropyGradSpec, EmbeddingBackwardSpe
                           QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec, QuantizeWholeRowsSpec,
                           RopeBackwardSpec, ScaleColumnsSpec, TransposeBytesSpec, compile_elementwise,
                           whole_row_groups)
+from .elementwise_lm_head import ExpCombineSpec, LmHeadRowsSpec, TargetLogitsSpec
 
 #: the intended instructions, by the PTX opcode prefix each is counted by
 LD16, ST16, ST8 = "ld.global.v4", "st.global.v4", "st.global.v2"
@@ -42,7 +44,10 @@ def kernels() -> list[tuple[str, object, tuple[str, ...]]]:
         ("gamma fold, W * gamma", ScaleColumnsSpec("bfloat16"), (LD16, ST16)),
         ("gamma fold backward", FoldBackwardSpec("bfloat16"), (LD16, ST16)),
         ("embedding backward", EmbeddingBackwardSpec("bfloat16"), (LD16, ST16)),
-        ("cross-entropy gradient", CrossEntropyGradSpec(), (LD16, ST16, EX2)),
+        ("cross-entropy gradient (FP8 LM head)", CrossEntropyGradSpec(), (LD16, ST16, EX2)),
+        ("LM head target logits", TargetLogitsSpec(), (LD16, SHFL)),
+        ("LM head exp-form row step", ExpCombineSpec(), (SHFL, EX2)),
+        ("LM head row finish", LmHeadRowsSpec(), (LD16, ST16)),
         ("log-sum-exp combine", LseCombineSpec(), (SHFL, EX2)),
         ("RoPE backward", RopeBackwardSpec(False, 128, 32, 8), (LD16, ST16, SHFL, BAR)),
         ("RoPE + QK-norm backward", RopeBackwardSpec(True, 128, 32, 8), (LD16, ST16, SHFL, BAR)),

@@ -1,10 +1,12 @@
 """Numerics of a cross-entropy backward without the cross-entropy-gradient pass (CPU, float64 oracle).
 
-Today ``coda.lm_head_ce_train`` stores each chunk's logits (bf16) from the logits GEMM, and a
-bandwidth-bound kernel (``kernels.elementwise.ce_grad``) turns them in place into the GEMM operand
-dl' = r dl, dl = c (softmax - onehot). That kernel reads and rewrites the chunk: 2.0 ms of the
-8b step's 151.5 ms of GPU time. This script checks the numerics of a form of the operand that the
-logits GEMM could store directly, before anything of it is built:
+Until the fourteenth session ``coda.lm_head_ce_train`` stored each chunk's logits (bf16) from the
+logits GEMM, and a bandwidth-bound kernel (``kernels.elementwise.ce_grad``, now the FP8 LM head's)
+turned them in place into the GEMM operand dl' = r dl, dl = c (softmax - onehot): it read and
+rewrote the chunk, 2.0 ms of the 8b step's 151.5 ms of GPU time. This script checked the numerics
+of a form of the operand that the logits GEMM can store directly, before it was built; the op
+now runs its variant "exp form, -others at the target" (``coda_cute.ops.lm_head_ce``, with the
+target's own logit as K's anchor, SHIFT 0 there, and the tile as the segment):
 
     e'_mv = exp(logit_mv - K_m,tau)  with the target's own column set to 0 (bf16),
     K_m,tau = max(T_m, max_{v in tile tau} logit_mv - GUARD)   (T_m = target logit + SHIFT)

@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_backward.py
 
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
-the cross-entropy gradient, the LSE of its partials and the deferred LM-head wgrad (several
-chunks, a vocabulary that is no multiple of 8), the gradient times dloss (``coda.scale``, also on
+the LM head's training chunk (target logits, the exp-form logits GEMM, its row step, the dgrad
+and its row finish, the wgrads, the deferred last-chunk wgrad; several chunks, a vocabulary that
+is no multiple of 8), the gradient times dloss (``coda.scale``, also on
 its own at 333 x 40), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
 row; and the model's own, bf16), and the two sublayer ops forward and backward.
 """

@@ -175,7 +175,8 @@ def ref_call(name, args):
         dy, _, dg = R.lm_head_ce_grad_ref(*args)
         r = R.rms_rstd_ref(ss, D, eps).unsqueeze(1)
         dl = (R.ce_dlogits_ref(*args)[1] * r).to(y.dtype)
-        return (*R.lm_head_ce_ref(*args), dy, *((dg,) if dg is not None else ()), dl)
+        # the reference path's last-chunk operands: dl' itself and u = y * gamma
+        return (*R.lm_head_ce_ref(*args), dy, *((dg,) if dg is not None else ()), dl, R.scale_columns_ref(y, g))
     if b == "lm_head_ce_backward":
         y, w, ss, eps, t, lse, dloss, dlse, ig, red, g = args
         dy, dw, dg = R.lm_head_ce_grad_ref(y, w, ss, eps, t, ig, red, g, dloss, dlse)

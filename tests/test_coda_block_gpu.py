@@ -268,6 +268,104 @@ def test_lm_head_train_op(m, reduction, gamma, d, fraction, acc, monkeypatch):
         assert i.grad.dtype == i.dtype and rel_err(i.grad, wt) < 2e-2, rel_err(i.grad, wt)
 
 
+def test_lm_head_train_op_on_confident_and_far_rows():
+    """The exp form's hard rows end to end: targets 15 and 25 nats up (1 - p_t down to 1e-11,
+    kept by the others' share at the target), and rows with a logit 70 or 150 nats above the
+    target (past EXP_GUARD: their tiles rescale in the row step), next to ordinary and ignored
+    rows; loss, LSE and gradients against float64."""
+    torch.manual_seed(5)
+    m, d, v = 1000, 256, CFG.vocab_size
+    y = cuda(m, d)
+    w, ss = cuda(v, d, scale=d ** -0.5), R.norm_stats_partials_ref(y, 128)
+    t = torch.randint(0, v, (m,), device="cuda")
+    r = R.rms_rstd_ref(ss, d, EPS)
+    yf = y.float()
+    # a weight row along y_m sets row m's logit at that column: logit = r (y_m . w_j)
+    for rows, nats, other in ((range(1, m, 9), 15.0, 0), (range(2, m, 9), 25.0, 0),
+                              (range(3, m, 9), 70.0, 5003), (range(4, m, 9), 150.0, 129)):
+        for i in rows:
+            col = (int(t[i]) + other) % v
+            base = r[i] * (yf[i] @ w[int(t[i])].float())
+            w[col] = (yf[i] * ((base + nats) / (r[i] * (yf[i] @ yf[i])))).to(BF16)
+    t[::7] = -100
+    want = R.lm_head_ce_grad_ref(y.double(), w.double(), ss, EPS, t, -100, "mean")
+    want_loss, want_lse = R.lm_head_ce_ref(y, w, ss, EPS, t, -100, "mean")
+    ins = [y.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = torch.ops.coda.lm_head_ce_train(ins[0], ins[1], ss, EPS, t, -100, "mean")
+    assert rel_err(out[0], want_loss) < 1e-4 and rel_err(out[1], want_lse) < 1e-4
+    out[0].backward()
+    for i, wt in zip(ins, want):
+        assert rel_err(i.grad, wt) < 2e-2, rel_err(i.grad, wt)
+
+
+def test_exp_combine_kernel_matches_the_reference():
+    """The row step (kernels.elementwise.exp_combine) on the logits epilogue's reference output:
+    e' to bf16 rounding (bitwise where no rescale runs), LSE and rs to fp32 rounding; rescaled
+    rows, confident rows, ignored rows, a target in the ragged last tile; nothing written past
+    column V - 1 (NaN-poisoned padding)."""
+    from coda_cute.elementwise_lm_head import exp_combine_
+
+    torch.manual_seed(11)
+    m, v, tile, guard = 1003, 32003, LH.EXP_TILE, LH.EXP_GUARD
+    logits = 3 * torch.randn(m, v, device="cuda")
+    t = torch.randint(0, v, (m,), device="cuda")
+    rows = torch.arange(m, device="cuda")
+    t[5] = v - 1
+    logits[rows[2::10], t[2::10]] += 25.0
+    logits[rows[3::10], (t[3::10] + 1000) % v] = logits[rows[3::10], t[3::10]] + 150.0
+    logits[rows[4::10], (t[4::10] + 3) % v] = logits[rows[4::10], t[4::10]] + 70.0
+    t[::7] = -100
+    tl = logits[rows, t.clamp(0)].contiguous()
+    e, k, se = R.exp_logits_ref(logits, tl, tile, guard)
+    coef = R.ce_coef(t, -100, "mean")
+    rstd = torch.rand(m, device="cuda") + 0.5
+    want = R.exp_combine_ref(e, k, se, t, coef, rstd, tile)
+    buf = torch.full((m, -(-v // 8) * 8), float("nan"), dtype=BF16, device="cuda")
+    got_e = buf[:, :v]
+    got_e.copy_(e)
+    lse = torch.full((m,), float("nan"), device="cuda")
+    rs = exp_combine_(got_e, k, se, t.to(torch.int32), coef, rstd, tile, lse)
+    # rescaled values to one bf16 rounding (subnormals far below any p apart)
+    torch.testing.assert_close(got_e.float(), want[0].float(), rtol=2 ** -7, atol=1e-30)
+    assert buf[:, v:].isnan().all()
+    # rows that need no rescale keep every stored value but the target's, bit for bit
+    plain = (k == tl[:, None]).all(1)
+    untouched = torch.ones_like(e, dtype=torch.bool)
+    valid = t != -100
+    untouched[rows[valid], t[valid]] = False
+    assert plain.sum() > m // 2 and torch.equal(got_e[plain & valid][untouched[plain & valid]],
+                                                e[plain & valid][untouched[plain & valid]])
+    torch.testing.assert_close(lse, want[1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(rs, want[2], rtol=1e-5, atol=0)
+
+
+def test_target_logits_and_row_finish_kernels_match_their_references():
+    """kernels.elementwise.target_logits (clamped targets, ragged M, d 4096) and lm_head_rows
+    (dy in place, the wgrad operand) against float64; poisoned outputs."""
+    from coda_cute.elementwise_lm_head import lm_head_rows_, target_logits
+
+    torch.manual_seed(12)
+    m, d, v = 1003, 4096, 5000
+    u, w = cuda(m, d), cuda(v, d, scale=d ** -0.5)
+    t = torch.randint(0, v, (m,), device="cuda", dtype=torch.int32)
+    t[::7] = -100
+    t[3] = v + 9  # clamped like an ignored row's
+    r = torch.rand(m, device="cuda") + 0.5
+    out = torch.full((m,), float("nan"), device="cuda")
+    got = target_logits(u, w, t, r, out=out)
+    torch.testing.assert_close(got, R.target_logits_ref(u, w, t, r), rtol=1e-5, atol=1e-5)
+
+    y, dy0 = cuda(m, d), cuda(m, d)
+    gamma = 1 + cuda(d, scale=0.1)
+    zdz, rs = torch.randn(m, device="cuda") * d, torch.rand(m, device="cuda")
+    want_dy, want_us = R.lm_head_rows_ref(dy0, y, gamma, r, zdz, rs)
+    dy = dy0.clone()
+    us = lm_head_rows_(dy, y, gamma, r, zdz, rs)
+    # one bf16 rounding each (the fp32 product may land on the other side of a rounding boundary)
+    torch.testing.assert_close(dy.float(), want_dy.float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(us.float(), want_us.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_lm_head_bf16_accumulator_refuses_a_second_backward(monkeypatch):
     """The in-place last-chunk wgrad (coda.lm_head_ce_dw_) bumps the accumulator's version on the
     GPU path too: a retained graph's second backward raises."""
@@ -443,14 +541,18 @@ def test_small_model_trains():
 
 
 def test_lm_head_config_choices_do_not_spill():
-    """The LM head's logits GEMM at the benchmark shapes (d 2048 and 4096, whose cooperative
-    128 x 256 build spills) picks spill-free configs."""
+    """The training LM head's GEMMs at the benchmark's chunk shapes (4096 rows, d 2048 and 4096):
+    the exp-form logits tree on its fixed config and the dgrad tree on the runner's pick build
+    without spills for this device's SM count."""
     from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for tree, mnk in ((LH.logits_tree(), (4096, 128256, 2048)), (LH.logits_tree(), (4096, 128256, 4096))):
-        cfg = choose_config(tree, *mnk, 1, False, False, sms)
-        assert spill_bytes(get_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree, "sm_90a", sms))) == 0
+    for d in (2048, 4096):
+        for tree, cfg, majors in ((LH.exp_logits_tree(), LH.EXP_CONFIG, "kk"),
+                                  (LH.exp_dgrad_tree(True), choose_config(LH.exp_dgrad_tree(True), 4096, d, 128256,
+                                                                          1, False, False, sms), "kn")):
+            spec = KernelSpec.of("bfloat16", "bfloat16", *majors, cfg, tree, "sm_90a", sms)
+            assert spill_bytes(get_gemm(spec)) == 0, (d, cfg)
 
 
 # rows: one CTA's four and a ragged count; tiles: one, the 128- and 256-wide tile counts at V 128256

@@ -54,7 +54,7 @@ def test_spec_list_covers_the_config_spaces():
         "residual_gemm_norm_stats", "norm_swiglu", "norm_rope_qkv", "norm_rope_qkv_qk_norm",
         "norm_proj", "lm_head_ce", "lm_head_ce_train.logits", "lm_head_ce_backward.dlogits",
         "swiglu_backward", "norm_backward.gate_up", "norm_backward.qkv", "norm_backward.lm_head",
-        "lm_head_ce_train.dw"]
+        "lm_head_ce_train.dgrad", "lm_head_ce_train.dw"]
     # the backward GEMMs run in the layouts their operands arrive in: dgrad B n-major, wgrad A m-major
     majors = {s.label: s.a_major + s.b_major for f, s in SPECS if f == "coda"}
     assert majors["swiglu_backward"] == majors["norm_backward.qkv"] == "kn"
@@ -276,8 +276,8 @@ def test_report_json(tmp_path, capsys):
     records = json.loads(path.read_text())
     elementwise = [r for r in records if r["kind"] == "elementwise"]
     records = [r for r in records if r["kind"] != "elementwise"]
-    assert len(records) == len(report.kernel_specs("default")) == 44
-    assert len(elementwise) == len(report_elementwise.kernels()) == 20
+    assert len(records) == len(report.kernel_specs("default")) == 45
+    assert len(elementwise) == len(report_elementwise.kernels()) == 23
     for r in elementwise:  # every bandwidth-bound kernel of the step: its intended instructions, no spills
         assert r["ok"] and r["spills"] == 0 and r["problems"] == [] and all(r["instructions"].values()), r
     names = {r["name"] for r in elementwise}
@@ -293,10 +293,10 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "44 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "45 as intended" in out and "norm_rope_qkv_qk_norm" in out
     assert "fp8.wgrad.gate_up" in out and "fp8.lm_head.dw" in out and "fp8_row.swiglu_backward" in out
     assert "fp8_row_fast.swiglu_backward" in out and "fastacc" in out
-    assert "20 element-wise kernels for sm_90a; 20 as intended, 0 not" in out
+    assert "23 element-wise kernels for sm_90a; 23 as intended, 0 not" in out
 
 
 def test_elementwise_report_finds_a_missing_instruction():

@@ -21,20 +21,49 @@ the activations.
 Design: gradients in the forward, in row chunks (Liger's fused linear cross-entropy shape), or
 the logits recomputed in the backward (CODA's, four GEMMs)? At vocab 128256 the LM head holds
 most of a small model's FLOPs: a fourth GEMM of M V d costs a third more (12.5 ms at 16384 x
-128256 x 2048 on the H200) while the chunk's logits traffic (written by the logits GEMM's
-epilogue, read and rewritten once by our cross-entropy-gradient kernel: 3 x 2 M V bytes, 2 ms at
-copy bandwidth) is a sixth of that. ``lm_head_ce_train`` therefore runs three GEMMs per chunk in
-its forward: the logits GEMM (epilogue: logits stored bf16, per-tile (max, sum exp) partials,
-the target logit), the in-place gradient kernel (``kernels.elementwise.ce_grad``), the dgrad
-GEMM with the RMSNorm backward in its epilogue, and the wgrad GEMM accumulating dW over chunks
-in a fixed order; its backward only scales by dloss. Chunks hold ``CHUNK_BYTES`` of logits (the
-memory target: at most 1.5 GiB beyond inputs and outputs; power-of-two chunk rows, so 4 chunks
-of 4096 rows at 16384 x 128256); dW
-accumulates in fp32 where that fits next to the chunk, otherwise in the parameter's bf16 (one
-rounding per chunk), where the backward's last-chunk wgrad turns the sum into the gradient in
-place (``coda.lm_head_ce_dw_``: no second V x d buffer). The loss-only op keeps the one-GEMM forward and recomputes the logits
-chunk by chunk in its backward (its dlogits come straight out of that GEMM's epilogue, the LSE
-being known), which also serves per-row losses (``reduction="none"``) and a gradient of LSE.
+128256 x 2048 on the H200) while a chunk's operand traffic (one bf16 write of M V by the logits
+GEMM, one read by each gradient GEMM) is far less. ``lm_head_ce_train`` therefore runs three
+GEMMs per chunk in its forward; its backward only scales by dloss. Chunks hold ``CHUNK_BYTES``
+of logits (the memory target: at most 1.5 GiB beyond inputs and outputs; power-of-two chunk
+rows, so 4 chunks of 4096 rows at 16384 x 128256); dW accumulates in fp32 where that fits next
+to the chunk, otherwise in the parameter's bf16 (one rounding per chunk), where the backward's
+last-chunk wgrad turns the sum into the gradient in place (``coda.lm_head_ce_dw_``: no second
+V x d buffer).
+
+The exp form: the gradient operand straight from the logits GEMM. dl needs the row's LSE, which
+no tile of the logits GEMM knows, so a pass over the stored logits used to turn them into dl'
+(read and rewrite 2 M V bytes: 2.0 ms of the 8b step). Instead the GEMM stores what needs no
+LSE, per ``EXP_TILE``-column tile j (its own tile: the row-scale and partials are per tile):
+
+    e = exp(l - K_j) (bf16),  K_j = max(T, max_{v in j} l_v - EXP_GUARD),  T = l_t  (the target's
+                               logit, from a gather-dot before the GEMM: ``target_logits``)
+    partials K_j and sum_{v in j} e
+
+so e <= e^EXP_GUARD stays finite in bf16 and in the GEMMs' fp32 sums, and K_j = T in every tile
+unless a logit exceeds T + EXP_GUARD. Per row (``exp_combine_``, bytes per row, not per logit):
+K' = max_j K_j; tiles with K_j < K' (rare) rescale by exp(K_j - K') in place; LSE = K' + log
+sum_j exp(K_j - K') se_j; the target's entry becomes -(the others' sum), so that
+
+    dl = s e',   s_m = c_m exp(K' - LSE_m)    (at the target: s (-others) = c (p_t - 1))
+
+keeping 1 - p_t of a confident row at bf16's relative precision (forming it from p_t cancels;
+``scripts/exp_lm_head_exp_form.py``). The row scale rs = r s goes where a GEMM can take it: the
+dgrad's epilogue (G = rs (e' @ W)) and the wgrad's other operand (dW = e'^T @ (rs u)). The
+RMSNorm statistic s_m d = sum_v dl logits = u . G sums over all d columns of G, which no dgrad
+tile holds, so the dgrad epilogue stores dy0 = G gamma with its row partials u . G, and a row
+finish (``lm_head_rows_``) subtracts r^2 (u . G / d) y in place and writes rs u for the wgrad.
+Why not the statistic in the logits epilogue (sum e (l - T) per tile)? The logits GEMM runs its
+epilogue on each 128 x 128 tile of the chunk's M x V (32064 tiles at 4096 x 128256), the dgrad
+on each tile of M x d (512 at d 4096); an extra row reduction there cost 2 % of the logits GEMM
+(H200, in turns: 6.954 ms with it, 6.806 without), the row finish far less.
+Measured (H200, 16384 x 128256, bf16, in turns, one process): the chunk loop 81.07 ms against
+81.40 for the stored-logits form at d 4096, 40.45 against 42.24 at d 2048; the logits GEMM with
+this tree is 1.6-3.6 % slower than with the stored-logits one (its K row reduction), the other
+kernels per chunk 0.09 ms against 0.55.
+
+The loss-only op keeps the one-GEMM forward and recomputes the logits chunk by chunk in its
+backward (its dlogits come straight out of that GEMM's epilogue, the LSE being known), which
+also serves per-row losses (``reduction="none"``) and a gradient of LSE.
 """
 
 from __future__ import annotations
@@ -48,7 +77,9 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..elementwise import cross_entropy_grad_, lse_combine
+from ..elementwise import lse_combine
+from ..elementwise_lm_head import exp_combine_, lm_head_rows_, target_logits
+from ..kernels.common.config import GemmConfig
 from ..kernels.epilogue.plain import gemm_tree
 from ..reference import (ce_coef, ce_dlogits_ref, lm_head_ce_grad_ref, lm_head_ce_ref, reduce_loss,
                          rms_rstd_ref, scale_columns_ref)
@@ -65,6 +96,11 @@ REDUCTIONS = ("mean", "sum", "none")
 CHUNK_BYTES = 3 << 29  # 1.5 GiB
 #: chunk rows are whole 128-row GEMM tiles
 CHUNK_ROW_MULTIPLE = 128
+#: the exp form (module docstring): e = exp(logit - K) per EXP_TILE-column tile, K the target's
+#: logit or the tile's max - EXP_GUARD where larger (e <= e^EXP_GUARD: finite in bf16 and in the
+#: GEMMs' fp32 sums), on the logits GEMM's config whose tile is that wide
+EXP_TILE, EXP_GUARD = 128, 60.0
+EXP_CONFIG = GemmConfig(128, EXP_TILE, 64, "pingpong", 2, 1)
 
 
 # -- trees ----------------------------------------------------------------------------------------
@@ -86,6 +122,32 @@ def logits_tree() -> E.Epilogue:
     logits = _logits()
     return E.Epilogue(E.store(logits, "logits", "bfloat16"), E.row_reduce(logits, "lse", "lse"),
                       E.gather(logits, E.row_vec("targets", "int32"), "target_logit"))
+
+
+@functools.lru_cache(maxsize=None)
+def exp_logits_tree() -> E.Epilogue:
+    """The training forward's logits GEMM on ``EXP_CONFIG``: e = exp(logits - K) stored bf16,
+    K = max(T, the tile's max - ``EXP_GUARD``) with T the target's logit (a row input), and per
+    tile K and sum e (``reference.exp_logits_ref``)."""
+    logits = _logits()
+    k = E.maximum(E.row_vec("target_logit"), E.segment_reduce(logits, "max", EXP_TILE) - EXP_GUARD)
+    e = E.exp(logits - k)
+    return E.Epilogue(E.store(e, "e", "bfloat16"), E.row_reduce(k, "max", "k"), E.row_reduce(e, "sum", "se"))
+
+
+@functools.lru_cache(maxsize=None)
+def exp_dgrad_tree(gamma: bool) -> E.Epilogue:
+    """The exp form's dgrad, acc = e' @ W: G = rs * acc and dy0 = G [* gamma] stored bf16, the
+    RMSNorm statistic's row partials zdz = sum dy0 * y (= u . G, u = y * gamma) and, with gamma,
+    d gamma's column partials sum_m G * y. The projection r^2 (zdz / d) y is subtracted
+    afterwards (``lm_head_rows_``): zdz sums over all d columns, more than a tile holds."""
+    g = E.acc() * E.row_vec("rs")
+    y = E.tile("y")
+    dy0 = g * E.col_vec("gamma") if gamma else g
+    sinks = [E.store(dy0, "dy", "bfloat16"), E.row_reduce(dy0 * y, "sum", "zdz")]
+    if gamma:
+        sinks.append(E.col_reduce(g * y, "sum", "dgamma"))
+    return E.Epilogue(*sinks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,8 +297,8 @@ def lm_head_ce_backward(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, e
     """(dy, dw_lm, dgamma) of ``coda.lm_head_ce``: the logits recomputed chunk by chunk with
     the forward's LSE; dloss () or (M,) for "none", dlse (M,). dgamma is empty without gamma."""
     check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
-    dy, dw, dg, _, _, _ = _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
-                                   dloss=dloss, lse=lse, dlse=dlse)
+    dy, dw, dg, _, _, _, _ = _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
+                                      dloss=dloss, lse=lse, dlse=dlse)
     return dy, dw, _gamma_grad(dg, gamma, y)
 
 
@@ -266,24 +328,26 @@ def lm_head_ce_train(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, eps:
                      targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
                      gamma: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor]:
+                                torch.Tensor, torch.Tensor]:
     """:func:`lm_head_ce` (reduction "mean" or "sum") that also computes the gradients, in row
-    chunks in the forward (module docstring). Returns (loss, LSE, dy, dgamma, dw_acc, dl_last):
-    dy and dgamma (fp32, empty without gamma) the gradients of loss (dloss = 1) with respect to
-    y (through the norm: ss stands for y's statistic) and gamma; dw_acc the sum of the chunks'
-    dW but the last one's (the accumulator, fp32 or bf16 as :func:`plan_chunks` says; empty
-    with one chunk) and dl_last that chunk's dl' = r dl (its rows of the logits buffer, rows
-    padded to 16 bytes): the backward runs that chunk's wgrad with dloss and the rest of the sum
-    in its epilogue (``coda.lm_head_ce_dw``), so scaling dW by dloss costs no pass of its own.
-    Only loss carries a gradient."""
+    chunks in the forward (module docstring). Returns (loss, LSE, dy, dgamma, dw_acc, dl_last,
+    u_last): dy (y's dtype) and dgamma (fp32, empty without gamma) the gradients of loss (dloss = 1) with
+    respect to y (through the norm: ss stands for y's statistic) and gamma; dw_acc the sum of the
+    chunks' dW but the last one's (the accumulator, fp32 or bf16 as :func:`plan_chunks` says;
+    empty with one chunk) and the last chunk's dW as dl_last^T @ u_last: on the GPU dl_last = e'
+    and u_last = diag(rs) (y * gamma) (the exp form's row scale moved onto u), on the reference
+    path dl_last = dl' = r dl and u_last = y * gamma (dl_last: the chunk's rows of the logits
+    buffer, rows padded to 16 bytes). The backward runs that chunk's wgrad with dloss and the
+    rest of the sum in its epilogue (``coda.lm_head_ce_dw``), so scaling dW by dloss costs no
+    pass of its own. Only loss carries a gradient."""
     check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP_TRAIN)
     target_check = PendingIndexCheck(OP_TRAIN, "targets", targets, w_lm.shape[0], ignore_index)
-    dy, dw_acc, dgamma, lse, target_logit, dl_last = _chunked(
+    dy, dw_acc, dgamma, lse, target_logit, dl_last, u_last = _chunked(
         y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, defer_last=True)
     loss = finalize_ce(lse, target_logit, targets, ignore_index, reduction)
     target_check.wait()
     return (loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32),
-            dw_acc if dw_acc is not None else w_lm.new_empty((0,)), dl_last)
+            dw_acc if dw_acc is not None else w_lm.new_empty((0,)), dl_last, u_last)
 
 
 def _last_chunk(m: int, v: int, d: int):
@@ -300,7 +364,8 @@ def _train_fake(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", 
     dg = y.new_empty((d if gamma is not None else 0,), dtype=F32)
     dw = w_lm.new_empty((v, d), dtype=acc) if acc is not None else w_lm.new_empty((0,))
     dl = y.new_empty_strided((m - start, v), (vp, 1))
-    return y.new_empty((), dtype=F32), y.new_empty((m,), dtype=F32), y.new_empty(y.shape), dg, dw, dl
+    return (y.new_empty((), dtype=F32), y.new_empty((m,), dtype=F32), y.new_empty(y.shape), dg, dw, dl,
+            y.new_empty((m - start, d)))
 
 
 @lm_head_ce_train.register_kernel("cpu")
@@ -318,28 +383,28 @@ def _train_cpu(y, w_lm, ss, eps, targets, ignore_index=-100, reduction="mean", g
     dw = (dl[:start].t() @ u[:start]).to(acc) if acc is not None else w_lm.new_empty((0,))
     last = torch.empty((m - start, _padded_width(v)), dtype=y.dtype)[:, :v]
     last.copy_(dl[start:])
-    return loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32), dw, last
+    return (loss, lse, dy, dgamma if dgamma is not None else y.new_empty((0,), dtype=F32), dw, last,
+            scale_columns_ref(y, gamma)[start:].clone())
 
 
 def _train_setup(ctx, inputs, output):
     y, w_lm, ss, eps, targets, ignore_index, reduction, gamma = inputs
-    ctx.save_for_backward(y, gamma, *output[2:])
+    ctx.save_for_backward(gamma, *output[2:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
 
 
 def _train_backward(ctx, dloss, *_):
-    y, gamma, dy, dgamma, dw_acc, dl_last = ctx.saved_tensors
+    gamma, dy, dgamma, dw_acc, dl_last, u_last = ctx.saved_tensors
     if dloss is None:
         return (None,) * 8
     dloss = dloss.to(F32)
-    y_last = y[y.shape[0] - dl_last.shape[0]:]
-    if dw_acc.numel() and dw_acc.dtype == y.dtype:
+    if dw_acc.numel() and dw_acc.dtype == u_last.dtype:
         # the other chunks' bf16 sum becomes the gradient in place: no second (V, d) buffer
-        lm_head_ce_dw_(dl_last, y_last, gamma, dw_acc, dloss)
+        lm_head_ce_dw_(dl_last, u_last, None, dw_acc, dloss)
         dw = dw_acc
     else:
-        dw = lm_head_ce_dw(dl_last, y_last, gamma, dw_acc, dloss)
+        dw = lm_head_ce_dw(dl_last, u_last, None, dw_acc, dloss)
     dg = (dgamma * dloss).to(gamma.dtype) if gamma is not None else None
     return scale(dy, dloss), dw, None, None, None, None, None, dg
 
@@ -449,13 +514,15 @@ def plan_chunks(m: int, v: int, d: int, budget: Optional[int] = None):
 
 def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=None, lse=None,
              dlse=None, defer_last: bool = False):
-    """(dy, dw_lm, dgamma or None, lse, target logit, the last chunk's dl' or None) over row
-    chunks. Without ``lse`` (the training forward) each chunk's logits GEMM also finds the LSE
-    and the gradient kernel turns the stored logits into dl' in place; with it (the recomputing
-    backward) one GEMM writes dl' directly. Then per chunk: dy rows = the dgrad GEMM with the
-    RMSNorm backward epilogue, and dW += dl'^T @ u (accumulated in chunk order: deterministic).
-    ``defer_last``: the last chunk's dW is left out (dw_lm is then the accumulator of the
-    others, None with one chunk) and its dl' returned."""
+    """(dy, dw_lm, dgamma or None, lse, target logit, the last chunk's dl operand and its wgrad
+    operand, or None, None) over row chunks. Without ``lse`` (the training forward), per chunk:
+    the target logits, the logits GEMM storing the exp form e, the row step making e the operand
+    e' of dl' = diag(rs) e' in place (``exp_combine_``), the dgrad GEMM (``exp_dgrad_tree``)
+    and the row finish (``lm_head_rows_``: dy's projection, the wgrad operand diag(rs) u). With
+    it (the recomputing backward) one GEMM writes dl' directly and the dgrad takes the RMSNorm
+    backward in its epilogue. Then per chunk dW += e'^T @ (rs u) (training) or dl'^T @ u,
+    accumulated in chunk order (deterministic). ``defer_last``: the last chunk's dW is left out (dw_lm is then the
+    accumulator of the others, None with one chunk) and its two operands returned."""
     m, d = y.shape
     v = w_lm.shape[0]
     u = _scaled_input(y, gamma)
@@ -469,6 +536,9 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
     if train:
         lse = torch.empty(m, dtype=F32, device=y.device)
         target_logit = torch.empty(m, dtype=F32, device=y.device)
+        gamma_row = gamma.to(y.dtype) if gamma is not None else torch.ones(d, dtype=y.dtype, device=y.device)
+        if gamma_row.data_ptr() % 16:  # a view into a flat buffer: the row finish reads 16-byte vectors
+            gamma_row = gamma_row.clone()
     else:
         target_logit = None
         dlse = torch.zeros_like(lse) if dlse is None else dlse.to(F32)
@@ -479,27 +549,28 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
         s = slice(i, min(i + rows, m))
         dl = buf[: s.stop - i, :v]
         stats = norm_inputs(d, ss[s], eps)
+        inputs = {"y": y[s]} if gamma is None else {"y": y[s], "gamma": gamma_col}
         if train:
-            out = E.run(logits_tree(), u[s], w_lm.t(), dict(stats, targets=tgt[s]),
-                        outputs={"logits": dl}, op=OP_TRAIN)
-            lse_combine(*out["lse"], out=lse[s])
-            target_logit[s] = out["target_logit"]
-            zdz = cross_entropy_grad_(dl, lse[s], r[s], coef[s], tgt[s], target_logit[s])
+            tl = target_logits(u[s], w_lm, tgt[s], r[s], out=target_logit[s])
+            out = E.run(exp_logits_tree(), u[s], w_lm.t(), dict(stats, target_logit=tl),
+                        outputs={"e": dl}, config=EXP_CONFIG, op=OP_TRAIN)
+            rs = exp_combine_(dl, out["k"], out["se"], tgt[s], coef[s], r[s], EXP_TILE, lse[s])
+            out = E.run(exp_dgrad_tree(gamma is not None), dl, w_lm, dict(inputs, rs=rs),
+                        outputs={"dy": dy[s]}, op=OP_TRAIN)
+            u_w = lm_head_rows_(dy[s], y[s], gamma_row, r[s], out["zdz"].sum(-1), rs)
         else:
             zdz = E.run(dlogits_tree(), u[s], w_lm.t(),
                         dict(stats, lse=lse[s], coef=coef[s], dlse=dlse[s], targets=tgt[s]),
                         outputs={"dl": dl}, op=OP)["zdz"]
-        inputs = dict(stats, zdz=zdz, y=y[s])
-        if gamma is not None:
-            inputs["gamma"] = gamma_col
-        out = E.run(norm_backward_tree(False, gamma is not None), dl, w_lm, inputs,
-                    outputs={"dy": dy[s]}, op=OP)
+            out = E.run(norm_backward_tree(False, gamma is not None), dl, w_lm, dict(stats, zdz=zdz, **inputs),
+                        outputs={"dy": dy[s]}, op=OP)
+            u_w = u[s]
         if gamma is not None:
             dgamma += out["dgamma"].sum(-1)
         if defer_last and s.stop == m:
-            return dy, dw, dgamma, lse, target_logit, dl
-        dw = _add_wgrad(dw, dl, u[s], acc_dtype or w_lm.dtype)
-    return dy, dw.to(w_lm.dtype), dgamma, lse, target_logit, None
+            return dy, dw, dgamma, lse, target_logit, dl, u_w
+        dw = _add_wgrad(dw, dl, u_w, acc_dtype or w_lm.dtype)
+    return dy, dw.to(w_lm.dtype), dgamma, lse, target_logit, None, None
 
 
 def _add_wgrad(dw, dl, u, dtype):

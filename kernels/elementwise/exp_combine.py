@@ -1,0 +1,120 @@
+"""The exp-form LM head's row step: after the logits GEMM has stored, per ``TILE``-column tile
+``j`` of row ``m``, the bf16 values ``e[m, v] = exp(l_mv - K_mj)`` and the fp32 partials
+
+    K[m, j]  = max(T_m, max_{v in j} l_mv - GUARD)      (T_m = tl[m], the target's fp32 logit)
+    se[m, j] = sum_{v in j} e_mv
+
+this kernel turns ``e`` into the operand of both gradient GEMMs, dl' = diag(rs) e, and gives the
+row's LSE (``coda_cute.ops.lm_head_ce``'s docstring has the derivation):
+
+    K'      = max_j K[m, j],  f_j = exp(K[m, j] - K')   (f_j = 1 but in rows where a logit
+                                                          exceeds T_m + GUARD)
+    total   = sum_j f_j se[m, j];     LSE = K' + log(total);   s = coef / total
+    others  = sum_{j != jt} f_j se[m, j] + f_jt sum_{v in jt, v != t} e_mv
+    e[m, v] <- f_j e[m, v]   (v != t: the tiles with f_j != 1, in place),   e[m, t] <- -others
+    rs[m] = rstd[m] s,  lse[m] = LSE
+
+with t = targets[m] and jt its tile. So s e[m, v] = coef (softmax - onehot) at every column: at
+the target s (-others) = coef (p_t - 1) = -coef sum_{v != t} p_v, the others' share, which keeps
+its relative precision however close p_t is to 1 (1 - p_t from p_t would cancel). The target's
+tile is read back from ``e`` (256 bytes per row) so that its target column is left out exactly
+rather than subtracted from a sum it dominates.
+
+Rows whose target is outside [0, V) get no target write (ignored rows, whose coef 0 makes rs 0;
+a target out of range that is not ignored raises in the op's pending index check). A NaN
+partial gives NaN outputs (fmax with NaN propagation), never a silent number.
+
+Roles: no specialization. A 128-thread CTA takes four rows, one per warp. Each lane strides over
+its row's tiles 32 apart: the K maximum (butterfly max), then the sums over the same tiles (back
+from L1) and, in the rare rows with f_j != 1, the rescale of its own tiles' values; then the
+warp reads the target's tile (``TILE / 32`` columns per lane), the sums are reduced with
+butterflies in a fixed order (deterministic), and lane 0 writes the row's results and the
+target's value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+THREADS = 128
+WARPS = THREADS // 32
+
+
+def _warp_sum(x):
+    for off in (16, 8, 4, 2, 1):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+    return x
+
+
+class ExpCombine:
+    """See the module docstring. Arguments: ``e`` (M, V) bf16, in place; ``k``, ``se`` (M, T)
+    fp32 with unit stride along T, T = ceil(V / tile); ``coef``, ``rstd`` (M,) fp32;
+    ``targets`` (M,) int32; outputs ``lse``, ``rs`` (M,) fp32."""
+
+    def __init__(self, tile: int):
+        self.tile = tile
+
+    @cute.jit
+    def __call__(self, e: cute.Tensor, k: cute.Tensor, se: cute.Tensor, targets: cute.Tensor,
+                 coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor, stream):
+        self.kernel(e, k, se, targets, coef, rstd, lse, rs).launch(
+            grid=(cute.ceil_div(k.shape[0], WARPS), 1, 1),
+            block=(THREADS, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, e: cute.Tensor, k: cute.Tensor, se: cute.Tensor, targets: cute.Tensor,
+               coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        m, v = e.shape
+        nt = k.shape[1]
+        lane = tidx % 32
+        row = bid * WARPS + tidx // 32
+        if row < m:
+            tgt = targets[row]
+            valid = tgt >= 0 and tgt < v
+            jt = Int32(cutlass.select_(valid, tgt // self.tile, Int32(-1)))
+
+            kp = Float32(-math.inf)
+            for j in cutlass.range(lane, nt, 32, unroll=4):
+                kp = cute.arch.fmax(kp, k[(row, j)], nan=True)
+            for off in (16, 8, 4, 2, 1):
+                kp = cute.arch.fmax(kp, cute.arch.shuffle_sync_bfly(kp, offset=off), nan=True)
+
+            total = Float32(0.0)
+            others = Float32(0.0)
+            for j in cutlass.range(lane, nt, 32, unroll=4):
+                f = cute.math.exp(k[(row, j)] - kp)
+                s_j = se[(row, j)] * f
+                total = total + s_j
+                if j != jt:
+                    others = others + s_j
+                    if f != Float32(1.0):  # rare: a logit above T + GUARD somewhere in the row
+                        for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
+                            e[(row, c)] = (e[(row, c)].to(Float32) * f).to(e.element_type)
+            total = _warp_sum(total)
+
+            if valid:
+                ft = cute.math.exp(k[(row, jt)] - kp)
+                o_t = Float32(0.0)
+                for i in cutlass.range_constexpr(self.tile // 32):
+                    c = jt * self.tile + i * 32 + lane
+                    if c < v and c != tgt:
+                        x = e[(row, c)].to(Float32)
+                        o_t = o_t + x
+                        if ft != Float32(1.0):
+                            e[(row, c)] = (x * ft).to(e.element_type)
+                others = cute.math.fma(ft, o_t, others)
+            others = _warp_sum(others)
+
+            if lane == 0:
+                lse[row] = kp + cute.math.log(total)
+                rs[row] = rstd[row] * (coef[row] / total)
+                if valid:
+                    e[(row, tgt)] = (-others).to(e.element_type)

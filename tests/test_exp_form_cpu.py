@@ -1,0 +1,152 @@
+"""The exp-form LM head (``coda_cute.ops.lm_head_ce``'s training forward) without a GPU.
+
+* Its math: the logits epilogue's reference (``reference.exp_logits_ref``) followed by the row
+  step's (``reference.exp_combine_ref``) gives dl' = r c (softmax - onehot) as diag(rs) e' and
+  the LSE, against float64 straight from the definitions, on rows at initialization, confident
+  rows (the target 15 and 25 nats up: 1 - p_t down to 1e-11, where forming 1 - p_t from p_t
+  cancels), rows with a logit far above the target (the rescale path), ignored rows and a ragged
+  last tile; then the whole chunk (target logits, both, the dgrad's epilogue math, the row
+  finish ``reference.lm_head_rows_ref``, the wgrad on diag(rs) u) against
+  ``reference.lm_head_ce_grad_ref``.
+* The builds the step adds, for sm_90a: its three element-wise kernels and its two GEMM trees
+  on the configs they run on, all spill-free with their intended instructions.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from coda_cute import reference as R
+from coda_cute.elementwise import compile_elementwise
+from coda_cute.elementwise_lm_head import ExpCombineSpec, LmHeadRowsSpec, TargetLogitsSpec
+from coda_cute.ops import lm_head_ce as LH
+
+TILE, GUARD = LH.EXP_TILE, LH.EXP_GUARD
+
+
+def _logits(m: int, v: int, seed: int):
+    """fp32 logits N(0, 3) and targets: rows 1, 2 confident (15 and 25 nats up), rows 3, 4 with
+    a logit 150 and 70 nats above the target (past EXP_GUARD: their tiles rescale), row 5's
+    target in the ragged last tile, every seventh row ignored."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(m, v, generator=g)
+    t = torch.randint(0, v, (m,), generator=g)
+    t[5] = v - 1
+    rows = torch.arange(m)
+    logits[1, t[1]] += 15.0
+    logits[2, t[2]] += 25.0
+    logits[3, (t[3] + 131) % v] = logits[3, t[3]] + 150.0
+    logits[4, (t[4] + 7) % v] = logits[4, t[4]] + 70.0
+    t[::7] = -100
+    return logits, t, logits[rows, t.clamp(0)].clone()
+
+
+@pytest.mark.parametrize("m, v", [(40, 1000), (16, 300)])
+def test_exp_form_is_softmax_minus_onehot(m, v):
+    logits, t, tl = _logits(m, v, seed=m + v)
+    e, k, se = R.exp_logits_ref(logits, tl, TILE, GUARD)
+    assert e.dtype == torch.bfloat16 and k.shape == se.shape == (m, -(-v // TILE))
+    assert e.float().max() <= torch.exp(torch.tensor(GUARD)) * 1.01  # finite in bf16 and fp32 sums
+    coef = R.ce_coef(t, -100, "mean")
+    rstd = torch.rand(m) + 0.5
+    e2, lse, rs = R.exp_combine_ref(e, k, se, t, coef, rstd, TILE)
+
+    rows, valid = torch.arange(m), t != -100
+    l64 = logits.double()
+    dl = coef.double()[:, None] * torch.softmax(l64, -1)
+    dl[rows[valid], t[valid]] -= coef.double()[valid]
+    got = rs.double()[:, None] * e2.double()
+    want = rstd.double()[:, None] * dl
+    for i in range(m):
+        if valid[i]:  # each row to bf16's rounding of e', the confident rows' tiny ones included
+            assert (got[i] - want[i]).norm() <= 4e-3 * want[i].norm(), i
+        else:
+            assert rs[i] == 0
+    # sum_v dl = 0 to the bf16 rounding of the target's entry
+    assert ((got.sum(1)).abs() <= 2 ** -8 * got.abs().amax(1))[valid].all()
+    torch.testing.assert_close(lse.double(), torch.logsumexp(l64, -1), rtol=0, atol=1e-5)
+    # the target's entry is the others' share: 1 - p_t kept on the certain row (about 1e-11 there)
+    p_t = torch.softmax(l64[2], -1)[t[2]]
+    assert abs(-e2[2, t[2]].double() * rs[2] / rstd[2] / coef[2] - (1 - p_t)) < 1e-2 * (1 - p_t)
+
+
+def test_rows_below_the_guard_keep_their_stored_values():
+    """A row whose logits all stay within EXP_GUARD of the target needs no rescale: only the
+    target's entry changes."""
+    logits, t, tl = _logits(16, 300, seed=1)
+    e, k, se = R.exp_logits_ref(logits, tl, TILE, GUARD)
+    e2 = R.exp_combine_ref(e, k, se, t, R.ce_coef(t, -100, "sum"), torch.ones(16), TILE)[0]
+    keep = torch.ones_like(e, dtype=torch.bool)
+    valid = t != -100
+    keep[torch.arange(16)[valid], t[valid]] = False
+    for i in (0, 1, 2, 5, 6):
+        assert torch.equal(e2[i][keep[i]], e[i][keep[i]]), i
+    assert not torch.equal(e2[3], e[3])  # the 150-nat row rescales
+
+
+@pytest.mark.parametrize("gamma", [False, True])
+def test_the_chunk_in_the_exp_form_gives_the_gradients(gamma):
+    """The training chunk's steps as the GPU runs them (bf16 operands where the kernels store
+    bf16) give lm_head_ce_grad_ref's dy, dW and dgamma."""
+    torch.manual_seed(3)
+    m, d, v, eps = 96, 64, 700, 1e-5
+    y = torch.randn(m, d).to(torch.bfloat16)
+    w = (torch.randn(v, d) * d ** -0.5 * 4).to(torch.bfloat16)
+    g = (1 + 0.1 * torch.randn(d)).to(torch.bfloat16) if gamma else None
+    ss = R.norm_stats_partials_ref(y, 32)
+    t = torch.randint(0, v, (m,))
+    t[::5] = -100
+    r = R.rms_rstd_ref(ss, d, eps)
+    u = R.scale_columns_ref(y, g)
+    coef = R.ce_coef(t, -100, "mean")
+    tl = R.target_logits_ref(u, w, t, r)
+    logits = r[:, None] * (u.float() @ w.float().t())
+    e, k, se = R.exp_logits_ref(logits, tl, TILE, GUARD)
+    e2, lse, rs = R.exp_combine_ref(e, k, se, t, coef, r, TILE)
+    gmat = rs.double()[:, None] * (e2.double() @ w.double())  # the dgrad's acc * rs
+    gam = g.double() if gamma else torch.ones(d, dtype=torch.float64)
+    dy0 = (gmat * gam).to(torch.bfloat16)
+    zdz = (gmat * gam * y.double()).sum(1).float()
+    dy, us = R.lm_head_rows_ref(dy0, y, gam.to(torch.bfloat16), r, zdz, rs)
+    dw = e2.double().t() @ us.double()
+    want = R.lm_head_ce_grad_ref(y.double(), w.double(), ss, eps, t, -100, "mean", g.double() if gamma else None)
+    torch.testing.assert_close(lse, torch.logsumexp(logits.double(), -1).float(), rtol=0, atol=1e-4)
+    for got, ref, name in ((dy, want[0], "dy"), (dw, want[1], "dw")):
+        err = (got.double() - ref.double()).norm() / ref.double().norm()
+        assert err < 1e-2, (name, float(err))
+    if gamma:
+        dg = (gmat * y.double()).sum(0)
+        assert (dg - want[2].double()).norm() / want[2].double().norm() < 1e-2
+
+
+@pytest.mark.parametrize("spec, ops", [
+    (ExpCombineSpec(TILE), (r"shfl\.sync\.bfly", r"ex2\.approx")),
+    (TargetLogitsSpec(), (r"ld\.global[.\w]*\.v4", r"shfl\.sync\.bfly")),  # 16-byte loads
+    (LmHeadRowsSpec(), (r"ld\.global[.\w]*\.v4", r"st\.global[.\w]*\.v4")),
+], ids=["exp_combine", "target_logits", "lm_head_rows"])
+def test_exp_form_kernels_build_spill_free(spec, ops):
+    k = compile_elementwise(spec, keep_artifacts=True)
+    assert ".target sm_90a" in k.ptx
+    assert k.stats.get("spill_stores", 0) == 0 and k.stats.get("spill_loads", 0) == 0, k.stats
+    assert not re.search(r"\b(atom|red)\.", k.ptx)  # fixed-order sums: deterministic
+    for op in ops:
+        assert re.search(op, k.ptx), op
+
+
+@pytest.mark.parametrize("name, d", [("logits", None), ("dgrad", 2048), ("dgrad", 4096)])
+def test_exp_form_gemm_trees_build_spill_free(name, d):
+    """At the benchmark's chunk shapes (4096 rows, vocabulary 128256), on the configs they run on."""
+    from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
+    from coda_cute.epilogue.runner import choose_config
+
+    assert LH.EXP_CONFIG.tile_n == TILE  # the tree's per-tile K and sums are per EXP_TILE columns
+    if name == "logits":
+        tree, cfg, majors = LH.exp_logits_tree(), LH.EXP_CONFIG, "kk"
+    else:
+        tree, majors = LH.exp_dgrad_tree(True), "kn"
+        cfg = choose_config(tree, 4096, d, 128256, 1, False, False, 132)  # the runner's pick
+    k = get_gemm(KernelSpec.of("bfloat16", "bfloat16", *majors, cfg, tree, "sm_90a", 132))
+    assert spill_bytes(k) == 0, (name, cfg)
