@@ -17,37 +17,43 @@ __all__ = ["ExpCombineSpec", "exp_combine_", "TargetLogitsSpec", "target_logits"
 
 @dataclass(frozen=True)
 class ExpCombineSpec:
-    """The exp-form LM head's row step (``kernels.elementwise.exp_combine``), ``tile``-column tiles."""
+    """The exp-form LM head's row step (``kernels.elementwise.exp_combine``): ``tile``-column
+    tiles whose K is the target's logit or their max - ``guard``."""
 
     tile: int = 128
+    guard: float = 60.0
     arch: str = "sm_90a"
 
     @property
     def name(self) -> str:
-        return f"exp_combine_{self.arch}_t{self.tile}"
+        return f"exp_combine_{self.arch}_t{self.tile}_g{self.guard:g}"
 
     def build(self):
         import cutlass.cute as cute
 
         from .kernels.elementwise.exp_combine import ExpCombine
 
-        m, t = cute.sym_int(), cute.sym_int()
+        m, d = cute.sym_int(), cute.sym_int()
         vec = (m,)
-        return ExpCombine(self.tile), (
+        return ExpCombine(self.tile, self.guard), (
             _fake("bfloat16", (m, cute.sym_int()), (cute.sym_int64(), 1), 2),
-            _fake("float32", (m, t), (cute.sym_int64(), 1)), _fake("float32", (m, t), (cute.sym_int64(), 1)),
-            _fake("int32", vec, (1,)), _fake("float32", vec, (1,)), _fake("float32", vec, (1,)),
-            _fake("float32", vec, (1,)), _fake("float32", vec, (1,)))
+            _fake("float32", (m, cute.sym_int()), (cute.sym_int64(), 1)),
+            _rows16("bfloat16", m, d), _rows16("bfloat16", cute.sym_int(), d),
+            _fake("float32", vec, (1,)), _fake("int32", vec, (1,)), _fake("float32", vec, (1,)),
+            _fake("float32", vec, (1,)), _fake("float32", vec, (1,)), _fake("float32", vec, (1,)))
 
 
-def exp_combine_(e: torch.Tensor, k, se, targets, coef, rstd, tile: int, lse: torch.Tensor) -> torch.Tensor:
+def exp_combine_(e: torch.Tensor, se, u, w, tl, targets, coef, rstd, tile: int, guard: float,
+                 lse: torch.Tensor) -> torch.Tensor:
     """In place on ``e`` (M, V) bf16 (``kernels.elementwise.exp_combine``): writes the rows' LSE
-    into ``lse`` (M,) fp32 and returns the row scale rs (M,) fp32. k, se (M, ceil(V / tile))
-    fp32 with unit stride along the tiles; coef, rstd (M,) fp32; targets (M,) int32."""
+    into ``lse`` (M,) fp32 and returns the row scale rs (M,) fp32. se (M, ceil(V / tile)) fp32
+    with unit stride along the tiles; u (M, d), w (V, d) the logits GEMM's bf16 operands (rows
+    16-byte aligned); tl, coef, rstd (M,) fp32; targets (M,) int32."""
     from . import dispatch
 
     rs = torch.empty(e.shape[0], dtype=torch.float32, device=e.device)
-    get_kernel(ExpCombineSpec(tile, dispatch.arch_of(e.device))).fn(e, k, se, targets, coef, rstd, lse, rs)
+    get_kernel(ExpCombineSpec(tile, float(guard), dispatch.arch_of(e.device))).fn(
+        e, se, u, w, tl, targets, coef, rstd, lse, rs)
     return rs
 
 

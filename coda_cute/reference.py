@@ -6,6 +6,8 @@ in fp32 on the inputs' device, and rounds once to the output dtype at the end.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -226,22 +228,43 @@ def exp_logits_ref(logits, tl, tile: int, guard: float):
     """The exp-form logits epilogue (``coda_cute.ops.lm_head_ce.exp_logits_tree``): for fp32
     logits (M, V) and the targets' fp32 logits tl (M,), per ``tile``-column tile j (the last one
     ragged) K_mj = max(tl_m, max_{v in j} l_mv - guard); returns (e = exp(l - K) bf16 (M, V),
-    K (M, T) fp32, se = sum_{v in j} e (M, T) fp32)."""
+    se = sum_{v in j} e (M, T) fp32)."""
     m, v = logits.shape
     nt = -(-v // tile)
     pad = torch.full((m, nt * tile), float("-inf"), dtype=torch.float64, device=logits.device)
     pad[:, :v] = logits.double()
     k = torch.maximum(tl.double().unsqueeze(1), pad.view(m, nt, tile).amax(-1) - guard)
     e = torch.exp(pad.view(m, nt, tile) - k.unsqueeze(-1))
-    return e.reshape(m, -1)[:, :v].to(torch.bfloat16), k.float(), e.sum(-1).float()
+    return e.reshape(m, -1)[:, :v].to(torch.bfloat16), e.sum(-1).float()
 
 
-def exp_combine_ref(e, k, se, targets, coef, rstd, tile: int):
+#: how far above T a recovered tile K must be to replace it (``kernels.elementwise.exp_combine``)
+EXP_K_MARGIN = 2.0 ** -10
+
+
+def exp_tile_k_ref(e, se, u, w, tl, rstd, tile: int, guard: float):
+    """The row step's tile K (float64, (M, T)): T, but in tiles whose sum reaches e^(guard - 1)
+    the logit of the tile's largest e recomputed from u and w, less guard, where that exceeds T
+    by more than ``EXP_K_MARGIN`` (``kernels.elementwise.exp_combine``'s ``_tile_k``)."""
+    m, v = e.shape
+    nt = se.shape[1]
+    k = tl.double().unsqueeze(1).expand(m, nt).clone()
+    pad = torch.full((m, nt * tile), -1.0, dtype=torch.float64, device=e.device)
+    pad[:, :v] = e.double()
+    arg = pad.view(m, nt, tile).argmax(-1) + torch.arange(nt, device=e.device) * tile
+    for i, j in (se.double() >= math.exp(guard - 1.0)).nonzero().tolist():
+        top = float(rstd[i]) * float(u[i].double() @ w[arg[i, j]].double()) - guard
+        if top > float(tl[i]) + EXP_K_MARGIN:
+            k[i, j] = top
+    return k
+
+
+def exp_combine_ref(e, se, u, w, tl, targets, coef, rstd, tile: int, guard: float):
     """``kernels.elementwise.exp_combine`` in float64 (its docstring has the math): returns
     (e' bf16, lse, rs), e' = e rescaled to the row's largest K with -(the others' share) at the
     target, so that diag(rs) e' = r c (softmax - onehot)."""
     m, v = e.shape
-    k64 = k.double()
+    k64 = exp_tile_k_ref(e, se, u, w, tl, rstd, tile, guard)
     kp = k64.amax(1, keepdim=True)
     f = torch.exp(k64 - kp)
     total = (f * se.double()).sum(1)
@@ -250,10 +273,11 @@ def exp_combine_ref(e, k, se, targets, coef, rstd, tile: int):
     valid = (targets >= 0) & (targets < v)
     tgt = targets.long().clamp(0, v - 1)
     rows = torch.arange(m, device=e.device)
-    in_jt = col_tile.unsqueeze(0) == torch.where(valid, tgt // tile, -1).unsqueeze(1)
+    jt = torch.where(valid, tgt // tile, -1)
+    in_jt = col_tile.unsqueeze(0) == jt.unsqueeze(1)
     not_t = torch.ones_like(in_jt)
     not_t[rows[valid], tgt[valid]] = False
-    other_tiles = torch.arange(k.shape[1], device=e.device).unsqueeze(0) != torch.where(valid, tgt // tile, -1).unsqueeze(1)
+    other_tiles = torch.arange(se.shape[1], device=e.device).unsqueeze(0) != jt.unsqueeze(1)
     others = (torch.where(other_tiles, f * se.double(), 0.0).sum(1)
               + torch.where(in_jt & not_t, scaled, 0.0).sum(1))
     out = torch.where(not_t, scaled, -others.unsqueeze(1))

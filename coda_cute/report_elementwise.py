@@ -46,7 +46,7 @@ def kernels() -> list[tuple[str, object, tuple[str, ...]]]:
         ("embedding backward", EmbeddingBackwardSpec("bfloat16"), (LD16, ST16)),
         ("cross-entropy gradient (FP8 LM head)", CrossEntropyGradSpec(), (LD16, ST16, EX2)),
         ("LM head target logits", TargetLogitsSpec(), (LD16, SHFL)),
-        ("LM head exp-form row step", ExpCombineSpec(), (SHFL, EX2)),
+        ("LM head exp-form row step", ExpCombineSpec(), (LD16, SHFL, EX2)),
         ("LM head row finish", LmHeadRowsSpec(), (LD16, ST16)),
         ("log-sum-exp combine", LseCombineSpec(), (SHFL, EX2)),
         ("RoPE backward", RopeBackwardSpec(False, 128, 32, 8), (LD16, ST16, SHFL, BAR)),

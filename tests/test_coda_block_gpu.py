@@ -300,41 +300,49 @@ def test_lm_head_train_op_on_confident_and_far_rows():
 
 def test_exp_combine_kernel_matches_the_reference():
     """The row step (kernels.elementwise.exp_combine) on the logits epilogue's reference output:
-    e' to bf16 rounding (bitwise where no rescale runs), LSE and rs to fp32 rounding; rescaled
-    rows, confident rows, ignored rows, a target in the ragged last tile; nothing written past
-    column V - 1 (NaN-poisoned padding)."""
+    e' to bf16 rounding (bitwise where no rescale runs), LSE and rs to fp32 rounding; rows with a
+    logit 70 or 150 nats above the target (their tiles' K recovered from u and w, the others
+    rescaled), confident rows, ignored rows, a target in the ragged last tile; nothing written
+    past column V - 1 (NaN-poisoned padding)."""
     from coda_cute.elementwise_lm_head import exp_combine_
 
     torch.manual_seed(11)
-    m, v, tile, guard = 1003, 32003, LH.EXP_TILE, LH.EXP_GUARD
-    logits = 3 * torch.randn(m, v, device="cuda")
+    m, v, d, tile, guard = 1003, 32003, 256, LH.EXP_TILE, LH.EXP_GUARD
+    u, w = cuda(m, d), cuda(v, d, scale=3 * d ** -0.5)
+    r = torch.rand(m, device="cuda") + 0.5
     t = torch.randint(0, v, (m,), device="cuda")
-    rows = torch.arange(m, device="cuda")
     t[5] = v - 1
-    logits[rows[2::10], t[2::10]] += 25.0
-    logits[rows[3::10], (t[3::10] + 1000) % v] = logits[rows[3::10], t[3::10]] + 150.0
-    logits[rows[4::10], (t[4::10] + 3) % v] = logits[rows[4::10], t[4::10]] + 70.0
+    uf = u.double()
+
+    def logits():
+        return (r.double()[:, None] * (uf @ w.double().t())).float()
+
+    base = logits()
+    for i in range(2, m, 50):  # a weight row along u_i sets row i's logit in that column
+        col, up = ((int(t[i]), 25.0), ((int(t[i]) + 1000) % v, 150.0), ((int(t[i]) + 3) % v, 70.0))[i % 3]
+        w[col] = (uf[i] * ((float(base[i, t[i]]) + up) / (float(r[i]) * float(uf[i] @ uf[i])))).to(BF16)
     t[::7] = -100
-    tl = logits[rows, t.clamp(0)].contiguous()
-    e, k, se = R.exp_logits_ref(logits, tl, tile, guard)
+    lg = logits()
+    tl = R.target_logits_ref(u, w, t, r)
+    e, se = R.exp_logits_ref(lg, tl, tile, guard)
     coef = R.ce_coef(t, -100, "mean")
-    rstd = torch.rand(m, device="cuda") + 0.5
-    want = R.exp_combine_ref(e, k, se, t, coef, rstd, tile)
+    want = R.exp_combine_ref(e, se, u, w, tl, t, coef, r, tile, guard)
     buf = torch.full((m, -(-v // 8) * 8), float("nan"), dtype=BF16, device="cuda")
     got_e = buf[:, :v]
     got_e.copy_(e)
     lse = torch.full((m,), float("nan"), device="cuda")
-    rs = exp_combine_(got_e, k, se, t.to(torch.int32), coef, rstd, tile, lse)
+    rs = exp_combine_(got_e, se, u, w, tl, t.to(torch.int32), coef, r, tile, guard, lse)
     # rescaled values to one bf16 rounding (subnormals far below any p apart)
     torch.testing.assert_close(got_e.float(), want[0].float(), rtol=2 ** -7, atol=1e-30)
     assert buf[:, v:].isnan().all()
     # rows that need no rescale keep every stored value but the target's, bit for bit
-    plain = (k == tl[:, None]).all(1)
+    rows = torch.arange(m, device="cuda")
+    plain = (R.exp_tile_k_ref(e, se, u, w, tl, r, tile, guard) == tl.double()[:, None]).all(1)
     untouched = torch.ones_like(e, dtype=torch.bool)
     valid = t != -100
     untouched[rows[valid], t[valid]] = False
-    assert plain.sum() > m // 2 and torch.equal(got_e[plain & valid][untouched[plain & valid]],
-                                                e[plain & valid][untouched[plain & valid]])
+    assert m // 2 < plain.sum() < m and torch.equal(got_e[plain & valid][untouched[plain & valid]],
+                                                    e[plain & valid][untouched[plain & valid]])
     torch.testing.assert_close(lse, want[1], rtol=0, atol=2e-5)
     torch.testing.assert_close(rs, want[2], rtol=1e-5, atol=0)
 

@@ -37,11 +37,13 @@ LSE, per ``EXP_TILE``-column tile j (its own tile: the row-scale and partials ar
 
     e = exp(l - K_j) (bf16),  K_j = max(T, max_{v in j} l_v - EXP_GUARD),  T = l_t  (the target's
                                logit, from a gather-dot before the GEMM: ``target_logits``)
-    partials K_j and sum_{v in j} e
+    partial sum_{v in j} e
 
 so e <= e^EXP_GUARD stays finite in bf16 and in the GEMMs' fp32 sums, and K_j = T in every tile
-unless a logit exceeds T + EXP_GUARD. Per row (``exp_combine_``, bytes per row, not per logit):
-K' = max_j K_j; tiles with K_j < K' (rare) rescale by exp(K_j - K') in place; LSE = K' + log
+unless a logit exceeds T + EXP_GUARD. K_j is not stored (a per-tile row reduction of it cost the
+GEMM 1.6-3.6 %): only such tiles' sums reach e^(EXP_GUARD - 1), and there the row step recovers
+K_j from the logit of the tile's largest e, recomputed from u and W. Per row (``exp_combine_``,
+bytes per row, not per logit): K' = max_j K_j; tiles with K_j < K' (rare) rescale by exp(K_j - K') in place; LSE = K' + log
 sum_j exp(K_j - K') se_j; the target's entry becomes -(the others' sum), so that
 
     dl = s e',   s_m = c_m exp(K' - LSE_m)    (at the target: s (-others) = c (p_t - 1))
@@ -56,10 +58,11 @@ Why not the statistic in the logits epilogue (sum e (l - T) per tile)? The logit
 epilogue on each 128 x 128 tile of the chunk's M x V (32064 tiles at 4096 x 128256), the dgrad
 on each tile of M x d (512 at d 4096); an extra row reduction there cost 2 % of the logits GEMM
 (H200, in turns: 6.954 ms with it, 6.806 without), the row finish far less.
-Measured (H200, 16384 x 128256, bf16, in turns, one process): the chunk loop 81.07 ms against
-81.40 for the stored-logits form at d 4096, 40.45 against 42.24 at d 2048; the logits GEMM with
-this tree is 1.6-3.6 % slower than with the stored-logits one (its K row reduction), the other
-kernels per chunk 0.09 ms against 0.55.
+Measured (H200, 16384 x 128256, bf16, in turns, one process), with K_j still stored: the chunk
+loop 81.07 ms against 81.40 for the stored-logits form at d 4096, 40.45 against 42.24 at d 2048,
+the row kernels per chunk 0.09 ms against 0.55. The logits GEMM alone (one 4096-row chunk, in
+turns): with the K reduction 6.954 ms, without it (this tree) 6.673, the stored-logits tree
+6.748 (d 4096); 3.383 against 3.346 for the stored-logits tree at d 2048.
 
 The loss-only op keeps the one-GEMM forward and recomputes the logits chunk by chunk in its
 backward (its dlogits come straight out of that GEMM's epilogue, the LSE being known), which
@@ -128,11 +131,13 @@ def logits_tree() -> E.Epilogue:
 def exp_logits_tree() -> E.Epilogue:
     """The training forward's logits GEMM on ``EXP_CONFIG``: e = exp(logits - K) stored bf16,
     K = max(T, the tile's max - ``EXP_GUARD``) with T the target's logit (a row input), and per
-    tile K and sum e (``reference.exp_logits_ref``)."""
+    tile sum e (``reference.exp_logits_ref``). K itself is not stored: T but in the rare tiles
+    whose sum reaches e^EXP_GUARD, where the row step recovers it (its row reduction cost the
+    GEMM 1.6-3.6 % on the H200)."""
     logits = _logits()
     k = E.maximum(E.row_vec("target_logit"), E.segment_reduce(logits, "max", EXP_TILE) - EXP_GUARD)
     e = E.exp(logits - k)
-    return E.Epilogue(E.store(e, "e", "bfloat16"), E.row_reduce(k, "max", "k"), E.row_reduce(e, "sum", "se"))
+    return E.Epilogue(E.store(e, "e", "bfloat16"), E.row_reduce(e, "sum", "se"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -554,7 +559,7 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
             tl = target_logits(u[s], w_lm, tgt[s], r[s], out=target_logit[s])
             out = E.run(exp_logits_tree(), u[s], w_lm.t(), dict(stats, target_logit=tl),
                         outputs={"e": dl}, config=EXP_CONFIG, op=OP_TRAIN)
-            rs = exp_combine_(dl, out["k"], out["se"], tgt[s], coef[s], r[s], EXP_TILE, lse[s])
+            rs = exp_combine_(dl, out["se"], u[s], w_lm, tl, tgt[s], coef[s], r[s], EXP_TILE, EXP_GUARD, lse[s])
             out = E.run(exp_dgrad_tree(gamma is not None), dl, w_lm, dict(inputs, rs=rs),
                         outputs={"dy": dy[s]}, op=OP_TRAIN)
             u_w = lm_head_rows_(dy[s], y[s], gamma_row, r[s], out["zdz"].sum(-1), rs)

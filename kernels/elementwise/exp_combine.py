@@ -1,13 +1,15 @@
 """The exp-form LM head's row step: after the logits GEMM has stored, per ``TILE``-column tile
-``j`` of row ``m``, the bf16 values ``e[m, v] = exp(l_mv - K_mj)`` and the fp32 partials
+``j`` of row ``m``, the bf16 values ``e[m, v] = exp(l_mv - K_mj)`` and the fp32 partial
 
-    K[m, j]  = max(T_m, max_{v in j} l_mv - GUARD)      (T_m = tl[m], the target's fp32 logit)
-    se[m, j] = sum_{v in j} e_mv
+    se[m, j] = sum_{v in j} e_mv,    K_mj = max(T_m, max_{v in j} l_mv - GUARD)
+                                            (T_m = tl[m], the target's fp32 logit)
 
 this kernel turns ``e`` into the operand of both gradient GEMMs, dl' = diag(rs) e, and gives the
-row's LSE (``coda_cute.ops.lm_head_ce``'s docstring has the derivation):
+row's LSE (``coda_cute.ops.lm_head_ce``'s docstring has the derivation). K is not stored: it is T
+but in tiles holding a logit above T + GUARD, whose sum then reaches e^GUARD; only there (rare)
+is K recovered, from the logit of the tile's largest e recomputed from u and w (``_tile_k``).
 
-    K'      = max_j K[m, j],  f_j = exp(K[m, j] - K')   (f_j = 1 but in rows where a logit
+    K'      = max_j K_mj,  f_j = exp(K_mj - K')         (f_j = 1 but in rows where a logit
                                                           exceeds T_m + GUARD)
     total   = sum_j f_j se[m, j];     LSE = K' + log(total);   s = coef / total
     others  = sum_{j != jt} f_j se[m, j] + f_jt sum_{v in jt, v != t} e_mv
@@ -42,6 +44,11 @@ from cutlass import Float32, Int32
 
 THREADS = 128
 WARPS = THREADS // 32
+#: elements per access of u and w (16 bytes of bf16)
+VEC = 8
+#: how far above T a recomputed tile K must be to replace it (2^-10: a relative error of 0.1 %
+#: at most in a tile taken as K = T, below bf16's rounding of e)
+MARGIN = 2.0 ** -10
 
 
 def _warp_sum(x):
@@ -51,47 +58,55 @@ def _warp_sum(x):
 
 
 class ExpCombine:
-    """See the module docstring. Arguments: ``e`` (M, V) bf16, in place; ``k``, ``se`` (M, T)
-    fp32 with unit stride along T, T = ceil(V / tile); ``coef``, ``rstd`` (M,) fp32;
-    ``targets`` (M,) int32; outputs ``lse``, ``rs`` (M,) fp32."""
+    """See the module docstring. Arguments: ``e`` (M, V) bf16, in place; ``se`` (M, T) fp32
+    with unit stride along T, T = ceil(V / tile); ``u`` (M, d) and ``w`` (V, d) bf16 with
+    16-byte-aligned rows (the GEMM's operands, for the rare tiles' K); ``tl``, ``coef``,
+    ``rstd`` (M,) fp32; ``targets`` (M,) int32; outputs ``lse``, ``rs`` (M,) fp32."""
 
-    def __init__(self, tile: int):
+    def __init__(self, tile: int, guard: float):
         self.tile = tile
+        self.guard = guard
 
     @cute.jit
-    def __call__(self, e: cute.Tensor, k: cute.Tensor, se: cute.Tensor, targets: cute.Tensor,
-                 coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor, stream):
-        self.kernel(e, k, se, targets, coef, rstd, lse, rs).launch(
-            grid=(cute.ceil_div(k.shape[0], WARPS), 1, 1),
+    def __call__(self, e: cute.Tensor, se: cute.Tensor, u: cute.Tensor, w: cute.Tensor, tl: cute.Tensor,
+                 targets: cute.Tensor, coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor,
+                 stream):
+        gu = cute.zipped_divide(u, (1, VEC))  # ((1, VEC), (M, d / VEC))
+        gw = cute.zipped_divide(w, (1, VEC))
+        self.kernel(e, se, gu, gw, tl, targets, coef, rstd, lse, rs).launch(
+            grid=(cute.ceil_div(se.shape[0], WARPS), 1, 1),
             block=(THREADS, 1, 1),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, e: cute.Tensor, k: cute.Tensor, se: cute.Tensor, targets: cute.Tensor,
-               coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor):
+    def kernel(self, e: cute.Tensor, se: cute.Tensor, gu: cute.Tensor, gw: cute.Tensor, tl: cute.Tensor,
+               targets: cute.Tensor, coef: cute.Tensor, rstd: cute.Tensor, lse: cute.Tensor, rs: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         m, v = e.shape
-        nt = k.shape[1]
+        nt = se.shape[1]
         lane = tidx % 32
         row = bid * WARPS + tidx // 32
         if row < m:
+            t_row = tl[row]
+            r_row = rstd[row]
             tgt = targets[row]
             valid = tgt >= 0 and tgt < v
             jt = Int32(cutlass.select_(valid, tgt // self.tile, Int32(-1)))
 
             kp = Float32(-math.inf)
             for j in cutlass.range(lane, nt, 32, unroll=4):
-                kp = cute.arch.fmax(kp, k[(row, j)], nan=True)
+                kp = cute.arch.fmax(kp, self._tile_k(e, gu, gw, row, j, t_row, r_row, se[(row, j)]), nan=True)
             for off in (16, 8, 4, 2, 1):
                 kp = cute.arch.fmax(kp, cute.arch.shuffle_sync_bfly(kp, offset=off), nan=True)
 
             total = Float32(0.0)
             others = Float32(0.0)
             for j in cutlass.range(lane, nt, 32, unroll=4):
-                f = cute.math.exp(k[(row, j)] - kp)
-                s_j = se[(row, j)] * f
+                s_j = se[(row, j)]
+                f = cute.math.exp(self._tile_k(e, gu, gw, row, j, t_row, r_row, s_j) - kp)
+                s_j = s_j * f
                 total = total + s_j
                 if j != jt:
                     others = others + s_j
@@ -101,7 +116,7 @@ class ExpCombine:
             total = _warp_sum(total)
 
             if valid:
-                ft = cute.math.exp(k[(row, jt)] - kp)
+                ft = cute.math.exp(self._tile_k(e, gu, gw, row, jt, t_row, r_row, se[(row, jt)]) - kp)
                 o_t = Float32(0.0)
                 for i in cutlass.range_constexpr(self.tile // 32):
                     c = jt * self.tile + i * 32 + lane
@@ -115,6 +130,35 @@ class ExpCombine:
 
             if lane == 0:
                 lse[row] = kp + cute.math.log(total)
-                rs[row] = rstd[row] * (coef[row] / total)
+                rs[row] = r_row * (coef[row] / total)
                 if valid:
                     e[(row, tgt)] = (-others).to(e.element_type)
+
+    @cute.jit
+    def _tile_k(self, e, gu, gw, row, j, t_row, r_row, se_j):
+        """Tile j's K: T, unless its sum se_j reaches e^(GUARD - 1), which a tile whose K was its
+        max - GUARD always does (its largest e is e^GUARD) and a tile with K = T only does with a
+        logit above T + GUARD - 1 - log(tile). There (rare; read before any rescale) the
+        largest stored e's column v is found, its logit l = rstd (u . w[v]) recomputed in fp32,
+        and K = l - GUARD where that exceeds T by more than ``MARGIN`` (a tile whose K was T
+        to within MARGIN keeps T: its values then err by at most that, relative)."""
+        k = t_row
+        if se_j >= Float32(math.exp(self.guard - 1.0)):
+            m, v = e.shape
+            best = Float32(-1.0)
+            arg = Int32(j * self.tile)
+            for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
+                x = e[(row, c)].to(Float32)
+                if x > best:
+                    best = x
+                    arg = c
+            acc = Float32(0.0)
+            for q in cutlass.range(gu.shape[1][1]):
+                a = gu[(None, (row, q))].load().to(Float32)
+                b = gw[(None, (arg, q))].load().to(Float32)
+                for i in cutlass.range_constexpr(VEC):
+                    acc = cute.math.fma(a[i], b[i], acc)
+            top = r_row * acc - Float32(self.guard)
+            if top > t_row + Float32(MARGIN):
+                k = top
+        return k
