@@ -343,8 +343,10 @@ def test_exp_combine_kernel_matches_the_reference():
     untouched[rows[valid], t[valid]] = False
     assert m // 2 < plain.sum() < m and torch.equal(got_e[plain & valid][untouched[plain & valid]],
                                                     e[plain & valid][untouched[plain & valid]])
-    torch.testing.assert_close(lse, want[1], rtol=0, atol=2e-5)
-    torch.testing.assert_close(rs, want[2], rtol=1e-5, atol=0)
+    # the recovered K: its logit recomputed in fp32 by one lane (the reference: float64), which
+    # rows with a recovered tile carry into the LSE and rs (simulated: up to 7e-5 at d 256)
+    torch.testing.assert_close(lse, want[1], rtol=0, atol=3e-4)
+    torch.testing.assert_close(rs, want[2], rtol=3e-4, atol=0)
 
 
 def test_target_logits_and_row_finish_kernels_match_their_references():
