@@ -245,7 +245,7 @@ EXP_K_MARGIN = 2.0 ** -10
 def exp_tile_k_ref(e, se, u, w, tl, rstd, tile: int, guard: float):
     """The row step's tile K (float64, (M, T)): T, but in tiles whose sum reaches e^(guard - 1)
     the logit of the tile's largest e recomputed from u and w, less guard, where that exceeds T
-    by more than ``EXP_K_MARGIN`` (``kernels.elementwise.exp_combine``'s ``_tile_k``)."""
+    by more than ``EXP_K_MARGIN`` (``kernels.elementwise.exp_combine``'s ``_recovered_k``)."""
     m, v = e.shape
     nt = se.shape[1]
     k = tl.double().unsqueeze(1).expand(m, nt).clone()

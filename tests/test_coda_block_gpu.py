@@ -343,7 +343,7 @@ def test_exp_combine_kernel_matches_the_reference():
     untouched[rows[valid], t[valid]] = False
     assert m // 2 < plain.sum() < m and torch.equal(got_e[plain & valid][untouched[plain & valid]],
                                                     e[plain & valid][untouched[plain & valid]])
-    # the recovered K: its logit recomputed in fp32 by one lane (the reference: float64), which
+    # the recovered K: its logit recomputed in fp32 by the warp (the reference: float64), which
     # rows with a recovered tile carry into the LSE and rs (simulated: up to 7e-5 at d 256)
     torch.testing.assert_close(lse, want[1], rtol=0, atol=3e-4)
     torch.testing.assert_close(rs, want[2], rtol=3e-4, atol=0)

@@ -8,7 +8,7 @@ this kernel turns ``e`` into the operand of both gradient GEMMs, dl' = diag(rs) 
 row's LSE (``coda_cute.ops.lm_head_ce``'s docstring has the derivation). K is not stored: it is T
 but in tiles holding a logit above T + GUARD, whose sum then reaches e^GUARD; only tiles whose
 sum reaches e^(GUARD - 1) (those, and tiles with a logit above about T + GUARD - 6) have K
-recovered, from the logit of the tile's largest e recomputed from u and w (``_tile_k``).
+recovered, from the logit of the tile's largest e recomputed from u and w (``_recovered_k``).
 
     K'      = max_j K_mj,  f_j = exp(K_mj - K')         (f_j = 1 but in rows where a logit
                                                           exceeds T_m + GUARD)
@@ -27,10 +27,11 @@ Rows whose target is outside [0, V) get no target write (ignored rows, whose coe
 a target out of range that is not ignored raises in the op's pending index check). A NaN
 partial reaches the outputs through the row's total, never a silent number.
 
-Roles: no specialization. A 128-thread CTA takes four rows, one per warp. Each lane strides over
-its row's tiles 32 apart: the K maximum (butterfly max), then the sums over the same tiles (back
-from L1) and, in the rare rows with f_j != 1, the rescale of its own tiles' values; then the
-warp reads the target's tile (``TILE / 32`` columns per lane), the sums are reduced with
+Roles: no specialization. A 128-thread CTA takes four rows, one per warp. The warp walks its
+row's tiles in blocks of 32, one per lane: the K maximum (butterfly max), then the sums over the
+same tiles (back from L1) and, in the rare rows with f_j != 1, the rescale of each lane's own
+tile; a block's rare tiles (found by a ballot) have their K recovered by the whole warp. Then
+the warp reads the target's tile (``TILE / 32`` columns per lane), the sums are reduced with
 butterflies in a fixed order (deterministic), and lane 0 writes the row's results and the
 target's value.
 """
@@ -96,29 +97,40 @@ class ExpCombine:
             valid = tgt >= 0 and tgt < v
             jt = Int32(cutlass.select_(valid, tgt // self.tile, Int32(-1)))
 
+            # blocks of 32 tiles, one per lane, so that the warp recovers a rare tile's K together
             kp = Float32(-math.inf)
-            for j in cutlass.range(lane, nt, 32, unroll=4):
-                kp = cute.arch.fmax(kp, self._tile_k(e, gu, gw, row, j, t_row, r_row, se[(row, j)]), nan=True)
+            for j0 in cutlass.range(0, nt, 32):
+                j = j0 + lane
+                inside = j < nt
+                k_j = self._block_k(e, se, gu, gw, row, j0, inside, t_row, r_row, lane)
+                kp = cute.arch.fmax(kp, Float32(cutlass.select_(inside, k_j, Float32(-math.inf))), nan=True)
             for off in (16, 8, 4, 2, 1):
                 kp = cute.arch.fmax(kp, cute.arch.shuffle_sync_bfly(kp, offset=off), nan=True)
 
             total = Float32(0.0)
             others = Float32(0.0)
-            for j in cutlass.range(lane, nt, 32, unroll=4):
-                s_j = se[(row, j)]
-                f = cute.math.exp(self._tile_k(e, gu, gw, row, j, t_row, r_row, s_j) - kp)
-                s_j = s_j * f
-                total = total + s_j
-                if j != jt:
-                    others = others + s_j
-                    if f != Float32(1.0):  # rare: a logit above T + GUARD somewhere in the row
-                        for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
-                            e[(row, c)] = (e[(row, c)].to(Float32) * f).to(e.element_type)
+            for j0 in cutlass.range(0, nt, 32):
+                j = j0 + lane
+                inside = j < nt
+                k_j = self._block_k(e, se, gu, gw, row, j0, inside, t_row, r_row, lane)
+                cute.arch.sync_warp()  # the block's recovered tiles are read before any lane rescales
+                if inside:
+                    f = cute.math.exp(k_j - kp)
+                    s_j = se[(row, j)] * f
+                    total = total + s_j
+                    if j != jt:
+                        others = others + s_j
+                        if f != Float32(1.0):  # rare: a logit above T + GUARD somewhere in the row
+                            for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
+                                e[(row, c)] = (e[(row, c)].to(Float32) * f).to(e.element_type)
             total = _warp_sum(total)
 
             if valid:
-                ft = cute.math.exp(self._tile_k(e, gu, gw, row, jt, t_row, r_row, se[(row, jt)]) - kp)
-                cute.arch.sync_warp()  # every lane has read the target tile (_tile_k) before any rescales it
+                k_t = t_row
+                if se[(row, jt)] >= Float32(math.exp(self.guard - 1.0)):
+                    k_t = self._recovered_k(e, gu, gw, row, jt, t_row, r_row, lane)
+                ft = cute.math.exp(k_t - kp)
+                cute.arch.sync_warp()  # the target tile is read (_recovered_k) before any lane rescales it
                 o_t = Float32(0.0)
                 for i in cutlass.range_constexpr(self.tile // 32):
                     c = jt * self.tile + i * 32 + lane
@@ -137,34 +149,55 @@ class ExpCombine:
                     e[(row, tgt)] = (-others).to(e.element_type)
 
     @cute.jit
-    def _tile_k(self, e, gu, gw, row, j, t_row, r_row, se_j):
-        """Tile j's K: T, unless its sum se_j reaches e^(GUARD - 1), which a tile whose K was its
-        max - GUARD always does (its largest e is e^GUARD) and a tile with K = T only does with a
-        logit above T + GUARD - 1 - log(tile). There (rare; read before any rescale) the
-        largest stored e's column v is found (the first of equals), its logit l = rstd (u .
-        w[v]) recomputed in fp32 by this lane, and K = l - GUARD where that exceeds T by more
-        than ``MARGIN``. K's error: the logit's fp32 rounding (measured up to 2.3e-4 at d 4096)
-        and, where several logits round to the largest bf16 e, their spread (under bf16's
-        relative step at e^GUARD, 2^-8: 0.004); the tile's values and the row's LSE carry it,
-        at or below bf16's rounding of e. Serial: about d dependent FMAs per call, twice per
-        such tile; rows with many such tiles cost the kernel ~0.6 ms."""
-        k = t_row
-        if se_j >= Float32(math.exp(self.guard - 1.0)):
-            m, v = e.shape
-            best = Float32(-1.0)
-            arg = Int32(j * self.tile)
-            for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
+    def _block_k(self, e, se, gu, gw, row, j0, inside, t_row, r_row, lane):
+        """This lane's tile j0 + lane's K: T, unless its sum reaches e^(GUARD - 1), which a tile
+        whose K was its max - GUARD always does (its largest e is e^GUARD) and a tile with K = T
+        only does with a logit above about T + GUARD - 1 - log(tile). Such tiles (rare) are
+        found by a ballot and their K recovered by the whole warp, one after another
+        (``_recovered_k``); every lane calls this with the same j0."""
+        nt = se.shape[1]
+        s_j = se[(row, cutlass.min(j0 + lane, nt - 1))]
+        rare = inside and s_j >= Float32(math.exp(self.guard - 1.0))
+        mask = cute.arch.vote_ballot_sync(rare)
+        k_j = t_row
+        while mask != 0:
+            b = Int32(cute.arch.clz(cute.arch.brev(mask)))  # the lowest set bit: the next rare tile
+            kk = self._recovered_k(e, gu, gw, row, j0 + b, t_row, r_row, lane)
+            k_j = Float32(cutlass.select_(lane == b, kk, k_j))
+            mask = mask & (mask - 1)
+        return k_j
+
+    @cute.jit
+    def _recovered_k(self, e, gu, gw, row, jj, t_row, r_row, lane):
+        """Tile jj's K from its stored values, by the whole warp (every lane calls it with the
+        same jj, before any rescale of the tile): the column of its largest e (the first of
+        equals: a butterfly over (value, column)), that column's logit l = rstd (u . w[col])
+        recomputed in fp32 (lanes over 16-byte groups, a butterfly sum in a fixed order), and
+        K = l - GUARD where that exceeds T by more than ``MARGIN``, else T. K's error: the
+        logit's fp32 rounding and, where several logits round to the largest bf16 e, their
+        spread (under bf16's relative step at e^GUARD, 2^-8: 0.004); the tile's values and the
+        row's LSE carry it, at or below bf16's rounding of e."""
+        m, v = e.shape
+        best = Float32(-1.0)
+        arg = Int32(jj * self.tile)
+        for i in cutlass.range_constexpr(self.tile // 32):
+            c = jj * self.tile + i * 32 + lane
+            if c < v:
                 x = e[(row, c)].to(Float32)
                 if x > best:
                     best = x
                     arg = c
-            acc = Float32(0.0)
-            for q in cutlass.range(gu.shape[1][1]):
-                a = gu[(None, (row, q))].load().to(Float32)
-                b = gw[(None, (arg, q))].load().to(Float32)
-                for i in cutlass.range_constexpr(VEC):
-                    acc = cute.math.fma(a[i], b[i], acc)
-            top = r_row * acc - Float32(self.guard)
-            if top > t_row + Float32(MARGIN):
-                k = top
-        return k
+        for off in (16, 8, 4, 2, 1):
+            ob = cute.arch.shuffle_sync_bfly(best, offset=off)
+            oa = cute.arch.shuffle_sync_bfly(arg, offset=off)
+            take = ob > best or (ob == best and oa < arg)
+            best = Float32(cutlass.select_(take, ob, best))
+            arg = Int32(cutlass.select_(take, oa, arg))
+        acc = Float32(0.0)
+        for q in cutlass.range(lane, gu.shape[1][1], 32):
+            a = gu[(None, (row, q))].load().to(Float32)
+            b = gw[(None, (arg, q))].load().to(Float32)
+            for i in cutlass.range_constexpr(VEC):
+                acc = cute.math.fma(a[i], b[i], acc)
+        top = r_row * _warp_sum(acc) - Float32(self.guard)
+        return Float32(cutlass.select_(top > t_row + Float32(MARGIN), top, t_row))
