@@ -29,8 +29,10 @@ partial reaches the outputs through the row's total, never a silent number.
 
 Roles: no specialization. A 128-thread CTA takes four rows, one per warp. The warp walks its
 row's tiles in blocks of 32, one per lane: the K maximum (butterfly max), then the sums over the
-same tiles (back from L1) and, in the rare rows with f_j != 1, the rescale of each lane's own
-tile; a block's rare tiles (found by a ballot) have their K recovered by the whole warp. Then
+same tiles (back from L1). A block's rare tiles (found by a ballot) have their K recovered, and
+in the rare rows with K' > T (where every tile's f_j < 1 but the one holding K') the tiles are
+rescaled, by the whole warp, one tile after another. Rows with K' = T skip both in the second
+pass (every K is at least T, so all are T). Then
 the warp reads the target's tile (``TILE / 32`` columns per lane), the sums are reduced with
 butterflies in a fixed order (deterministic), and lane 0 writes the row's results and the
 target's value.
@@ -109,25 +111,27 @@ class ExpCombine:
 
             total = Float32(0.0)
             others = Float32(0.0)
+            plain = kp == t_row  # every K is at least T: the row's tiles all have K = T
             for j0 in cutlass.range(0, nt, 32):
                 j = j0 + lane
                 inside = j < nt
-                k_j = self._block_k(e, se, gu, gw, row, j0, inside, t_row, r_row, lane)
-                cute.arch.sync_warp()  # the block's recovered tiles are read before any lane rescales
+                k_j = t_row
+                if not plain:
+                    k_j = self._block_k(e, se, gu, gw, row, j0, inside, t_row, r_row, lane)
+                f = Float32(1.0)
                 if inside:
                     f = cute.math.exp(k_j - kp)
                     s_j = se[(row, j)] * f
                     total = total + s_j
                     if j != jt:
                         others = others + s_j
-                        if f != Float32(1.0):  # rare: a logit above T + GUARD somewhere in the row
-                            for c in cutlass.range(j * self.tile, cutlass.min((j + 1) * self.tile, v)):
-                                e[(row, c)] = (e[(row, c)].to(Float32) * f).to(e.element_type)
+                if not plain:  # rare: a logit above T + GUARD somewhere in the row
+                    self._rescale_block(e, row, j0, inside and j != jt and f != Float32(1.0), f, lane)
             total = _warp_sum(total)
 
             if valid:
                 k_t = t_row
-                if se[(row, jt)] >= Float32(math.exp(self.guard - 1.0)):
+                if not plain and se[(row, jt)] >= Float32(math.exp(self.guard - 1.0)):
                     k_t = self._recovered_k(e, gu, gw, row, jt, t_row, r_row, lane)
                 ft = cute.math.exp(k_t - kp)
                 cute.arch.sync_warp()  # the target tile is read (_recovered_k) before any lane rescales it
@@ -147,6 +151,23 @@ class ExpCombine:
                 rs[row] = r_row * (coef[row] / total)
                 if valid:
                     e[(row, tgt)] = (-others).to(e.element_type)
+
+    @cute.jit
+    def _rescale_block(self, e, row, j0, mine, f, lane):
+        """Tile j0 + b times lane b's f, for every lane b with ``mine`` (its tile not the
+        target's, f != 1), by the whole warp: coalesced 2-byte accesses, a ballot's set bits in
+        order. A sync first: the block's tiles were read (``_recovered_k``) by every lane."""
+        m, v = e.shape
+        cute.arch.sync_warp()
+        need = cute.arch.vote_ballot_sync(mine)
+        while need != 0:
+            b = Int32(cute.arch.clz(cute.arch.brev(need)))
+            fb = cute.arch.shuffle_sync(f, offset=b)
+            for i in cutlass.range_constexpr(self.tile // 32):
+                c = (j0 + b) * self.tile + i * 32 + lane
+                if c < v:
+                    e[(row, c)] = (e[(row, c)].to(Float32) * fb).to(e.element_type)
+            need = need & (need - 1)
 
     @cute.jit
     def _block_k(self, e, se, gu, gw, row, j0, inside, t_row, r_row, lane):
