@@ -63,7 +63,13 @@ Measured (H200, 16384 x 128256, bf16, in turns, one process), with K_j still sto
 loop 81.07 ms against 81.40 for the stored-logits form at d 4096, 40.45 against 42.24 at d 2048,
 the row kernels per chunk 0.09 ms against 0.55. The logits GEMM alone (one 4096-row chunk, in
 turns): with a per-tile max reduction 6.806 ms, without it (this tree) 6.673, the stored-logits tree
-6.748 (d 4096); 3.383 against 3.346 for the stored-logits tree at d 2048.
+6.748 (d 4096); 3.383 against 3.346 for the stored-logits tree at d 2048. With K_j recovered by the
+row step (this code; another H200, 2026-12-04): the chunk loop 79.93 ms against 80.62 for the
+stored-logits form (d 4096), 40.07 against 41.81 (d 2048); the logits GEMM 6.613 ms against
+6.528 for the stored-logits tree and 6.756 for cuBLAS (d 4096), 3.306 / 3.321 / 3.493 (d 2048);
+the whole op (``scripts/bench_lm_head.py``, forward + backward) 77.88 ms against 79.30 for three
+cuBLAS GEMMs of its shape (0.982x, d 4096) and 38.53 against 38.69 (0.996x, d 2048), peak 1.17
+and 1.07 GiB beyond inputs and outputs.
 
 The loss-only op keeps the one-GEMM forward and recomputes the logits chunk by chunk in its
 backward (its dlogits come straight out of that GEMM's epilogue, the LSE being known), which
