@@ -8,6 +8,7 @@ the GEMMs). The launchers check nothing: the ops that call them validate first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -628,7 +629,9 @@ def lse_combine(mx: torch.Tensor, se: torch.Tensor, out: torch.Tensor | None = N
 
 @dataclass(frozen=True)
 class RopeBackwardSpec:
-    """The RoPE (+ QK-norm) backward (``kernels.elementwise.rope_backward``) for one head layout."""
+    """The RoPE (+ QK-norm) backward (``kernels.elementwise.rope_backward``) for one head layout;
+    ``tuning``: (option, value) pairs over the kernel's defaults (``RopeBackward.DEFAULTS``;
+    ``scripts/bench_rope_backward.py --sweep``)."""
 
     qk_norm: bool
     head_dim: int
@@ -636,19 +639,25 @@ class RopeBackwardSpec:
     n_kv_heads: int
     arch: str = "sm_90a"
     num_sms: int = 132
+    tuning: tuple = ()
 
     @property
     def name(self) -> str:
         qk = "_qknorm" if self.qk_norm else ""
-        return f"rope_backward_{self.arch}_h{self.n_heads}x{self.n_kv_heads}_d{self.head_dim}{qk}"
+        tuned = "".join(f"_{k}{v}" for k, v in self.tuning)
+        return f"rope_backward_{self.arch}_h{self.n_heads}x{self.n_kv_heads}_d{self.head_dim}{qk}{tuned}"
+
+    def kernel(self):
+        from .kernels.elementwise.rope_backward import RopeBackward
+
+        return RopeBackward(self.qk_norm, self.head_dim, self.n_heads, self.n_kv_heads, self.num_sms,
+                            **dict(self.tuning))
 
     def build(self):
         import cutlass
         import cutlass.cute as cute
 
-        from .kernels.elementwise.rope_backward import RopeBackward
-
-        kernel = RopeBackward(self.qk_norm, self.head_dim, self.n_heads, self.n_kv_heads, self.num_sms)
+        kernel = self.kernel()
         b, s, m = cute.sym_int(), cute.sym_int(), cute.sym_int()
         d, n = self.head_dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
@@ -673,21 +682,28 @@ class RopeBackwardSpec:
         return kernel, (*args, cutlass.Float32(1e-6))
 
 
-def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, qk_w, qk_eps: float):
+@functools.lru_cache(maxsize=None)
+def _rope_layout(spec: RopeBackwardSpec):
+    """The kernel object of ``spec`` (its grid for a row count), built once per spec."""
+    return spec.kernel()
+
+
+def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, qk_w, qk_eps: float,
+                         tuning: tuple = ()):
     """(g, zdz (M, 1), dw (n_qk,) or None): one pass of the RoPE (+ QK-norm) backward kernel;
-    ``qk_w`` the per-column QK-norm weight (n_qk,) fp32 with QK-norm, else None."""
+    ``qk_w`` the per-column QK-norm weight (n_qk,) fp32 with QK-norm, else None; ``tuning`` as
+    in ``RopeBackwardSpec``."""
     from . import dispatch
-    from .kernels.elementwise.rope_backward import num_row_blocks
 
     b, h, s, d = dq.shape
     spec = RopeBackwardSpec(pre is not None, d, h, dk.shape[1], dispatch.arch_of(qkv.device),
-                            dispatch.num_sms(qkv.device))
+                            dispatch.num_sms(qkv.device), tuple(tuning))
     m, n = qkv.shape
     g = torch.empty_like(qkv)
     zdz = torch.empty((m, 1), dtype=torch.float32, device=qkv.device)
     partials = None
     if pre is not None:
-        partials = torch.empty((num_row_blocks(m, spec.num_sms), qk_w.shape[0]), dtype=torch.float32,
+        partials = torch.empty((_rope_layout(spec).num_row_blocks(m), qk_w.shape[0]), dtype=torch.float32,
                                device=qkv.device)
     get_kernel(spec).fn(dq, dk, dv, qkv, rstd, positions, inv_freq, g, zdz.view(m), pre, qk_w, partials,
                         float(qk_eps))

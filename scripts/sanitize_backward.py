@@ -5,7 +5,8 @@
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
 the LM head's training chunk (target logits, the exp-form logits GEMM, its row step, the dgrad
 and its row finish, the wgrads, the deferred last-chunk wgrad; several chunks, a vocabulary that
-is no multiple of 8), the gradient times dloss (``coda.scale``, also on
+is no multiple of 8), the loss-only op's recomputing backward (its dlogits tree and dgrad, several
+chunks), the gradient times dloss (``coda.scale``, also on
 its own at 333 x 40), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
 row; and the model's own, bf16), and the two sublayer ops forward and backward.
 """
@@ -45,6 +46,10 @@ def main():
     t = torch.randint(0, v_, (m,), device="cuda")
     t[::7] = -100
     LH.cross_entropy(yy, w, ss, eps, t, gamma=1 + rand(d, scale=0.1)).backward()
+    # the loss-only op's recomputing backward (reduction "none", a gradient on LSE too)
+    yy.grad = w.grad = None
+    loss, lse = torch.ops.coda.lm_head_ce(yy, w, ss, eps, t, -100, "none", 1 + rand(d, scale=0.1))
+    (loss.sum() + 0.1 * lse.sum()).backward()
     torch.ops.coda.scale(rand(m, 40), torch.rand((), device="cuda"))
     torch.ops.coda.embedding_backward(rand(b * s, 40, dtype=torch.float32),
                                       torch.randint(0, 77, (b * s,), device="cuda"), 77, 5)

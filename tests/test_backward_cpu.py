@@ -395,6 +395,55 @@ def _bad():
     a = c["attention_block"]
     yield "attention w_o shape", lambda: torch.ops.coda.attention_block(a[0], a[1], a[2], a[3][:, :32].contiguous(), *a[4:]), ValueError, "w_o must be"
     yield "attention x 2-D", lambda: torch.ops.coda.attention_block(a[0].reshape(M, D), *a[1:]), ValueError, "x must be 3-D"
+    # 16-byte alignment (the GPU kernels assume it), rejected at the forward already where the
+    # forward's backward needs it
+    inv1 = _misaligned(INV_FREQ)
+    yield "attention inv_freq misaligned", lambda: torch.ops.coda.attention_block(*a[:5], inv1, *a[6:]), ValueError, "inv_freq's data pointer must be 16-byte aligned"
+    yield "rope_bwd inv_freq misaligned", lambda: rb(q, k, v, qkv, r, pos, inv1), ValueError, "inv_freq's data pointer must be 16-byte aligned"
+    q1, k1, v1 = qkv_heads(_misaligned(torch.cat([q, k, v], 1).transpose(1, 2).reshape(M, NQKV)), B, H, HKV, HD)
+    yield "rope_bwd dq misaligned", lambda: rb(q1, k, v, qkv, r, pos, inv), ValueError, "dq's data pointer must be 16-byte aligned"
+    yield "rope_bwd dk misaligned", lambda: rb(q, k1, v, qkv, r, pos, inv), ValueError, "dk's data pointer must be 16-byte aligned"
+    yield "rope_bwd dv misaligned", lambda: rb(q, k, v1, qkv, r, pos, inv), ValueError, "dv's data pointer must be 16-byte aligned"
+    mlp = torch.ops.coda.mlp_block
+    yield "mlp w_down column-major", lambda: mlp(y, ss, w_gu, w_down.t().contiguous().t(), EPS), ValueError, "coda.mlp_block: w_down must be contiguous"
+    yield "mlp w_down misaligned", lambda: mlp(y, ss, w_gu, _misaligned(w_down), EPS), ValueError, "coda.mlp_block: w_down's data pointer must be 16-byte aligned"
+    yield "mlp w_down fp32", lambda: mlp(y, ss, w_gu, w_down.float(), EPS), TypeError, "coda.mlp_block: w_down must be torch.bfloat16"
+    dl1 = torch.empty(M, VW + 8, dtype=BF16)[:, 1:VW + 1].copy_(dl)  # rows of 64 values, 2 bytes in
+    yield "dw dl misaligned", lambda: dw(dl1, y_, g_, acc, scale), ValueError, "dl's data pointer must be 16-byte aligned"
+    yield "dw_ dl misaligned", lambda: dw_(dl1, y_, g_, acc, scale), ValueError, "dl's data pointer must be 16-byte aligned"
+    lb, la = torch.ops.coda.lm_head_ce_backward, c["lm_head_ce_backward"]
+    y3, w3, ss3, eps3, t3, lse3, dloss3, dlse3 = la[:8]
+
+    def lm_bwd(lse=lse3, dloss=dloss3, dlse=dlse3, reduction="none"):
+        return lambda: lb(y3, w3, ss3, eps3, t3, lse, dloss, dlse, -100, reduction, la[10])
+    yield "lm_bwd lse rows", lm_bwd(lse=torch.randn(M + 5)), ValueError, r"lse must be the forward's log-sum-exp, one per row of y \(38,\)"
+    yield "lm_bwd lse dtype", lm_bwd(lse=lse3.bfloat16()), TypeError, "lse must be torch.float32"
+    yield "lm_bwd lse strided", lm_bwd(lse=torch.randn(2 * M)[::2]), ValueError, "lse must be contiguous"
+    yield "lm_bwd dloss shape", lm_bwd(dloss=dloss3[0]), ValueError, r"dloss must be the loss's gradient \(reduction 'none'\) \(38,\)"
+    yield "lm_bwd dloss shape mean", lm_bwd(reduction="mean"), ValueError, r"dloss must be the loss's gradient \(reduction 'mean'\) \(\)"
+    yield "lm_bwd dloss dtype", lm_bwd(dloss=dloss3.double()), TypeError, "dloss must be a float32 tensor"
+    yield "lm_bwd dlse rows", lm_bwd(dlse=dlse3[:5]), ValueError, r"dlse must be the log-sum-exp's gradient"
+    yield "lm_bwd dlse dtype", lm_bwd(dlse=dlse3.bfloat16()), TypeError, "dlse must be a float32 tensor"
+    yield "lm_bwd dlse expanded", lambda: lm_bwd(dlse=torch.tensor(0.5).expand(M))()[0].shape, None, None
+    yield "lm_bwd scalar dloss", lambda: lm_bwd(dloss=torch.tensor(0.5), reduction="sum")()[0].shape, None, None
+    ab = torch.ops.coda.attention_backward
+    do, cq, ck, cv, co, clse, ra, rb_ = next(args for n, _, args in core_cases() if n == "attention_backward")
+
+    def att_bwd(do=do, o=co, lse=clse):
+        return lambda: ab(do, cq, ck, cv, o, lse, ra, rb_)
+    yield "attention_bwd do fp32", att_bwd(do=do.float()), TypeError, "do must be a 4-D bf16 tensor"
+    yield "attention_bwd do shape", att_bwd(do=do[:, :, :-1]), ValueError, r"do must be \(B, H, S, hd\) like q"
+    yield "attention_bwd o fp32", att_bwd(o=co.float()), TypeError, "o must be a 4-D bf16 tensor"
+    yield "attention_bwd o strided head_dim", att_bwd(o=co.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "o must be contiguous along head_dim"
+    yield "attention_bwd lse shape", att_bwd(lse=torch.randn(B, H, S + 1)), ValueError, "lse must be the forward's log-sum-exp as the flash kernel returns it"
+    yield "attention_bwd lse dtype", att_bwd(lse=clse.bfloat16()), TypeError, "lse must be a float32 tensor"
+    yield "attention_bwd lse strided", att_bwd(lse=clse.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "lse must be contiguous"
+    yield "attention_bwd do strided", lambda: att_bwd(do=do.transpose(1, 2).contiguous().transpose(1, 2))()[0].shape, None, None
+
+
+def _misaligned(t):
+    """A copy of ``t`` (contiguous) whose data pointer lies one element past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
 
 
 @pytest.mark.parametrize("case", list(_bad()), ids=lambda c: c[0])
@@ -407,6 +456,104 @@ def test_bad_input_raises_before_launch(case):
             return
         with pytest.raises(exc, match=match):
             call()
+
+
+def _bad_fake():
+    """The same rules on the fake (tracing) path: (id, a call that builds its fake CUDA arguments
+    and runs the op (inside FakeTensorMode), exception, message)."""
+    def t(*shape, dtype=BF16, device="cuda"):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    def off(*shape, dtype=BF16):
+        """A fake CUDA tensor one element past a 16-byte boundary (its storage offset)."""
+        n = 1
+        for x in shape:
+            n *= x
+        return t(n + 1, dtype=dtype).narrow(0, 1, n).view(shape)  # (indexing a fake CUDA tensor needs CUDA)
+
+    def ss():
+        return t(M, 4, dtype=F32)
+
+    def pos():
+        return t(M, dtype=torch.int32)
+
+    def attention_block(inv):
+        return torch.ops.coda.attention_block(t(B, S, D), ss(), t(NQKV, D), t(D, H * HD), pos(), inv, EPS, H, HKV, HD)
+    aligned = "inv_freq's data pointer must be 16-byte aligned"
+    yield "attention inv_freq misaligned", lambda: attention_block(off(HD // 2, dtype=F32)), ValueError, aligned
+    yield "attention inv_freq aligned", lambda: attention_block(t(HD // 2, dtype=F32)), None, None
+    yield "qkv inv_freq misaligned", lambda: torch.ops.coda.norm_rope_qkv(
+        t(M, D), t(NQKV, D), ss(), EPS, pos(), off(HD // 2, dtype=F32), H, HKV, HD), ValueError, aligned
+
+    def rope_bwd(heads, inv=None):
+        q, k, v = qkv_heads(heads, B, H, HKV, HD)
+        inv = t(HD // 2, dtype=F32) if inv is None else inv
+        return torch.ops.coda.rope_backward(q, k, v, t(M, NQKV), t(M, dtype=F32), pos(), inv)
+    yield "rope_bwd dq misaligned", lambda: rope_bwd(off(M, NQKV)), ValueError, "dq's data pointer must be 16-byte aligned"
+    yield "rope_bwd inv_freq misaligned", lambda: rope_bwd(t(M, NQKV), off(HD // 2, dtype=F32)), ValueError, aligned
+    yield "rope_bwd aligned", lambda: rope_bwd(t(M, NQKV)), None, None
+
+    def mlp(w_down):
+        return torch.ops.coda.mlp_block(t(M, D), ss(), t(2 * FF, D), w_down, EPS)
+    yield "mlp w_down column-major", lambda: mlp(t(FF, D).t()), ValueError, "coda.mlp_block: w_down must be contiguous"
+    yield "mlp w_down misaligned", lambda: mlp(off(D, FF)), ValueError, "coda.mlp_block: w_down's data pointer must be 16-byte aligned"
+    yield "mlp w_down", lambda: mlp(t(D, FF)), None, None
+
+    def dw(dl, in_place=False):
+        if in_place:
+            return torch.ops.coda.lm_head_ce_dw_(dl, t(M, D), None, t(VW, D), t((), dtype=F32))
+        return torch.ops.coda.lm_head_ce_dw(dl, t(M, D), None, t(0), t((), dtype=F32))
+    padded = "dl's data pointer must be 16-byte aligned"
+    yield "dw dl misaligned", lambda: dw(t(M, VW + 8).narrow(1, 1, VW)), ValueError, padded
+    yield "dw_ dl misaligned", lambda: dw(t(M, VW + 8).narrow(1, 1, VW), True), ValueError, padded
+    yield "dw dl padded rows", lambda: dw(t(M, VW + 8).narrow(1, 0, VW)), None, None
+
+    def lm_bwd(lse=None, dloss=None, dlse=None):
+        lse, dloss, dlse = (t(M, dtype=F32) if a is None else a for a in (lse, dloss, dlse))
+        return torch.ops.coda.lm_head_ce_backward(t(M, D), t(V, D), ss(), EPS, t(M, dtype=torch.int64), lse, dloss,
+                                                  dlse, -100, "none", None)
+    yield "lm_bwd lse on the host", lambda: lm_bwd(lse=t(M, dtype=F32, device="cpu")), ValueError, "all tensors must be on one device"
+    yield "lm_bwd dlse on the host", lambda: lm_bwd(dlse=t(M, dtype=F32, device="cpu")), ValueError, "all tensors must be on one device"
+    yield "lm_bwd lse rows", lambda: lm_bwd(lse=t(M + 5, dtype=F32)), ValueError, "lse must be the forward's log-sum-exp"
+    yield "lm_bwd dloss rows", lambda: lm_bwd(dloss=t((), dtype=F32)), ValueError, "dloss must be the loss's gradient"
+    yield "lm_bwd", lambda: lm_bwd(), None, None
+
+    def attention_bwd(do=None, o=None, lse=None):
+        q, k, v = t(B, H, S, HD), t(B, HKV, S, HD), t(B, HKV, S, HD)
+        o_, lse_, ra, rb = torch.ops.coda.attention_forward(q, k, v)
+        do = t(B, H, S, HD) if do is None else do
+        return torch.ops.coda.attention_backward(do, q, k, v, o_ if o is None else o, lse_ if lse is None else lse,
+                                                 ra, rb)
+    yield "attention_bwd do on the host", lambda: attention_bwd(do=t(B, H, S, HD, device="cpu")), ValueError, "all tensors must be on one device"
+    yield "attention_bwd do fp32", lambda: attention_bwd(do=t(B, H, S, HD, dtype=F32)), TypeError, "do must be a 4-D bf16 tensor"
+    yield "attention_bwd o shape", lambda: attention_bwd(o=t(B, H, S + 1, HD)), ValueError, r"o must be \(B, H, S, hd\) like q"
+    yield "attention_bwd lse shape", lambda: attention_bwd(lse=t(B, H, S + 1, dtype=F32)), ValueError, "lse must be the forward's log-sum-exp"
+    yield "attention_bwd lse fp16", lambda: attention_bwd(lse=t(B, H, S, dtype=torch.float16)), TypeError, "lse must be a float32 tensor"
+    yield "attention_bwd", lambda: attention_bwd(), None, None
+
+
+@pytest.mark.parametrize("case", list(_bad_fake()), ids=lambda c: c[0])
+def test_bad_input_raises_on_the_fake_path(case):
+    """The checks run on the fake implementations too (tracing, torch.compile): the same errors
+    as the GPU path would raise before its launch; the control cases (exc None) pass."""
+    _, call, exc, match = case
+    with FakeTensorMode():
+        if exc is None:
+            call()
+            return
+        with pytest.raises(exc, match=match):
+            call()
+
+
+@pytest.mark.parametrize("op", ["lm_head_ce_dw", "lm_head_ce_dw_"])
+def test_dw_ops_on_cpu_need_the_reference_switch(op):
+    """Both last-chunk wgrad ops refuse CPU tensors outside ``reference_on_cpu`` with their own
+    name (the in-place one has its own guard; it left its accumulator untouched)."""
+    dl, y, g, acc, scale = next(a for n, _, a in core_cases() if n == "lm_head_ce_dw_[in place]")
+    before = acc.clone()
+    with pytest.raises(ValueError, match=rf"coda\.{op} runs on CUDA tensors .*reference_on_cpu"):
+        getattr(torch.ops.coda, op)(dl, y, g, acc, scale)
+    assert acc.equal(before)
 
 
 def test_attention_backward_ref_equals_autograd():

@@ -197,6 +197,40 @@ def test_wgrad_form_rules(path):
         torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb, None, "128x1")
 
 
+# test_schema is left out: its mutation check compares each input before and after with
+# torch.allclose, which CPU torch does not implement for fp8 ("mul_cpu_reduced_float" not
+# implemented for 'Float8_e4m3fn'). The same two checks, bitwise, follow the opcheck below.
+BLOCKWISE_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _blockwise_opcheck_cases():
+    a_q, sa, b_q, sb = quantized(100, 200, 400)  # ragged: partial last k-block and weight block
+    yield pytest.param((a_q, sa, b_q, sb), {}, id="fprop bf16")
+    yield pytest.param((a_q, sa.t().contiguous().t(), b_q, sb), dict(out_dtype=torch.float32), id="M-major scales fp32")
+    a5, sa5, _, _ = quantized(100, 200, 400, torch.float8_e5m2, seed=1)
+    yield pytest.param((a5, sa5, b_q, sb), dict(out_dtype=torch.float16), id="dgrad e5m2 fp16")
+    g = torch.Generator().manual_seed(6)
+    a_w, sa_w = R.quantize_blocks_ref(torch.randn(136, 400, generator=g), (1, 128))
+    b_w, sb_w = R.quantize_blocks_ref(torch.randn(200, 400, generator=g), (1, 128))
+    yield pytest.param((a_w, sa_w, b_w, sb_w), dict(out_dtype=torch.float32, b_block="1x128"), id="wgrad 1x128")
+
+
+@pytest.mark.parametrize("args, kwargs", list(_blockwise_opcheck_cases()))
+def test_op_passes_opcheck(args, kwargs):
+    before = [t.clone() for t in args]
+    with coda_cute.reference_on_cpu():
+        result = torch.library.opcheck(torch.ops.coda.gemm_blockwise.default, args, kwargs,
+                                       test_utils=BLOCKWISE_OPCHECKS)
+        out = torch.ops.coda.gemm_blockwise(*args, **kwargs)
+    assert set(result) == set(BLOCKWISE_OPCHECKS) and all(v == "SUCCESS" for v in result.values()), result
+    # test_schema's checks: no input changed (bit for bit), and the output aliases none of them
+    for t, b in zip(args, before):
+        assert t.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)) and t.stride() == b.stride()
+    storage = out.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != storage for t in args)
+    assert out.dtype == kwargs.get("out_dtype", torch.bfloat16) and out.is_contiguous()
+
+
 def test_scales_reach_the_kernel_in_layouts_its_tma_reads():
     """Our quantizers' layouts pass as they are: 1 x 128 scales M-major with rows padded to 128
     (``precision.block_scales_m_major``), the weight's 128 x 128 contiguous where its k-blocks are

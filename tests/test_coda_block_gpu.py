@@ -177,6 +177,7 @@ def test_swiglu_backward_op(m, f):
     z = cuda(m, 2 * f)
     ss = R.norm_stats_partials_ref(cuda(m, d), 128)
     got = torch.ops.coda.swiglu_backward(dy, w_down, z, ss, EPS)
+    assert all(a.equal(b) for a, b in zip(got, torch.ops.coda.swiglu_backward(dy, w_down, z, ss, EPS)))  # no atomics
     want = R.swiglu_backward_ref(dy.double(), w_down.double(), z, ss, EPS, zdz_tile_n(dy, w_down))
     _close(got[:2], [want[0], want[1]], 1e-2, "dz, h")
     assert rel_err(got[2].sum(1), want[2].sum(1).float()) < 1e-4
@@ -192,6 +193,7 @@ def test_norm_backward_op(m, residual):
     zdz = cuda(m, 5, dtype=F32)
     dres = cuda(m, d) if residual else None
     got = torch.ops.coda.norm_backward(g, w, y, ss, zdz, EPS, dres)
+    assert got.equal(torch.ops.coda.norm_backward(g, w, y, ss, zdz, EPS, dres))  # deterministic
     want = R.norm_backward_ref(g.double(), w.double(), y.double(), ss, zdz, EPS,
                                dres.double() if residual else None)
     assert rel_err(got, want) < 1e-2
@@ -216,6 +218,8 @@ def test_rope_backward_op(qk_norm, hd):
     qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     got = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    again = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    assert all(a.equal(b) for a, b in zip(got, again) if a is not None)  # deterministic
     want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
     assert rel_err(got[0], want[0]) < 1e-2
     assert rel_err(got[1], want[1].float()) < 1e-4
@@ -266,6 +270,10 @@ def test_lm_head_train_op(m, reduction, gamma, d, fraction, acc, monkeypatch):
     (out[0] * dloss).backward()
     for i, wt in zip(ins, want):
         assert i.grad.dtype == i.dtype and rel_err(i.grad, wt) < 2e-2, rel_err(i.grad, wt)
+    again = [i.detach().clone().requires_grad_() for i in ins]
+    out2 = torch.ops.coda.lm_head_ce_train(again[0], again[1], ss, EPS, t, -100, reduction, again[2] if gamma else None)
+    (out2[0] * dloss).backward()
+    assert out2[0].equal(out[0]) and all(a.grad.equal(i.grad) for a, i in zip(again, ins))  # deterministic
 
 
 def test_lm_head_train_op_on_confident_and_far_rows():
@@ -493,15 +501,52 @@ def test_training_step_is_deterministic():
     assert all(a.equal(b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+def test_our_gradients_are_deterministic_without_the_flag():
+    """Without torch.use_deterministic_algorithms, every gradient that torch's SDPA backward
+    (atomics) does not feed is bitwise equal over two steps: the LM head's, the final norm's and
+    the last layer's MLP and out-proj, all from our kernels."""
+    cfg = dataclasses.replace(CFG, n_layers=2, max_seq_len=512)
+    _, model, tokens, targets = _model_and_batch(cfg)
+    ours = {"head.weight", "head.norm", "layers.1.ffn_norm", "layers.1.w_gu", "layers.1.w_down", "layers.1.wo"}
+    runs = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        runs.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if n in ours}))
+    assert len(runs[0][1]) == len(ours)
+    assert runs[0][0].equal(runs[1][0])
+    assert all(runs[0][1][n].equal(runs[1][1][n]) for n in ours), [n for n in ours if not runs[0][1][n].equal(runs[1][1][n])]
+
+
+#: aten's matrix products: a step's GEMM that is not ours runs through one of these
+_ATEN_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::matmul",
+               "aten::linear", "aten::mv", "aten::addmv", "aten::dot", "aten::_scaled_mm"}
+_SIXTEEN_BIT = {"c10::BFloat16", "c10::Half", "c10::Float8_e4m3fn", "c10::Float8_e5m2"}
+
+
+def wide_gemms(events):
+    """(name, input dtypes) of the profiled aten GEMMs whose two matrix operands are not all
+    16-bit or FP8 (the add- forms' first input is the added term; _scaled_mm's scales are fp32)."""
+    def operands(e):
+        return e.input_dtypes[1:3] if e.name.startswith("aten::add") or e.name == "aten::baddbmm" else e.input_dtypes[:2]
+    return [(e.name, e.input_dtypes) for e in events
+            if e.name in _ATEN_GEMMS and any(t and t not in _SIXTEEN_BIT for t in operands(e))]
+
+
 def test_training_step_has_no_fp32_gemm():
-    """Profile one training step: every GEMM kernel on the GPU is ours or cuBLAS with 16-bit
-    operands (no simt sgemm, no f32f32 xmma/nvjet kernels)."""
+    """Profile one training step: every matrix product torch runs (aten's GEMM ops, by their
+    recorded input dtypes) takes 16-bit or FP8 operands, and no GPU kernel is a cuBLAS / CUTLASS
+    fp32 or tf32 GEMM by name (simt sgemm, f32f32 xmma); ours take bf16 by construction."""
     cfg = dataclasses.replace(CFG, n_layers=2, max_seq_len=512)
     _, model, tokens, targets = _model_and_batch(cfg)
     model(tokens, targets).backward()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         model(tokens, targets).backward()
         torch.cuda.synchronize()
+    wide = wide_gemms(prof.events())
+    assert not wide, wide
     names = {e.key for e in prof.key_averages()}
     fp32 = [n for n in names if any(s in n.lower() for s in ("sgemm", "f32f32", "gemm_f32", "tf32"))]
     assert not fp32, fp32

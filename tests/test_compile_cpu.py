@@ -11,6 +11,7 @@ for configs or archs the kernels do not support.
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -162,6 +163,65 @@ def test_default_configs_have_the_documented_instructions():
     if sass is not None:
         assert sass.gmma == ("HGMMA.64x192x16.F32.BF16",)
         assert sass8.gmma == ("QGMMA.64x256x32.F32.E4M3.E4M3",)
+
+
+# -- the plain GEMMs of the training step's backward, on the configs the heuristic picks there ----
+#: The configs ``choose_config`` picks for the step's plain bf16 GEMMs (132 SMs; llama3-1b and -8b
+#: at 16384 tokens): cooperative 128x256 (every wgrad of 8b and most of 1b, the o-proj dgrad of
+#: 8b), cooperative 128x192 (1b's QKV wgrad) and ping-pong 128x128 (1b's o-proj dgrad).
+STEP_CONFIGS = [GemmConfig(128, 256, 64, "cooperative", 2, 1), GemmConfig(128, 192, 64, "cooperative", 2, 1),
+                GemmConfig(128, 128, 64, "pingpong", 2, 1)]
+#: dgrad dY @ W (B n-major) and wgrad dY^T @ X (A m-major)
+STEP_LAYOUTS = {"dgrad": ("k", "n"), "wgrad": ("m", "n")}
+
+
+def step_plain_gemms(model: str, tokens: int):
+    """(layout, (M, N, K)) of every plain GEMM of one block's backward (``ops.attention``,
+    ``ops.mlp``, ``ops.qkv``: the fused trees' GEMMs aside): the o-proj dgrad and the four wgrads."""
+    from coda_cute.sol.shapes import LLAMA3
+
+    c = LLAMA3[model]
+    n_qkv, hd = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.n_heads * c.head_dim
+    return [("kn", (tokens, hd, c.d)), ("mn", (n_qkv, c.d, tokens)), ("mn", (c.d, hd, tokens)),
+            ("mn", (2 * c.ffn, c.d, tokens)), ("mn", (c.d, c.ffn, tokens))]
+
+
+def test_step_configs_are_the_ones_the_training_step_picks():
+    """Every (layout, config) the heuristic picks for the step's plain GEMMs is compiled below; a
+    retuned heuristic that picks another one fails here until it is added to STEP_CONFIGS."""
+    from coda_cute.epilogue.runner import choose_config
+    from coda_cute.sol.shapes import DEFAULT_TOKENS
+
+    tree = gemm_tree("none", "none", "bfloat16")
+    picked = {(layout, choose_config(tree, *mnk, 1, False, False, 132))
+              for model in ("llama3-1b", "llama3-8b") for layout, mnk in step_plain_gemms(model, DEFAULT_TOKENS)}
+    compiled = {("".join(lay), cfg) for lay in STEP_LAYOUTS.values() for cfg in STEP_CONFIGS}
+    assert picked <= compiled, sorted((lay, c.name) for lay, c in picked - compiled)
+
+
+@pytest.mark.parametrize("cfg", STEP_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+def test_step_plain_gemm_builds(layout, cfg):
+    """The plain bf16 dgrad / wgrad GEMM on a step config: sm_90a, WGMMA of the tile's width
+    reading A and B in the layout's majors (PTX imm-trans-a / imm-trans-b: 1 for an M-major A /
+    N-major B), TMA loads multicast across the 2x1 cluster, a TMA store of D, no spills and no
+    serialized WGMMAs."""
+    a_major, b_major = STEP_LAYOUTS[layout]
+    spec = GemmSpec("bfloat16", "bfloat16", "bfloat16", a_major, b_major, cfg)
+    kernel, census, sass = built(spec)
+    ptx = kernel.ptx
+    assert census.target == "sm_90a"
+    want = f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k16.f32.bf16.bf16"
+    assert census.wgmma == (f"m64n{cfg.tile_n}k16.f32.bf16.bf16",) and want in ptx
+    trans = set(re.findall(r"wgmma\.mma_async\.[^;]*,\s*(\d),\s*(\d);", ptx))
+    assert trans == {(str(int(a_major == "m")), str(int(b_major == "n")))}, trans
+    assert census.tma_loads >= 2 and census.tma_stores >= 1 and census.multicast_loads >= 1, census
+    stats = kernel.stats
+    assert stats["registers"] <= 255 and stats["spill_stores"] == stats["spill_loads"] == 0, stats
+    assert not stats["wgmma_serialized"], stats
+    if sass is not None:
+        assert sass.gmma == (f"HGMMA.64x{cfg.tile_n}x16.F32.BF16",)
+        assert sass.tma_loads >= 2 and sass.tma_stores >= 1 and sass.multicast_loads >= 1, sass
 
 
 # -- census regexes on hand-written lines -------------------------------------------------------

@@ -395,6 +395,50 @@ def _tiles_of(x, tile, dim):
     return [x.narrow(dim, s, min(tile, x.shape[dim] - s)) for s in range(0, x.shape[dim], tile)]
 
 
+# -- double-width values: the 1 -> 2 node (interleave) and the wide tile input ---------------------
+def test_interleave_puts_even_and_odd_at_columns_2n_and_2n_plus_1(acc):
+    c, r = torch.randn(NN), torch.randn(M)
+    node = E.interleave(E.acc() * E.col_vec("c"), E.acc() + E.row_vec("r"))
+    assert node.domain == N.DOUBLE
+    got = ev(node, acc, "bfloat16", c=c, r=r)
+    want = torch.empty(M, 2 * NN)
+    want[:, 0::2] = acc * c
+    want[:, 1::2] = acc + r[:, None]
+    assert got.shape == (M, 2 * NN) and got.equal(want.to(BF16))
+    # a row-uniform or constant half is broadcast over the row's columns
+    got = ev(E.interleave(E.row_vec("r"), E.acc()), acc, "float16", r=r)
+    assert got.equal(torch.stack((r[:, None].expand(M, NN), acc), -1).reshape(M, 2 * NN).to(F16))
+    got = ev(E.interleave(E.acc(), 2.5), acc, "bfloat16")
+    assert got.equal(torch.stack((acc, torch.full_like(acc, 2.5)), -1).reshape(M, 2 * NN).to(BF16))
+    # a factor after the node applies to both halves; batched accumulators keep L
+    got = ev(E.interleave(E.acc(), -E.acc()) * E.row_vec("r"), acc, "bfloat16", r=r)
+    assert got.equal((torch.stack((acc, -acc), -1).reshape(M, 2 * NN) * r[:, None]).to(BF16))
+    acc3 = torch.randn(L, M, NN)
+    got = ev(E.interleave(E.acc(), E.acc() * 3), acc3, "bfloat16")
+    assert got.shape == (L, M, 2 * NN) and got.equal(torch.stack((acc3, acc3 * 3), -1).reshape(L, M, 2 * NN).to(BF16))
+
+
+def test_wide_tile_pairs_are_read_at_each_output_column(acc):
+    """A wide tile z (M, 2N): pairwise with one value gives a full-width value from the pair
+    (z[:, 2n], z[:, 2n + 1]) at column n (its col_index is n), with two values it stays double
+    width; interleave of the two halves gives z back."""
+    z = torch.randn(M, 2 * NN).to(BF16)
+    zf = z.float()
+    assert ev(E.wide_tile("z"), acc, "bfloat16", z=z).equal(z)
+    got = ev(E.pairwise(lambda a, b: a * b, E.wide_tile("z")) + E.acc(), acc, z=z)
+    assert got.shape == (M, NN) and got.equal(zf[:, 0::2] * zf[:, 1::2] + acc)
+    got = ev(E.pairwise(lambda a, b: b + E.to_float(E.col_index()), E.wide_tile("z")), acc, z=z)
+    assert got.equal(zf[:, 1::2] + torch.arange(NN).float())
+    swapped = ev(E.pairwise(lambda a, b: (b, a), E.wide_tile("z")), acc, "bfloat16", z=z)
+    assert swapped.equal(z.view(M, NN, 2).flip(-1).reshape(M, 2 * NN))
+    w = E.wide_tile("z")
+    round_trip = E.interleave(E.pairwise(lambda a, b: a, w), E.pairwise(lambda a, b: b, w))
+    assert ev(round_trip, acc, "bfloat16", z=z).equal(z)
+    z3 = torch.randn(L, M, 2 * NN).to(BF16)
+    got = ev(E.pairwise(lambda a, b: a - b, E.wide_tile("z")), torch.randn(L, M, NN), z=z3)
+    assert got.equal(z3.float()[..., 0::2] - z3.float()[..., 1::2])
+
+
 def test_row_reduce_partials(acc):
     tn = 4  # N = 10: tiles of 4, 4 and 2 columns
     x = E.acc() * E.col_vec("c")
@@ -595,3 +639,94 @@ def test_scale_acc_is_the_tree_on_the_scaled_accumulator(name):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-5, atol=2e-5)
     for sr in (x for s in scaled.sinks for x in N.walk(s.x) if isinstance(x, N.SegmentReduce)):
         assert not any(isinstance(x, N.RowVec) for x in N.walk(sr.children[0]))  # row scale outside
+
+
+# -- the SwiGLU backward tree against its float64 reference ----------------------------------------
+def _swiglu_backward_mismatches(tree, m, f, tile_n, seed=0):
+    """The evaluator's outputs of ``tree`` (the down-proj dgrad's epilogue, acc = dy @ w_down)
+    against ``reference.swiglu_backward_ref`` in float64, on fresh random inputs: {sink: why} for
+    each output outside its dtype's bound. dz' and h are bf16 stores of fp32 math: within the
+    round-to-nearest bound 2^-8 |x| of the exact value, and the correctly rounded value almost
+    everywhere (fp32 error moves a value across a rounding boundary about once in 10^5). zdz are
+    fp32 per-tile partials (summed in float64): within 16 fp32 ulps of the tile's sum of term
+    magnitudes (dg's 1 + g (1 - sigma) may cancel, so its magnitude counts unfolded)."""
+    from coda_cute import reference as R
+    from coda_cute.ops.rmsnorm import norm_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    d, eps = 96, 1e-5
+    dy = torch.randn(m, d, generator=g).to(BF16)
+    w_down = (torch.randn(d, f, generator=g) * d ** -0.5).to(BF16)
+    z = (2 * torch.randn(m, 2 * f, generator=g)).to(BF16)  # gates well into silu's curved range
+    ss = R.norm_stats_partials_ref((torch.randn(m, d, generator=g) * 3).to(BF16), 64)
+    dh = dy.double() @ w_down.double()
+    # the kernel's accumulator: the exact product rounded once to fp32
+    out = E.evaluate(tree, dh.float(), dict(norm_inputs(d, ss, eps), z=z), (128, tile_n))
+    want_dz, want_h, want_zdz = R.swiglu_backward_ref(dy.double(), w_down.double(), z.double(), ss.double(), eps, tile_n)
+    bad = {}
+    for name, want in (("dz", want_dz), ("h", want_h)):
+        got = out[name]
+        if got.shape != want.shape or got.dtype != BF16:
+            bad[name] = f"{tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} bfloat16"
+            continue
+        err = (got.double() - want).abs()
+        over = err > want.abs() * (2 ** -8 + 2 ** -20)
+        exact = (got == want.to(BF16)).double().mean().item()
+        if over.any() or exact < 0.999:
+            bad[name] = f"{int(over.sum())} beyond 2^-8 |x| (max {(err / want.abs()).max().item():.3g}), exact {exact:.4f}"
+    gg, u = z.double()[:, 0::2], z.double()[:, 1::2]
+    sg = torch.sigmoid(gg)
+    mag = (gg * dh * u * sg).abs() * (1 + (gg * (1 - sg)).abs()) + (u * dh * gg * sg).abs()
+    bound = 16 * 2 ** -24 * R.tile_partials_ref(mag, tile_n).double()
+    got = out["zdz"]
+    if got.shape != want_zdz.shape or got.dtype != F32:
+        bad["zdz"] = f"{tuple(got.shape)} {got.dtype}, want {tuple(want_zdz.shape)} float32"
+    elif ((got.double() - want_zdz).abs() > bound).any():
+        bad["zdz"] = f"max error {((got.double() - want_zdz).abs() / bound).max().item() * 16:.3g} ulps of the tile's magnitude"
+    return bad
+
+
+@pytest.mark.parametrize("m, f, tile_n", [(77, 200, 64), (77, 200, 128), (77, 1352, 128)])
+def test_swiglu_backward_tree_is_the_swiglu_backward(m, f, tile_n):
+    """The op's own tree (``ops.swiglu.swiglu_backward_tree``: the wide tile z, pairwise splits of
+    it, the 1 -> 2 interleave of (dg, du), the rstd row factor, the zdz row reduction) evaluated by
+    the oracle is the SwiGLU backward, at a ragged M and widths whose last column tile is partial."""
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    bad = _swiglu_backward_mismatches(swiglu_backward_tree(), m, f, tile_n)
+    assert not bad, bad
+
+
+def _swiglu_backward_mutant(mutation):
+    """The SwiGLU backward tree with one plausible bug."""
+    from coda_cute.ops.rmsnorm import rstd_node
+
+    z = E.wide_tile("z")
+    g = E.pairwise(lambda a, b: b if mutation == "g, u swapped" else a, z)
+    u = E.pairwise(lambda a, b: a if mutation == "g, u swapped" else b, z)
+    dh = E.acc()
+    sg = E.sigmoid(g)
+    silu = g * sg
+    dg = dh * u * sg * (g * (1 - sg) if mutation == "no 1 + in sigma'" else 1 + g * (1 - sg))
+    du = dh * silu
+    pair = E.interleave(du, dg) if mutation == "dg, du swapped" else E.interleave(dg, du)
+    dz = pair if mutation == "no rstd" else pair * rstd_node()
+    h = E.silu(u) * g if mutation == "h = silu(u) g" else silu * u
+    zdz = g * dg if mutation == "zdz without u du" else g * dg + u * du
+    return E.Epilogue(E.store(dz, "dz", "bfloat16"), E.store(h, "h", "bfloat16"), E.row_reduce(zdz, "sum", "zdz"))
+
+
+#: each mutation of :func:`_swiglu_backward_mutant` and the outputs it touches
+SWIGLU_MUTANTS = {"g, u swapped": {"dz", "h", "zdz"}, "no 1 + in sigma'": {"dz", "zdz"}, "dg, du swapped": {"dz"},
+                  "no rstd": {"dz"}, "h = silu(u) g": {"h"}, "zdz without u du": {"zdz"}}
+
+
+@pytest.mark.parametrize("mutation", list(SWIGLU_MUTANTS))
+def test_swiglu_backward_check_catches_a_wrong_tree(mutation):
+    """The comparison above can fail: each of these bugs puts exactly the outputs it touches
+    outside their bounds (the unmutated copy is the op's tree, node for node)."""
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    assert _swiglu_backward_mutant(None).key == swiglu_backward_tree().key
+    bad = _swiglu_backward_mismatches(_swiglu_backward_mutant(mutation), 77, 200, 64)
+    assert set(bad) == SWIGLU_MUTANTS[mutation], bad

@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from torch.testing._internal.optests import OpCheckError
 
 from coda_cute.artifacts import disassemble, find_nvdisasm
 from coda_cute.compiler import spill_bytes
@@ -184,6 +185,42 @@ def test_fold_backward_traces_as_one_op_on_fake_cuda_tensors(monkeypatch):
         gamma = torch.empty(64, dtype=torch.float32, device="cuda")
         dw, dgamma = fold.fold_gamma_backward(torch.empty(64, 64, device="cuda"), w, gamma)
     assert (dw.shape, dw.dtype, dgamma.shape, dgamma.dtype) == ((64, 64), torch.bfloat16, (64,), torch.float32)
+
+
+FOLD_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _fold_backward_cases():
+    """(dW', W, gamma): dW' in W' = W * gamma's dtype (the promoted one), as the fold's backward
+    receives it."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(40, generator=g)).to(torch.bfloat16)
+    dw = torch.randn(24, 40, generator=g)
+    yield pytest.param((dw.to(torch.bfloat16), w, gamma), id="bf16")
+    yield pytest.param((dw, w, gamma.float()), id="fp32 gamma")  # W' fp32: dW fp32 -> bf16, d gamma fp32
+    yield pytest.param((dw, w.float(), gamma), id="fp32 W")
+    # A gradient that arrives transposed (W' used as W'.t() elementwise): the torch path (on CPU,
+    # and on CUDA, whose kernel takes a contiguous gradient only) returns a contiguous dW, the
+    # fake's layout (it once kept the gradient's strides, which failed inductor's stride assertion)
+    yield pytest.param((torch.randn(40, 24, generator=g).to(torch.bfloat16).t(), w, gamma), id="transposed dW'")
+
+
+@pytest.mark.parametrize("args", list(_fold_backward_cases()))
+def test_fold_backward_op_passes_opcheck(args):
+    """A backward op with no autograd of its own (no double backward): inputs without grad."""
+    import coda_cute
+
+    dw, w, gamma = args
+    with coda_cute.reference_on_cpu():
+        gw, gg = torch.ops.coda.fold_gamma_backward(dw, w, gamma)
+        result = torch.library.opcheck(torch.ops.coda.fold_gamma_backward.default, (dw, w, gamma),
+                                       test_utils=FOLD_OPCHECKS)
+    assert set(result) == set(FOLD_OPCHECKS) and all(v == "SUCCESS" for v in result.values()), result
+    assert (gw.dtype, gg.dtype) == (w.dtype, gamma.dtype)
+    torch.testing.assert_close(gw, (dw.float() * gamma.float()).to(w.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(gg.double(), (dw.double() * w.double()).sum(0).to(gamma.dtype).double(),
+                               rtol=1e-5 if gamma.dtype == torch.float32 else 2 ** -8, atol=1e-5)
 
 
 @pytest.mark.parametrize("w_shape, g_shape, dtypes, match", [

@@ -88,3 +88,39 @@ def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, he
         assert "shfl.sync.bfly.b32" in ptx and "rsqrt.approx" in ptx
     assert stats.get("spill_stores", 0) == 0 and stats.get("spill_loads", 0) == 0, stats
     assert stats.get("registers", 0) > 0, stats
+
+
+def test_bench_rope_backward_counts_the_kernels_bytes():
+    """scripts/bench_rope_backward.py: the bytes it credits the kernel with are the tensors the
+    kernel reads and writes (no more: its ratio to copy bandwidth must not flatter it), and it
+    refuses to run without a GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_rope_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_rope_backward", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m, n = 16384, 6144
+    # dq + dk + dv (m x n together), qkv, g: bf16; r, positions, zdz: 4 bytes a row
+    assert mod.moved_bytes(m, n, False) == 2 * m * n * 3 + 12 * m
+    assert mod.moved_bytes(m, n, True) == 2 * m * n * 4 + 12 * m  # x_pre too
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 2
+
+
+def test_bench_sweep_tunings_build_without_spills():
+    """Every tuning ``bench_rope_backward.py --sweep`` times builds for sm_90a without spills (a
+    spilling variant would waste the GPU's time and say nothing about the defaults)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_rope_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_rope_backward", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for (qk_norm, head_dim), tunings in mod.SWEEP.items():
+        for tuning in tunings:
+            stats = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8, tuning=tuning),
+                                        keep_artifacts=True).stats
+            assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (qk_norm, head_dim, tuning, stats)

@@ -145,14 +145,47 @@ def _like(layout: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(layout).copy_(values)
 
 
+def check_core_backward(op: str, do, q, k, v, o, lse) -> int:
+    """:func:`check_core` and what the backend's backward takes besides: do (the output
+    gradient) and o (the forward's output) (B, H, S, hd) bf16 like q, contiguous along head_dim
+    (flash's backward requires it of both); lse the forward's fp32 log-sum-exp as that backend
+    returns it, (B, H, S) from flash (read densely: contiguous), (B, H, S, 1) from cuDNN (which
+    reads its strides); all on q's device (the random-number state tensors may lie on the host).
+    Returns the backend."""
+    check_core(op, q, k, v)
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor) or t.dtype != BF16 or t.dim() != 4:
+            raise TypeError(f"{op}: {name} must be a 4-D bf16 tensor (batch, heads, seq, head_dim), got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.shape != q.shape:
+            raise ValueError(f"{op}: {name} must be (B, H, S, hd) like q, {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.stride(3) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous along head_dim, got strides {tuple(t.stride())}")
+    backend = _backend(q, k)
+    b, h, s, _ = q.shape
+    want, kernel = ((b, h, s, 1), "cuDNN") if backend == CUDNN else ((b, h, s), "flash")
+    if not isinstance(lse, torch.Tensor) or lse.dtype != F32:
+        raise TypeError(f"{op}: lse must be a float32 tensor (the forward's log-sum-exp), got "
+                        f"{getattr(lse, 'dtype', type(lse).__name__)}")
+    if tuple(lse.shape) != want:
+        raise ValueError(f"{op}: lse must be the forward's log-sum-exp as the {kernel} kernel returns it, "
+                         f"{want}, got {tuple(lse.shape)}")
+    if backend != CUDNN and not lse.is_contiguous():
+        raise ValueError(f"{op}: lse must be contiguous (the {kernel} kernel reads it densely), got strides "
+                         f"{tuple(lse.stride())}")
+    check_same_device(op, q=q, do=do, o=o, lse=lse)
+    return backend
+
+
 @torch.library.custom_op("coda::attention_backward", mutates_args=())
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, rng_a: torch.Tensor,
                        rng_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`attention_forward`'s o for the output gradient ``do`` (B, H, S, hd)."""
-    check_core(OP_BWD, q, k, v)
+    """(dq, dk, dv) of :func:`attention_forward`'s o for the output gradient ``do`` (B, H, S, hd)
+    bf16; o and lse as the forward returned them (:func:`check_core_backward`)."""
+    backend = check_core_backward(OP_BWD, do, q, k, v, o, lse)
     s = q.shape[2]
-    if _backend(q, k) == CUDNN:
+    if backend == CUDNN:
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, o, lse, rng_a, rng_b, None, None, None, s, s, 0.0, True)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -161,14 +194,14 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 @attention_backward.register_fake
 def _core_bwd_fake(do, q, k, v, o, lse, rng_a, rng_b):
-    check_core(OP_BWD, q, k, v)
+    check_core_backward(OP_BWD, do, q, k, v, o, lse)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @attention_backward.register_kernel("cpu")
 def _core_bwd_cpu(do, q, k, v, o, lse, rng_a, rng_b):
     dispatch.require_reference(OP_BWD)
-    check_core(OP_BWD, q, k, v)
+    check_core_backward(OP_BWD, do, q, k, v, o, lse)
     return tuple(_like(t, g) for t, g in zip((q, k, v), attention_backward_ref(do, q, k, v)))
 
 

@@ -97,7 +97,9 @@ def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) 
     check_fold(w, gamma)
     if dw.dtype == w.dtype and dw.is_contiguous() and _kernel_applies(w, gamma) and dw.data_ptr() % 16 == 0:
         return fold_backward(dw, w, gamma)
-    return (dw * gamma).to(w.dtype), (dw.float() * w.float()).sum(0).to(gamma.dtype)
+    # contiguous whatever the gradient's strides (a transposed one too): the fake's layout
+    return ((dw * gamma).to(w.dtype).contiguous(),
+            (dw.float() * w.float()).sum(0).to(gamma.dtype))
 
 
 @fold_gamma_backward.register_fake

@@ -94,12 +94,14 @@ from ..kernels.epilogue.plain import gemm_tree
 from ..reference import (ce_coef, ce_dlogits_ref, lm_head_ce_grad_ref, lm_head_ce_ref, reduce_loss,
                          rms_rstd_ref, scale_columns_ref)
 from .checks import (BF16, F32, INDEX_DTYPES, PendingIndexCheck, check_aligned, check_index_range,
-                     check_norm_input, check_same_device, check_shape, check_tensor)
+                     check_norm_input, check_pointer_aligned, check_same_device, check_shape,
+                     check_tensor)
 from .fold import fold_gamma_impl, scale
 from .rmsnorm import norm_backward_tree, norm_inputs, rstd_node
 
 OP = "coda.lm_head_ce"
 OP_TRAIN = "coda.lm_head_ce_train"
+OP_BWD = "coda.lm_head_ce_backward"
 OP_DW, OP_DW_INPLACE = "coda.lm_head_ce_dw", "coda.lm_head_ce_dw_"
 REDUCTIONS = ("mean", "sum", "none")
 #: bytes of logits (bf16) one chunk holds, plus an fp32 dW accumulator where one is used
@@ -193,16 +195,36 @@ def check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP):
         if gamma.shape[0] != d:
             raise ValueError(f"{op}: gamma must be (d,) = ({d},), one per column of y, got {tuple(gamma.shape)}")
     check_same_device(op, y=y, targets=targets, gamma=gamma)
-    allowed = REDUCTIONS if op == OP else ("mean", "sum")
+    allowed = REDUCTIONS if op in (OP, OP_BWD) else ("mean", "sum")
     if reduction not in allowed:
         raise ValueError(f"{op}: reduction must be one of {allowed}, got {reduction!r}")
     return m
 
 
+def check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma):
+    """The recomputing backward's arguments: those of the forward, and its saved lse (M,) fp32
+    contiguous (read in place by the dlogits GEMM's epilogue), dloss fp32 (M,) for "none", ()
+    otherwise, dlse (M,) fp32 (any strides). Returns M."""
+    op = OP_BWD
+    m = check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=op)
+    check_tensor(op, "lse", lse, 1, (F32,))
+    check_shape(op, "lse", lse, (m,), "the forward's log-sum-exp, one per row of y ")
+    want = (m,) if reduction == "none" else ()
+    for name, t, what in (("dloss", dloss, f"the loss's gradient (reduction {reduction!r}) "),
+                          ("dlse", dlse, "the log-sum-exp's gradient, one per row of y ")):
+        if not isinstance(t, torch.Tensor) or t.dtype != F32:
+            raise TypeError(f"{op}: {name} must be a float32 tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        check_shape(op, name, t, want if name == "dloss" else (m,), what)
+    check_same_device(op, y=y, lse=lse, dloss=dloss, dlse=dlse)
+    return m
+
+
 def check_lm_head_dw(op, dl, y, gamma, dw, scale, in_place: bool):
     """The last-chunk wgrad's arguments: dl (rows, V) bf16 row-major (a column slice of the
-    logits buffer: unit stride along V, rows 16-byte aligned); y (rows, d) bf16; gamma (d,) or
-    None; dw (V, d): the accumulator (bf16 in place; fp32, bf16 or empty otherwise); scale one fp32."""
+    logits buffer: unit stride along V, rows and data pointer 16-byte aligned); y (rows, d) bf16;
+    gamma (d,) or None; dw (V, d): the accumulator (bf16 in place; fp32, bf16 or empty
+    otherwise); scale one fp32."""
     if not isinstance(dl, torch.Tensor) or dl.dtype != BF16 or dl.dim() != 2:
         raise TypeError(f"{op}: dl must be a 2-D bfloat16 tensor, got "
                         f"{getattr(dl, 'dtype', type(dl).__name__)} {tuple(getattr(dl, 'shape', ()))}")
@@ -210,6 +232,7 @@ def check_lm_head_dw(op, dl, y, gamma, dw, scale, in_place: bool):
     if dl.stride(1) != 1 or dl.stride(0) < v or dl.stride(0) % 8:
         raise ValueError(f"{op}: dl must be row-major with a row stride that is a multiple of 8 "
                          f"(16-byte rows for TMA), got strides {tuple(dl.stride())}")
+    check_pointer_aligned(dl, "dl", op)  # TMA's global address: 16-byte aligned
     check_tensor(op, "y", y, 2, (BF16,), aligned=True)
     if y.shape[0] != rows:
         raise ValueError(f"{op}: y must have one row per row of dl ({rows}), got {tuple(y.shape)}")
@@ -308,8 +331,9 @@ def lm_head_ce_backward(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, e
                         gamma: Optional[torch.Tensor] = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dy, dw_lm, dgamma) of ``coda.lm_head_ce``: the logits recomputed chunk by chunk with
-    the forward's LSE; dloss () or (M,) for "none", dlse (M,). dgamma is empty without gamma."""
-    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    the forward's LSE (M,) fp32; dloss () or (M,) for "none", dlse (M,), both fp32. dgamma is
+    empty without gamma."""
+    check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma)
     dy, dw, dg, _, _, _, _ = _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
                                       dloss=dloss, lse=lse, dlse=dlse)
     return dy, dw, _gamma_grad(dg, gamma, y)
@@ -321,15 +345,15 @@ def _gamma_grad(dg, gamma, y):
 
 @lm_head_ce_backward.register_fake
 def _bwd_fake(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reduction, gamma=None):
-    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma)
     dg = gamma.new_empty(gamma.shape) if gamma is not None else y.new_empty((0,), dtype=F32)
     return y.new_empty(y.shape), w_lm.new_empty(w_lm.shape), dg
 
 
 @lm_head_ce_backward.register_kernel("cpu")
 def _bwd_cpu(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reduction, gamma=None):
-    dispatch.require_reference(OP)
-    check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma)
+    dispatch.require_reference(OP_BWD)
+    check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma)
     dy, dw, dg = lm_head_ce_grad_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
                                      dloss, dlse)
     return dy, dw, _gamma_grad(dg, gamma, y)
@@ -473,7 +497,7 @@ def _dw_inplace_fake(dl, y, gamma, dw, scale):
 
 @lm_head_ce_dw.register_kernel("cpu")
 def _dw_cpu(dl, y, gamma, dw_acc, scale):
-    dispatch.require_reference(OP_TRAIN)
+    dispatch.require_reference(OP_DW)
     check_lm_head_dw(OP_DW, dl, y, gamma, dw_acc, scale, in_place=False)
     dw = dl.float().t() @ scale_columns_ref(y, gamma).float()
     if dw_acc.numel():
@@ -483,6 +507,7 @@ def _dw_cpu(dl, y, gamma, dw_acc, scale):
 
 @lm_head_ce_dw_.register_kernel("cpu")
 def _dw_inplace_cpu(dl, y, gamma, dw, scale):
+    dispatch.require_reference(OP_DW_INPLACE)
     check_lm_head_dw(OP_DW_INPLACE, dl, y, gamma, dw, scale, in_place=True)
     dw.copy_(_dw_cpu(dl, y, gamma, dw, scale))
 
@@ -554,7 +579,9 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
             gamma_row = gamma_row.clone()
     else:
         target_logit = None
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(F32)
+        # contiguous: the epilogue reads it as a row vector (autograd hands an expanded one
+        # to a backward of lse.sum())
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(F32).contiguous()
     gamma_col = None if gamma is None else gamma.to(F32)
     dgamma = None if gamma is None else torch.zeros(d, dtype=F32, device=y.device)
     dw = None

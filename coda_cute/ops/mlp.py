@@ -28,7 +28,7 @@ from .autocast import bf16_under_autocast
 from .eager import direct
 from .. import dispatch
 from ..reference import norm_swiglu_ref, residual_gemm_norm_stats_ref
-from .checks import F32, check_same_device
+from .checks import BF16, F32, check_same_device, check_tensor
 from .residual import check_residual, residual_impl, stats_tile_n
 from .rmsnorm import norm_backward
 from .swiglu import check_swiglu, norm_swiglu_impl, swiglu_backward
@@ -37,8 +37,10 @@ OP = "coda.mlp_block"
 
 
 def check_mlp(y, ss, w_gu, w_down, eps):
-    m, n = check_swiglu(y, w_gu, ss, eps)
+    m, n = check_swiglu(y, w_gu, ss, eps)  # y and w_gu: bf16, contiguous, 16-byte aligned
     f = n // 2
+    # w_down as the down-proj's B operand here and swiglu_backward's dgrad operand takes it (TMA)
+    check_tensor(OP, "w_down", w_down, 2, (BF16,), aligned=True)
     if tuple(w_down.shape) != (y.shape[1], f):
         raise ValueError(f"{OP}: w_down must be (d, f) = {(y.shape[1], f)} (nn.Linear: d x f), got "
                          f"{tuple(w_down.shape)}")

@@ -28,8 +28,8 @@ from .. import dispatch
 from .. import epilogue as E
 from ..elementwise import rope_backward_kernel
 from ..reference import (norm_rope_qkv_ref, qk_norm_weight, rms_rstd_ref, rope_backward_ref)
-from .checks import (BF16, F32, INDEX_DTYPES, check_eps, check_norm_input, check_same_device,
-                     check_shape, check_tensor)
+from .checks import (BF16, F32, INDEX_DTYPES, check_eps, check_norm_input, check_pointer_aligned,
+                     check_same_device, check_shape, check_tensor)
 from .proj import norm_proj
 from .rmsnorm import norm_backward, norm_inputs, rstd_node
 
@@ -94,7 +94,9 @@ def check_rope(op: str, m: int, positions, inv_freq, head_dim: int):
     check_tensor(op, "positions", positions, 1, INDEX_DTYPES)
     if positions.shape[0] != m:
         raise ValueError(f"{op}: positions must have one entry per row ({m}), got {positions.shape[0]}")
-    check_tensor(op, "inv_freq", inv_freq, 1, (F32,))
+    # 16-byte aligned: the RoPE backward kernel reads it in 16-byte vectors (assumed_align=16),
+    # checked here too so that a forward whose autograd runs that backward rejects it up front
+    check_tensor(op, "inv_freq", inv_freq, 1, (F32,), aligned=True)
     if inv_freq.shape[0] != head_dim // 2:
         raise ValueError(f"{op}: inv_freq must be (head_dim / 2,) = ({head_dim // 2},), got "
                          f"{tuple(inv_freq.shape)}")
@@ -255,6 +257,7 @@ def check_rope_backward(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_norm_
         if t.stride(3) != 1 or any(st % 8 for st in t.stride()[:3]):
             raise ValueError(f"{op}: {name} must have a contiguous head_dim and other strides in "
                              f"multiples of 8 elements (16-byte vectors), got strides {tuple(t.stride())}")
+        check_pointer_aligned(t, name, op)  # the kernel's 16-byte vector loads (assumed_align=16)
     b, h, s, hd = dq.shape
     hkv = dk.shape[1]
     for name, t in (("dk", dk), ("dv", dv)):

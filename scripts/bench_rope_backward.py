@@ -1,0 +1,122 @@
+"""Benchmark the RoPE (+ QK-norm) backward (``coda.rope_backward``) against the device's copy
+bandwidth.
+
+The training-step issue asks for this bandwidth-bound kernel of ours at >= 85 % of the measured
+copy bandwidth. For each shape: its median time, the bytes it moves (dq, dk, dv and the forward's
+qkv read, with QK-norm also its pre-norm values; r and the positions read; g written in bf16 and
+the statistic zdz in fp32; the QK-norm weights' partial sums, a few KB, not counted, so the ratio
+errs low), that bandwidth, and its ratio to a ``torch.Tensor.copy_`` of a bf16 tensor of the
+kernel's (M, N) timed in the same turns (CUDA-event medians, L2 flushed,
+``sol.timing.interleaved_medians``). dq, dk, dv come from the attention core's backward, in the
+layouts it hands them over (``ops.attention``).
+
+Shapes: the training benchmark's 1b (head_dim 64) and 8b (head_dim 128) attention at 4 x 4096
+tokens, 32 / 8 heads, with and without QK-norm, and a ragged 3 x 1111.
+
+    python scripts/bench_rope_backward.py [--rounds 20] [--json out.json]
+        [--sweep]    # also the kernel's tuning options (SWEEP) on each shape, launched directly
+
+``--sweep`` times the kernel itself (``elementwise.rope_backward_kernel``, no op around it) with
+each tuning in ``SWEEP`` over the defaults (``RopeBackward.DEFAULTS``), in the same turns, so a
+default can be picked from measurements; rows "sweep: option=value".
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coda_cute import reference as R
+from coda_cute.elementwise import rope_backward_kernel
+from coda_cute.ops.attention import attention_backward, attention_forward, qkv_heads
+from coda_cute.sol.timing import interleaved_medians
+
+TARGET = 0.85
+#: (batch, seq, heads, kv heads, head_dim)
+SHAPES = [(4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (3, 1111, 32, 8, 128)]
+#: (qk_norm, head_dim) -> tunings (over the defaults) that --sweep times: those that build without
+#: spills for 32 / 8 heads (sm_90a, 2026-12-04: e.g. QK-norm at head_dim 64 runs 384 threads at
+#: 110 registers by default, 80 with two CTAs per SM; two CTAs per SM spill elsewhere)
+SWEEP = {
+    (False, 64): [(), (("target_threads", 384),)],
+    (False, 128): [(), (("target_threads", 384),)],
+    (True, 64): [(), (("ctas_per_sm", 2),), (("stages", 4),), (("stages", 8),)],
+    (True, 128): [(), (("stages", 4),), (("stages", 8),)],
+}
+
+
+def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def moved_bytes(m: int, n: int, qk_norm: bool) -> int:
+    """dq, dk, dv (together m x n) and qkv read, pre too with QK-norm, g written (bf16); r,
+    positions read and zdz written (4 bytes a row each)."""
+    return 2 * m * n * (3 + qk_norm) + 12 * m
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel's tuning options (SWEEP)")
+    args = ap.parse_args(argv)
+    console = Console(width=140)
+    if not torch.cuda.is_available():
+        console.print("[red]bench_rope_backward needs a CUDA GPU[/]")
+        return 2
+    t = Table(title=f"RoPE backward against copy bandwidth (target {TARGET:.0%}; median of {args.rounds})")
+    for col in ("B x S, H / Hkv x head_dim", "what", "QK-norm", "ms", "GB moved", "TB/s", "copy TB/s", "/ copy"):
+        t.add_column(col, justify="left" if col.startswith("B") else "right")
+    records = []
+    torch.manual_seed(0)
+    for b, s, h, hkv, hd in SHAPES:
+        m, n = b * s, (h + 2 * hkv) * hd
+        q, k, v = qkv_heads(rand(m, n), b, h, hkv, hd)
+        o, lse, ra, rb = attention_forward(q, k, v)
+        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse, ra, rb)
+        qkv, pre = rand(m, n), rand(m, n)
+        r = torch.rand(m, device="cuda") + 0.5
+        pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)
+        inv_freq = R.rope_inv_freq(hd, 500000.0, "cuda")
+        qn, kn = 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1)
+        src, dst = rand(m, n), torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        fns = {"copy": lambda: dst.copy_(src),
+               (False, None): lambda: torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq),
+               (True, None): lambda: torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn,
+                                                                  1e-6)}
+        if args.sweep:
+            qk_w = (1 + rand((h + hkv) * hd, scale=0.1)).float()  # (n_qk,): the Q and K columns
+            for (qk_norm, head_dim), tunings in SWEEP.items():
+                for tuning in tunings if head_dim == hd else ():
+                    extra = (pre, qk_w) if qk_norm else (None, None)
+                    fns[(qk_norm, tuning)] = functools.partial(rope_backward_kernel, dq, dk, dv, qkv, r, pos,
+                                                               inv_freq, *extra, 1e-6, tuning)
+        ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
+        copy_tbs = 2 * 2 * m * n / ms["copy"] / 1e9
+        for key in fns:
+            if key == "copy":
+                continue
+            qk_norm, tuning = key
+            gb = moved_bytes(m, n, qk_norm) / 1e9
+            tbs = gb / ms[key]
+            label = "op" if tuning is None else "sweep: " + (", ".join(f"{k}={v}" for k, v in tuning) or "defaults")
+            records.append(dict(batch=b, seq=s, heads=h, kv_heads=hkv, head_dim=hd, qk_norm=qk_norm,
+                                what=label, ms=ms[key], gb=gb, tbs=tbs, copy_tbs=copy_tbs, ratio=tbs / copy_tbs))
+            t.add_row(f"{b} x {s}, {h} / {hkv} x {hd}", label, "yes" if qk_norm else "no", f"{ms[key]:.3f}",
+                      f"{gb:.3f}", f"{tbs:.2f}", f"{copy_tbs:.2f}", f"{tbs / copy_tbs:.3f}")
+    console.print(t)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
