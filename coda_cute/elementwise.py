@@ -641,6 +641,19 @@ class RopeBackwardSpec:
     num_sms: int = 132
     tuning: tuple = ()
 
+    def __post_init__(self):
+        # one spec (and one compiled kernel) per distinct tuning: pairs sorted, a dict taken too
+        if not self.tuning:
+            object.__setattr__(self, "tuning", ())
+            return
+        pairs = tuple(sorted(dict(self.tuning).items()))
+        from .kernels.elementwise.rope_backward import RopeBackward
+
+        unknown = {k for k, _ in pairs} - set(RopeBackward.DEFAULTS[bool(self.qk_norm)])
+        if unknown:
+            raise ValueError(f"RopeBackwardSpec: unknown tuning options {sorted(unknown)}")
+        object.__setattr__(self, "tuning", pairs)
+
     @property
     def name(self) -> str:
         qk = "_qknorm" if self.qk_norm else ""

@@ -410,6 +410,21 @@ def test_lm_head_recompute_backward(m):
     assert rel_err(got[2].float(), want[2].float()) < 2e-2
 
 
+def test_lm_head_loss_only_op_backward_through_autograd(monkeypatch):
+    """The loss-only op under autograd with gradients on both outputs: a backward of
+    loss.sum() + c * lse.sum() hands the op expanded (stride-0) dloss and dlse, in several chunks."""
+    y, w, ss, eps, t, ig, _, g = ce_args(1000, "none")
+    monkeypatch.setattr(LH, "CHUNK_BYTES", 256 * 2 * (-(-CFG.vocab_size // 8) * 8))  # 256-row chunks
+    ins = [y.clone().requires_grad_(), w.clone().requires_grad_(), g.clone().requires_grad_()]
+    loss, lse = torch.ops.coda.lm_head_ce(ins[0], ins[1], ss, eps, t, ig, "none", ins[2])
+    (loss.sum() + 0.1 * lse.sum()).backward()
+    m = y.shape[0]
+    want = R.lm_head_ce_grad_ref(y.double(), w.double(), ss, eps, t, ig, "none", g.double(),
+                                 torch.ones(m, device="cuda"), torch.full((m,), 0.1, device="cuda"))
+    for i, wt in zip(ins, want):
+        assert rel_err(i.grad, wt) < 2e-2, rel_err(i.grad, wt)
+
+
 def test_lm_head_memory_is_lean():
     """The training op's forward holds one chunk of bf16 logits beyond its inputs and outputs
     (the dW accumulator too, when dW accumulates in fp32)."""
@@ -508,6 +523,7 @@ def test_our_gradients_are_deterministic_without_the_flag():
     cfg = dataclasses.replace(CFG, n_layers=2, max_seq_len=512)
     _, model, tokens, targets = _model_and_batch(cfg)
     ours = {"head.weight", "head.norm", "layers.1.ffn_norm", "layers.1.w_gu", "layers.1.w_down", "layers.1.wo"}
+    assert not torch.are_deterministic_algorithms_enabled()
     runs = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)

@@ -148,10 +148,12 @@ def _like(layout: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def check_core_backward(op: str, do, q, k, v, o, lse) -> int:
     """:func:`check_core` and what the backend's backward takes besides: do (the output
     gradient) and o (the forward's output) (B, H, S, hd) bf16 like q, contiguous along head_dim
-    (flash's backward requires it of both); lse the forward's fp32 log-sum-exp as that backend
-    returns it, (B, H, S) from flash (read densely: contiguous), (B, H, S, 1) from cuDNN (which
-    reads its strides); all on q's device (the random-number state tensors may lie on the host).
-    Returns the backend."""
+    (one rule for both backends: either would otherwise re-lay them out, a copy); lse the
+    forward's fp32 log-sum-exp as its backend returned it, (B, H, S, 1) from cuDNN (which reads
+    its strides), (B, H, S) from flash (read densely: contiguous); all on q's device (the
+    random-number state tensors may lie on the host). Returns the backend, the forward's: read
+    from lse's shape, not probed again (the SDPA switches or the deterministic flag may differ
+    between the forward and the backward)."""
     check_core(op, q, k, v)
     for name, t in (("do", do), ("o", o)):
         if not isinstance(t, torch.Tensor) or t.dtype != BF16 or t.dim() != 4:
@@ -161,15 +163,15 @@ def check_core_backward(op: str, do, q, k, v, o, lse) -> int:
             raise ValueError(f"{op}: {name} must be (B, H, S, hd) like q, {tuple(q.shape)}, got {tuple(t.shape)}")
         if t.stride(3) != 1:
             raise ValueError(f"{op}: {name} must be contiguous along head_dim, got strides {tuple(t.stride())}")
-    backend = _backend(q, k)
     b, h, s, _ = q.shape
-    want, kernel = ((b, h, s, 1), "cuDNN") if backend == CUDNN else ((b, h, s), "flash")
     if not isinstance(lse, torch.Tensor) or lse.dtype != F32:
         raise TypeError(f"{op}: lse must be a float32 tensor (the forward's log-sum-exp), got "
                         f"{getattr(lse, 'dtype', type(lse).__name__)}")
+    backend = CUDNN if lse.dim() == 4 else FLASH
+    want, kernel = ((b, h, s, 1), "cuDNN") if backend == CUDNN else ((b, h, s), "flash")
     if tuple(lse.shape) != want:
-        raise ValueError(f"{op}: lse must be the forward's log-sum-exp as the {kernel} kernel returns it, "
-                         f"{want}, got {tuple(lse.shape)}")
+        raise ValueError(f"{op}: lse must be the forward's log-sum-exp as its kernel returns it, "
+                         f"(B, H, S, 1) from cuDNN or (B, H, S) from flash, here {want}, got {tuple(lse.shape)}")
     if backend != CUDNN and not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be contiguous (the {kernel} kernel reads it densely), got strides "
                          f"{tuple(lse.stride())}")

@@ -36,15 +36,15 @@ from .swiglu import check_swiglu, norm_swiglu_impl, swiglu_backward
 OP = "coda.mlp_block"
 
 
-def check_mlp(y, ss, w_gu, w_down, eps):
+def check_mlp(y, ss, w_gu, w_down, eps, op=OP):
     m, n = check_swiglu(y, w_gu, ss, eps)  # y and w_gu: bf16, contiguous, 16-byte aligned
     f = n // 2
     # w_down as the down-proj's B operand here and swiglu_backward's dgrad operand takes it (TMA)
-    check_tensor(OP, "w_down", w_down, 2, (BF16,), aligned=True)
+    check_tensor(op, "w_down", w_down, 2, (BF16,), aligned=True)
     if tuple(w_down.shape) != (y.shape[1], f):
-        raise ValueError(f"{OP}: w_down must be (d, f) = {(y.shape[1], f)} (nn.Linear: d x f), got "
+        raise ValueError(f"{op}: w_down must be (d, f) = {(y.shape[1], f)} (nn.Linear: d x f), got "
                          f"{tuple(w_down.shape)}")
-    check_same_device(OP, y=y, w_gu=w_gu, w_down=w_down)
+    check_same_device(op, y=y, w_gu=w_gu, w_down=w_down)
     return m, f
 
 

@@ -107,7 +107,7 @@ def swiglu_backward_fp8_tree(grad_dtype: str, pow2: bool) -> E.Epilogue:
 
 
 def check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum="none", row=False):
-    m, f = check_mlp(y, ss, w_gu, w_down, eps)
+    m, f = check_mlp(y, ss, w_gu, w_down, eps, OP)
     check_fast_accum(OP, fast_accum, row)
     check_fp8_widths(OP, **{"the model width d (columns of y)": y.shape[1], "the SwiGLU width f": f})
     return m, f
