@@ -46,19 +46,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .warp_dot import VEC, warp_row_dot, warp_sum
+
 THREADS = 128
 WARPS = THREADS // 32
-#: elements per access of u and w (16 bytes of bf16)
-VEC = 8
 #: how far above T a recomputed tile K must be to replace it (2^-10: a relative error of 0.1 %
 #: at most in a tile taken as K = T, below bf16's rounding of e)
 MARGIN = 2.0 ** -10
-
-
-def _warp_sum(x):
-    for off in (16, 8, 4, 2, 1):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
-    return x
 
 
 class ExpCombine:
@@ -127,7 +121,7 @@ class ExpCombine:
                         others = others + s_j
                 if not plain:  # rare: a logit above T + GUARD somewhere in the row
                     self._rescale_block(e, row, j0, inside and j != jt and f != Float32(1.0), f, lane)
-            total = _warp_sum(total)
+            total = warp_sum(total)
 
             if valid:
                 k_t = t_row
@@ -144,7 +138,7 @@ class ExpCombine:
                         if ft != Float32(1.0):
                             e[(row, c)] = (x * ft).to(e.element_type)
                 others = cute.math.fma(ft, o_t, others)
-            others = _warp_sum(others)
+            others = warp_sum(others)
 
             if lane == 0:
                 lse[row] = kp + cute.math.log(total)
@@ -214,11 +208,5 @@ class ExpCombine:
             take = ob > best or (ob == best and oa < arg)
             best = Float32(cutlass.select_(take, ob, best))
             arg = Int32(cutlass.select_(take, oa, arg))
-        acc = Float32(0.0)
-        for q in cutlass.range(lane, gu.shape[1][1], 32):
-            a = gu[(None, (row, q))].load().to(Float32)
-            b = gw[(None, (arg, q))].load().to(Float32)
-            for i in cutlass.range_constexpr(VEC):
-                acc = cute.math.fma(a[i], b[i], acc)
-        top = r_row * _warp_sum(acc) - Float32(self.guard)
+        top = r_row * warp_row_dot(gu, gw, row, arg, lane) - Float32(self.guard)
         return Float32(cutlass.select_(top > t_row + Float32(MARGIN), top, t_row))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
+
+from .warp_dot import VEC, warp_row_dot
 
 THREADS = 128
 WARPS = THREADS // 32
-#: elements per access (16 bytes of bf16)
-VEC = 8
 
 
 class TargetLogits:
@@ -46,19 +46,12 @@ class TargetLogits:
                tl: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        m, groups = gu.shape[1]
+        m = gu.shape[1][0]
         v = gw.shape[1][0]
         lane = tidx % 32
         row = bid * WARPS + tidx // 32
         if row < m:
             t = Int32(cutlass.max(cutlass.min(targets[row], v - 1), 0))
-            acc = Float32(0.0)
-            for q in cutlass.range(lane, groups, 32, unroll=2):
-                a = gu[(None, (row, q))].load().to(Float32)
-                b = gw[(None, (t, q))].load().to(Float32)
-                for i in cutlass.range_constexpr(VEC):
-                    acc = cute.math.fma(a[i], b[i], acc)
-            for off in (16, 8, 4, 2, 1):
-                acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+            acc = warp_row_dot(gu, gw, row, t, lane, 2)
             if lane == 0:
                 tl[row] = rstd[row] * acc
