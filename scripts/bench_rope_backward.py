@@ -42,13 +42,21 @@ TARGET = 0.85
 SHAPES = [(4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (3, 1111, 32, 8, 128)]
 #: (qk_norm, head_dim) -> tunings (over the defaults) that --sweep times: those that build without
 #: spills for 32 / 8 heads and differ from the defaults there (at head_dim 128 target_threads 384
-#: is the default's 768-thread row and stages 8 the default's 6, capped by shared memory) (sm_90a, 2026-12-04: e.g. QK-norm at head_dim 64 runs 384 threads at
-#: 110 registers by default, 80 with two CTAs per SM; two CTAs per SM spill elsewhere)
+#: is the default's 768-thread row). QK-norm, sm_90a, 2026-12-04, SASS instructions per row and
+#: vector in the main loop (both branches counted): at head_dim 64 the default 266 (80 registers,
+#: 384 threads, one row per thread and step, 5 in flight); stage_rows 4: 230 (124 registers, 8 in
+#: flight); two vectors per thread: 239 (min_vpt 2), 193 on 192-thread CTAs, two per SM; four:
+#: 219. At head_dim 128 (768 threads, at most 80 registers; stage_rows 2 spills there) the default
+#: 280, two vectors per thread on 384 threads 246, with stage_rows 2 220.
 SWEEP = {
     (False, 64): [(), (("target_threads", 384),)],
     (False, 128): [()],
-    (True, 64): [(), (("ctas_per_sm", 2),), (("stages", 4),), (("stages", 8),)],
-    (True, 128): [(), (("stages", 4),)],
+    (True, 64): [(), (("ctas_per_sm", 2),), (("stages", 4),), (("stages", 8),),
+                 (("chunk_rows", 32), ("stage_rows", 2)), (("stage_rows", 4),), (("chunk_rows", 32), ("stage_rows", 4)),
+                 (("min_vpt", 2),), (("min_vpt", 2), ("stage_rows", 2)), (("min_vpt", 4),),
+                 (("ctas_per_sm", 2), ("min_vpt", 2), ("target_threads", 192))],
+    (True, 128): [(), (("stages", 4),), (("min_vpt", 2), ("target_threads", 384)),
+                  (("chunk_rows", 32), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 384))],
 }
 
 
@@ -114,6 +122,15 @@ def main(argv=None) -> int:
             t.add_row(f"{b} x {s}, {h} / {hkv} x {hd}", label, "yes" if qk_norm else "no", f"{ms[key]:.3f}",
                       f"{gb:.3f}", f"{tbs:.2f}", f"{copy_tbs:.2f}", f"{tbs / copy_tbs:.3f}")
     console.print(t)
+    if args.sweep:  # the fastest tuning per shape and variant, against the defaults of the same turns
+        for (b, s, hd, qk_norm) in dict.fromkeys((r["batch"], r["seq"], r["head_dim"], r["qk_norm"]) for r in records):
+            rows = [r for r in records if (r["batch"], r["seq"], r["head_dim"], r["qk_norm"]) == (b, s, hd, qk_norm)
+                    and r["what"].startswith("sweep")]
+            base = next(r for r in rows if r["what"] == "sweep: defaults")
+            best = min(rows, key=lambda r: r["ms"])
+            console.print(f"{b} x {s} x {hd}, QK-norm {'yes' if qk_norm else 'no'}: fastest {best['what']} "
+                          f"{best['ms']:.4f} ms ({best['ratio']:.3f} of copy), defaults {base['ms']:.4f} ms "
+                          f"({base['ratio']:.3f})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)

@@ -227,6 +227,51 @@ def test_rope_backward_op(qk_norm, hd):
         assert rel_err(got[2].float(), want[2].float()) < 1e-2 and rel_err(got[3].float(), want[3].float()) < 1e-2
 
 
+def _sweep_tunings():
+    """(qk_norm, head_dim, tuning) of every tuning ``scripts/bench_rope_backward.py --sweep`` times."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_rope_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_rope_backward", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [(qk, hd, t) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
+
+
+@pytest.mark.parametrize("b, s", [(2, 4133), (700, 3)])
+@pytest.mark.parametrize("qk_norm, hd, tuning", _sweep_tunings())
+def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, b, s):
+    """Each tuning the sweep may pick as a default, on the kernel itself against float64: 32 / 8
+    heads (the layout the tunings build for), several chunks and steps per CTA (2 x 4133 rows, in
+    the attention core's gradient layout), and sequences of 3 rows (a stage's consecutive rows
+    cross batches; contiguous gradients)."""
+    from coda_cute.elementwise import rope_backward_kernel
+
+    torch.manual_seed(hd + len(tuning))
+    h, hkv = 32, 8
+    m, n = b * s, (h + 2 * hkv) * hd
+    qkv = cuda(m, n)
+    if s > 3:  # the attention core's layout: (B, S, heads, D) in memory
+        dq, dk, dv = (cuda(b, s, n_h, hd).transpose(1, 2) for n_h in (h, hkv, hkv))
+    else:  # contiguous (B, heads, S, D)
+        dq, dk, dv = cuda(b, h, s, hd), cuda(b, hkv, s, hd), cuda(b, hkv, s, hd)
+    r = torch.rand(m, device="cuda") + 0.5
+    pos = torch.randint(0, 4096, (m,), device="cuda", dtype=torch.int32)
+    inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
+    pre = cuda(m, n) if qk_norm else None
+    qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
+    kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
+    qk_w = R.qk_norm_weight(qn, kn, h, hkv).float().reshape(-1).contiguous() if qk_norm else None
+    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qk_w, 1e-6, tuning)
+    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    assert rel_err(g, want[0]) < 1e-2
+    assert rel_err(zdz, want[1].float()) < 1e-4
+    if qk_norm:
+        dw = dw.view(h + hkv, hd)
+        assert rel_err(dw[:h].sum(0), want[2].float()) < 1e-2 and rel_err(dw[h:].sum(0), want[3].float()) < 1e-2
+
+
 def test_attention_core_matches_reference():
     torch.manual_seed(0)
     b, s, h, hkv, hd = 2, 300, 8, 2, 64
@@ -493,6 +538,10 @@ def test_model_gradients_vs_fp32_reference():
         print(f"{k:48s} coda {e:.2e} bf16 {u:.2e} ratio {e / u:.2f}")
         if e > u:
             worse[k] = (e, u)
+    flat = {name: torch.cat([g[k].float().flatten() for k in ref]) for name, g in (("coda", grads), ("bf16", bf))}
+    ref_flat = torch.cat([ref[k].flatten() for k in ref])
+    e, u = rel_err(flat["coda"], ref_flat), rel_err(flat["bf16"], ref_flat)
+    print(f"all gradients together: coda {e:.2e} bf16 {u:.2e} ratio {e / u:.2f}")
     assert not worse, worse
 
 

@@ -16,7 +16,7 @@ import torch
 
 from coda_cute.elementwise import RopeBackwardSpec, compile_elementwise
 from coda_cute.kernels.elementwise.rope_backward import (
-    MIN_ROWS, NUM_SMS, RopeBackward, num_row_blocks,
+    MIN_ROWS, NUM_SMS, SMEM_BUDGET, SMEM_PER_SM, RopeBackward, num_row_blocks, smem_budget,
 )
 
 
@@ -62,6 +62,33 @@ def test_row_blocks_cover_every_row_once_in_equal_shares(m):
 def test_kernel_rejects_unsupported_shapes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RopeBackward(**kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ctas_per_sm", [1, 2, 3])
+@pytest.mark.parametrize("stage_rows", [1, 2])
+def test_staged_shared_memory_fits_the_ctas_that_share_an_sm(head_dim, ctas_per_sm, stage_rows):
+    """The stages are capped so that ``ctas_per_sm`` CTAs fit on one SM together (each also
+    reserving 1 KB), and a stage holds ``stage_rows`` rows per thread."""
+    assert smem_budget(1) == SMEM_BUDGET
+    assert ctas_per_sm * (smem_budget(ctas_per_sm) + 1024) <= SMEM_PER_SM
+    try:
+        k = RopeBackward(True, head_dim, 32, 8, ctas_per_sm=ctas_per_sm, stage_rows=stage_rows)
+    except ValueError as e:  # no stage count fits: refused, never launched over the budget
+        assert "no launch" in str(e)
+        return
+    assert k.staged and k.rif == stage_rows and k.smem_bytes() <= smem_budget(ctas_per_sm)
+    base = RopeBackward(True, head_dim, 32, 8, stage_rows=stage_rows, stages=2)  # the fewest stages
+    per_stage = stage_rows * k.threads * k.vpt * 2 * 16  # d and z, 16 bytes each per vector
+    assert k.smem_bytes() - base.smem_bytes() == (k.stages - 2) * per_stage
+    if k.stages < RopeBackward.DEFAULTS[True]["stages"]:  # capped: one more stage would not fit
+        assert k.smem_bytes() + per_stage > smem_budget(ctas_per_sm)
+    assert k.step == k.sub_rows * stage_rows and k.chunk % k.step == 0
+
+
+def test_stage_rows_must_be_positive():
+    with pytest.raises(ValueError, match="stage_rows"):
+        RopeBackward(True, 64, 32, 8, stage_rows=0)
 
 
 # -- the kernel builds -----------------------------------------------------------------------------

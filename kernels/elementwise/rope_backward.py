@@ -36,25 +36,31 @@ share a row (C a multiple of 32, THREADS / C rows side by side), and slot t of a
 up once. For H=32, Hkv=8 a row is one vector per thread: C = 768 for D=128, 384 for D=64
 (the plain variant runs two such rows side by side, 768 threads; QK-norm one).
 
-The rows go in chunks of ~64. Before a chunk, the whole CTA fills a shared-memory table for it:
-per row (b, s) and r, and per (row, pair quartet) cos / sin of theta, computed in registers
-with fast_cos / fast_sin exactly as the forward epilogue does. Every head of a row shares the
-angles, so this is one sin/cos per (row, pair) instead of one per (row, pair, head), and no
-table is ever read from global memory. Plain variant: the quartets hold r cos, r sin, plus one
-(r, 0) quartet that the V slots read, so every slot runs the same r-scaled rotation.
+The rows go in chunks of ~``chunk_rows`` (64). Before a chunk, the whole CTA fills a
+shared-memory table for it: per row (b, s) and r, and per (row, pair quartet) cos / sin of
+theta, computed in registers with fast_cos / fast_sin exactly as the forward epilogue does.
+Every head of a row shares the angles, so this is one sin/cos per (row, pair) instead of one
+per (row, pair, head), and no table is ever read from global memory. Plain variant: the
+quartets hold r cos, r sin, plus one (r, 0) quartet that the V slots read, so every slot runs
+the same r-scaled rotation.
 
 Loads are issued a step ahead of their use. Plain: a step is 4 rows per thread, all of their
 16-byte loads issued into registers before the first use. QK-norm needs ~40 more registers per
-row, so there the loads go through a ``stages``-deep cp.async pipeline in shared memory
-instead: each thread copies its own vectors for step k + stages - 1, waits for step k's group
-and computes step k from shared memory (it reads only what it copied itself: no barrier). One
-head's vectors sit in D / 8 consecutive lanes of a warp, so the QK-norm head sums are butterfly
-shuffles within those lanes (run by every lane, outside any branch). The row sum s is a warp
-butterfly and a ``(warps per row, chunk)`` shared-memory step (double buffered), added in warp
-order by one thread per row after the chunk's one barrier: deterministic, written once. With
-QK-norm the side-by-side rows' dw accumulators are added in shared memory at the end, in order,
-and written to row p of ``dw_partials`` (every entry written, no atomics; the caller sums over
-p and heads).
+row, and unstaged ptxas sinks each row's loads to their first use, past the previous row's head
+sums (seen in the SASS: the rows' loads would not be in flight together), so there the loads go
+through a ``stages``-deep cp.async pipeline in shared memory instead: each thread copies its
+own vectors for step k + stages - 1, waits for step k's group and computes step k from shared
+memory (it reads only what it copied itself: no barrier). A stage holds ``stage_rows``
+consecutive rows per thread, copied back to back: one wait and one loop trip for that many
+rows, and rows with no dependence on each other for the scheduler to interleave (which tuning
+the H200 runs fastest is what ``bench_rope_backward.py --sweep`` times). One head's vectors sit
+in D / 8 consecutive lanes of a warp, so the QK-norm head sums are butterfly shuffles within
+those lanes (run by every lane, outside any branch). The row sum s is a warp butterfly and a
+``(warps per row, chunk)`` shared-memory step (double buffered), added in warp order by one
+thread per row after the chunk's one barrier: deterministic, written once. With QK-norm the
+side-by-side rows' dw accumulators are added in shared memory at the end, in order, and written
+to row p of ``dw_partials`` (every entry written, no atomics; the caller sums over p and
+heads).
 
 The kernel is correct for any grid size: with QK-norm it takes P from ``dw_partials.shape[0]``.
 """
@@ -72,13 +78,18 @@ from ..common.fastmath import fast_cos, fast_sin
 VEC = 8
 #: the most threads that share one row
 MAX_ROW_THREADS = 768
-#: rows per s flush (rounded to whole steps)
-CHUNK_ROWS = 64
 #: fewest rows per CTA: small M uses fewer CTAs rather than CTAs with a handful of rows
 MIN_ROWS = 16
 NUM_SMS = 132
 #: shared memory a CTA may take (the sm_90 opt-in limit, 227 KB, less 1 KB of alignment slack)
 SMEM_BUDGET = 227 * 1024 - 1024
+#: shared memory of an SM (sm_90): n CTAs on one SM share it, each also reserving 1 KB
+SMEM_PER_SM = 228 * 1024
+
+
+def smem_budget(ctas_per_sm: int) -> int:
+    """Shared memory one of ``ctas_per_sm`` co-resident CTAs may take (alignment slack kept)."""
+    return min(SMEM_BUDGET, SMEM_PER_SM // ctas_per_sm - 2048)
 
 
 def num_row_blocks(m: int, num_sms: int = NUM_SMS, ctas_per_sm: int = 1) -> int:
@@ -115,15 +126,19 @@ class RopeBackward:
     H = 32, Hkv = 8, D = 64 / 128): ``target_threads`` (CTA size aimed at: THREADS / C rows
     side by side), ``min_vpt`` (vectors per thread and row), ``stages`` (> 1: stage the loads
     through shared memory with cp.async, ``stages - 1`` steps ahead; capped to what fits in
-    SMEM_BUDGET), ``vecs_in_flight`` (unstaged: rows in flight x VPT per thread, held in
-    registers), ``ctas_per_sm`` (grid = num_sms x this; > 1 is also a launch bound).
+    ``smem_budget(ctas_per_sm)``), ``stage_rows`` (staged: consecutive rows per thread and
+    stage, their copies issued back to back), ``vecs_in_flight`` (unstaged: rows in flight x VPT
+    per thread, held in registers), ``chunk_rows`` (rows per angle table and s flush, rounded to
+    whole steps), ``ctas_per_sm`` (grid = num_sms x this; > 1 is also a launch bound).
     """
 
     #: qk_norm -> tuning. Plain: rows in registers, 4 in flight per thread (768 threads, 62-70
     #: registers). QK-norm needs ~40 more registers per row, so its rows are staged instead.
     DEFAULTS = {
-        False: dict(target_threads=768, min_vpt=1, vecs_in_flight=4, stages=0, ctas_per_sm=1),
-        True: dict(target_threads=384, min_vpt=1, vecs_in_flight=1, stages=6, ctas_per_sm=1),
+        False: dict(target_threads=768, min_vpt=1, vecs_in_flight=4, stages=0, stage_rows=1,
+                    chunk_rows=64, ctas_per_sm=1),
+        True: dict(target_threads=384, min_vpt=1, vecs_in_flight=1, stages=6, stage_rows=1,
+                   chunk_rows=64, ctas_per_sm=1),
     }
 
     def __init__(self, qk_norm: bool, head_dim: int, n_heads: int, n_kv_heads: int,
@@ -150,18 +165,22 @@ class RopeBackward:
         self.threads = self.c * self.sub_rows
         self.stages = cfg["stages"]
         self.staged = self.stages > 1
-        # rows per thread and step: in flight together (in registers when not staged)
-        self.rif = 1 if self.staged else max(1, cfg["vecs_in_flight"] // self.vpt)
+        # rows per thread and step: in flight together (in registers when not staged, in one
+        # stage's shared memory when staged)
+        if cfg["stage_rows"] < 1:
+            raise ValueError(f"stage_rows must be at least 1, got {cfg['stage_rows']}")
+        self.rif = cfg["stage_rows"] if self.staged else max(1, cfg["vecs_in_flight"] // self.vpt)
         self.step = self.sub_rows * self.rif  # rows per step
-        self.chunk = self.step * max(1, CHUNK_ROWS // self.step)  # rows per table / s flush
-        # angle quartets per table row: D/8, plus (plain) one (r, 0) quartet for the V slots
-        self.nq = self.lph + (0 if self.qk_norm else 1)
+        self.chunk = self.step * max(1, cfg["chunk_rows"] // self.step)  # rows per table / s flush
+        # angle quartets per table row: D/8, plus one identity quartet for the V slots
+        self.nq = self.lph + 1
         self.ragged = self.nv % self.c != 0  # some slots t + C i fall past the row
         self.warps_per_row = self.c // 32
-        while self.staged and self.stages > 2 and self.smem_bytes() > SMEM_BUDGET:
+        budget = smem_budget(self.ctas_per_sm)
+        while self.staged and self.stages > 2 and self.smem_bytes() > budget:
             self.stages -= 1
         self.tuning = dict(cfg, stages=self.stages)
-        if self.chunk > self.threads or self.threads > 1024 or self.smem_bytes() > SMEM_BUDGET:
+        if self.chunk > self.threads or self.threads > 1024 or self.smem_bytes() > budget:
             raise ValueError(f"no launch for this layout: {self.threads} threads, "
                              f"{self.smem_bytes()} bytes of shared memory")
 
@@ -174,7 +193,7 @@ class RopeBackward:
         quartets, (b, s), r), the s step, the staged vectors, the dw sums."""
         n = 2 * self.chunk * (self.nq * 2 * 4 * 4 + 12) + 2 * self.chunk * self.warps_per_row * 4
         if self.staged:
-            n += self.stages * self.threads * self.vpt * 2 * VEC * 2
+            n += self.stages * self.rif * self.threads * self.vpt * 2 * VEC * 2
         if self.qk_norm and self.sub_rows > 1:
             n += (self.sub_rows - 1) * self.c * self.vpt * VEC * 4
         return n
@@ -226,11 +245,12 @@ class RopeBackward:
         red = smem.allocate_tensor(Float32, cute.make_layout((self.warps_per_row, self.chunk, 2)), 16)
         st_v = None
         if const_expr(self.staged):
-            # the pipeline: (vector, thread, d|z, slot, stage); consecutive threads' 16-byte
-            # vectors adjacent, so the shared-memory reads are conflict-free
+            # the pipeline: (vector, thread, d|z, slot, row, stage); consecutive threads'
+            # 16-byte vectors adjacent, so the shared-memory reads are conflict-free
             T, S = self.threads, self.stages
             st_v = smem.allocate_tensor(BFloat16, cute.make_layout(
-                (VEC, T, 2, VPT, S), stride=(1, VEC, VEC * T, 2 * VEC * T, 2 * VEC * T * VPT)), 16)
+                (VEC, T, 2, VPT, RIF, S),
+                stride=(1, VEC, VEC * T, 2 * VEC * T, 2 * VEC * T * VPT, 2 * VEC * T * VPT * RIF)), 16)
         xs = None  # QK-norm: the dw accumulators of the other side-by-side rows, added at the end
         if const_expr(self.qk_norm and self.sub_rows > 1):
             xs = smem.allocate_tensor(Float32, cute.make_layout(
@@ -276,21 +296,24 @@ class RopeBackward:
             zsrcs.append(zsrc)
             vs.append(v)
             is_qk.append(v < self.nv_qk)
-            # the angle quartet it reads; plain V slots read the (r, 0) quartet
-            quart.append(d8 if const_expr(self.qk_norm) else
-                         Int32(cutlass.select_(v < self.nv_qk, d8, LPH)))
-        wts, dw_acc, head_lead = None, None, None
+            # the angle quartet it reads; V slots read the identity one
+            quart.append(Int32(cutlass.select_(v < self.nv_qk, d8, LPH)))
+        wts, dw_acc = None, None
         if const_expr(self.qk_norm):
-            # qk_w of the vector's columns, read per row from L1 (a V slot reads a Q/K vector
-            # and ignores it); the dw accumulators, (4, 2, VPT) per thread, in registers
-            wts = [cute.local_tile(qk_w, (VEC,), (cutlass.min(vs[i], self.nv_qk - 1),))
-                   for i in range(VPT)]
+            # qk_w of the vector's columns, in registers (a V slot reads a Q/K vector and
+            # ignores it); the dw accumulators, (4, 2, VPT) per thread
+            wts = []
+            for i in cutlass.range_constexpr(VPT):
+                w = cute.make_rmem_tensor((VEC,), Float32)
+                w.store(cute.local_tile(qk_w, (VEC,), (cutlass.min(vs[i], self.nv_qk - 1),)).load())
+                if not is_qk[i]:  # a V slot: weights of 1 (with its identity rotation, gw = dv)
+                    w.fill(1.0)
+                wts.append(w.load())
             dw_acc = cute.make_rmem_tensor((VEC // 2, 2, VPT), Float32)
             dw_acc.fill(0.0)
-            head_lead = t % LPH == 0  # adds its head's share of s
         out = cute.make_rmem_tensor((VEC,), Float32)
         s_acc = cute.make_rmem_tensor((RIF,), Float32)
-        ctx = (vs, quart, valid, is_qk, wts, dw_acc, head_lead, qk_eps, out, s_acc, tab_cs, tab_r,
+        ctx = (vs, quart, valid, is_qk, wts, dw_acc, qk_eps, out, s_acc, tab_cs, tab_r,
                red, g, sub, wrow, tidx)
         n_chunks = cute.ceil_div(end - start, self.chunk)
         if n_chunks > 0:
@@ -298,8 +321,8 @@ class RopeBackward:
         cute.arch.sync_threads()
         if const_expr(self.staged):
             S = self.stages
-            spc = self.chunk // self.sub_rows  # steps per chunk
-            n_steps = cute.ceil_div(end - start, self.sub_rows)
+            spc = self.chunk // self.step  # steps per chunk
+            n_steps = cute.ceil_div(end - start, self.step)
             inv_seq = 1.0 / cutlass.Float64(seq)
             cp_vec = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
@@ -320,10 +343,10 @@ class RopeBackward:
                     cute.arch.cp_async_commit_group()  # (an empty group past the end)
                     cute.arch.cp_async_wait_group(S - 1)  # step k's copies (this thread's) landed
                     stage = k % S
-                    rl = st * self.sub_rows + sub
-                    self._row(0, rl, cnt, c0, buf, ctx,
-                              [st_v[(None, tidx, 0, i, stage)].load() for i in range(VPT)],
-                              [st_v[(None, tidx, 1, i, stage)].load() for i in range(VPT)])
+                    for j in cutlass.range_constexpr(RIF):  # this thread's consecutive rows
+                        self._row(j, st * self.step + sub * RIF + j, cnt, c0, buf, ctx,
+                                  [st_v[(None, tidx, 0, i, j, stage)].load() for i in range(VPT)],
+                                  [st_v[(None, tidx, 1, i, j, stage)].load() for i in range(VPT)])
                 self._next_chunk(ci, n_chunks, c0, cnt, buf, start, end, seq, tidx, rstd,
                                  positions, inv_freq, tab_cs, tab_bs, tab_r, red, s_out)
         else:
@@ -358,8 +381,8 @@ class RopeBackward:
         """Row rl of the chunk (its vectors ds / zs, bf16): g and the row's s share (row j of the
         step), reduced over the warp into the shared-memory step. rl >= cnt: past the end, the
         chunk's last row redone and nothing stored."""
-        (vs, quart, valid, is_qk, wts, dw_acc, head_lead, qk_eps, out, s_acc, tab_cs, tab_r, red,
-         g, sub, wrow, tidx) = ctx
+        (vs, quart, valid, is_qk, wts, dw_acc, qk_eps, out, s_acc, tab_cs, tab_r, red, g, sub,
+         wrow, tidx) = ctx
         live = rl < cnt
         rlc = cutlass.min(rl, cnt - 1)
         m = c0 + rlc
@@ -373,13 +396,15 @@ class RopeBackward:
                 ok = live & valid[i]
             if const_expr(self.qk_norm):
                 self._vec_qk_norm(j, i, ds[i], zs[i], ok, tab_r[(rlc, buf)], cs, qk_eps, wts,
-                                  dw_acc, head_lead, out, s_acc, vg, is_qk[i])
+                                  dw_acc, out, s_acc, vg, is_qk[i])
             else:
                 self._vec_plain(j, ds[i], zs[i], ok, cs, out, s_acc, vg)
-        # the row's sum over this warp, then over the row's warps in shared memory
+        # the row's sum over this warp, then over the row's warps in shared memory; with QK-norm
+        # every lane already holds its head's share, so only one lane per head is summed over
         tot = s_acc[j]
         for off in (16, 8, 4, 2, 1):
-            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+            if const_expr(not self.qk_norm or off >= self.lph):
+                tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
         if tidx % 32 == 0:
             red[(wrow, rl, buf)] = tot
 
@@ -401,13 +426,15 @@ class RopeBackward:
 
     @cute.jit
     def _issue(self, k, stage, start, end, seq, inv_seq, sub, tidx, srcs, zsrcs, st_v, cp_vec):
-        """cp.async this thread's vectors of step k (row start + k * sub_rows + sub; past the
-        end: row end - 1) into ``stage``."""
-        m = cutlass.min(start + k * self.sub_rows + sub, end - 1)
-        b, sq = self._divmod(m, seq, inv_seq)
-        for i in cutlass.range_constexpr(self.vpt):
-            cute.copy(cp_vec, srcs[i][(None, b, sq)], st_v[(None, tidx, 0, i, stage)])
-            cute.copy(cp_vec, zsrcs[i][(None, m)], st_v[(None, tidx, 1, i, stage)])
+        """cp.async this thread's vectors of step k into ``stage``: its ``rif`` consecutive rows
+        start + k * step + sub * rif + j (past the end: row end - 1), issued back to back."""
+        m0 = start + k * self.step + sub * self.rif
+        for j in cutlass.range_constexpr(self.rif):
+            m = cutlass.min(m0 + j, end - 1)
+            b, sq = self._divmod(m, seq, inv_seq)
+            for i in cutlass.range_constexpr(self.vpt):
+                cute.copy(cp_vec, srcs[i][(None, b, sq)], st_v[(None, tidx, 0, i, j, stage)])
+                cute.copy(cp_vec, zsrcs[i][(None, m)], st_v[(None, tidx, 1, i, j, stage)])
 
     @cute.jit
     def _divmod(self, m, seq, inv_seq):
@@ -434,7 +461,8 @@ class RopeBackward:
         """Chunk ci's table, by the whole CTA: per row (rows past the end: the last row) its
         (b, s) = divmod(m, S), r, and per pair quartet the (cos, sin) of theta = float(pos) *
         inv_freq[k] (fast_cos / fast_sin, as the forward epilogue), times r for the plain
-        variant, whose extra quartet is (r, 0): the V columns' identity rotation."""
+        variant; the extra quartet, the V columns' identity rotation, is (r, 0) plain, (1, 0)
+        with QK-norm."""
         c0 = start + ci * self.chunk
         last = cutlass.min(self.chunk, end - c0) - 1
         buf = ci % 2
@@ -451,10 +479,9 @@ class RopeBackward:
                 theta = posf * freq[k]
                 vc[k] = scale * fast_cos(theta)
                 vsn[k] = scale * fast_sin(theta)
-            if const_expr(not self.qk_norm):
-                if qd == self.lph:
-                    vc.fill(scale)
-                    vsn.fill(0.0)
+            if qd == self.lph:  # the V slots' identity rotation
+                vc.fill(scale)
+                vsn.fill(0.0)
             tab_cs[(None, qd, 0, rl, buf)].store(vc.load())
             tab_cs[(None, qd, 1, rl, buf)].store(vsn.load())
         if tidx < self.chunk:
@@ -484,10 +511,11 @@ class RopeBackward:
             vg.store(out.load().to(BFloat16))
 
     @cute.jit
-    def _vec_qk_norm(self, j, i, dv, zv, ok, r, cs, qk_eps, wts, dw_acc, head_lead, out, s_acc,
-                     vg, qk):
+    def _vec_qk_norm(self, j, i, dv, zv, ok, r, cs, qk_eps, wts, dw_acc, out, s_acc, vg, qk):
         """The QK-norm variant of :meth:`_vec_plain` (slot i; zv: x_pre, or qkv on V), plus
-        the dw accumulation."""
+        the dw accumulation. A V slot's rotation is the identity and its weights 1, so its gw is
+        dv and the head sum of x gw is the head's share of s (sum qkv dv) in every lane of it;
+        a Q/K slot's share, qk_eps rs^3 sum(x gw), is too."""
         inv_d = 1.0 / self.head_dim
         half = cute.make_rmem_tensor((VEC // 2,), Float32)
         d = dv.to(Float32)
@@ -498,13 +526,14 @@ class RopeBackward:
             a, bb = d[2 * q], d[2 * q + 1]
             dqn.append(cute.math.fma(a, c, bb * sn))
             dqn.append(cute.math.fma(bb, c, -(a * sn)))
-        w = wts[i].load()
+        w = wts[i]
         gw = [dqn[e] * w[e] for e in range(VEC)]
         sxx, sxg = Float32(0.0), Float32(0.0)
         for e in cutlass.range_constexpr(VEC):
             sxx = cute.math.fma(x[e], x[e], sxx)
             sxg = cute.math.fma(x[e], gw[e], sxg)
-        # head sums over the head's LPH consecutive lanes (every lane, V slots included)
+        # head sums over the head's LPH consecutive lanes (every lane, V slots included): every
+        # lane of the head ends with them
         off = self.lph // 2
         while off > 0:
             sxx = sxx + cute.arch.shuffle_sync_bfly(sxx, offset=off)
@@ -517,9 +546,8 @@ class RopeBackward:
             rrs, rcoef = r * rs, r * (rs3 * sxg * inv_d)
             for e in cutlass.range_constexpr(VEC):
                 out[e] = cute.math.fma(rrs, gw[e], -(x[e] * rcoef))
-            # the head's sum x dz = qk_eps rs^3 sum(x gw), added once per head
-            s_acc[j] = s_acc[j] + Float32(cutlass.select_(
-                head_lead & ok, qk_eps * rs3 * sxg, Float32(0.0)))
+            # the head's sum x dz = qk_eps rs^3 sum(x gw)
+            s_acc[j] = s_acc[j] + Float32(cutlass.select_(ok, qk_eps * rs3 * sxg, Float32(0.0)))
             if ok:
                 vg.store(out.load().to(BFloat16))
                 for hf in cutlass.range_constexpr(2):  # dw += dqn xh, a 16-byte half at a time
@@ -530,11 +558,9 @@ class RopeBackward:
                         half[e] = cute.math.fma(dqn[f], x[f] * rs, cur[e])
                     acc.store(half.load())
         else:
-            dots = Float32(0.0)
             for e in cutlass.range_constexpr(VEC):
-                dots = cute.math.fma(x[e], d[e], dots)
                 out[e] = r * d[e]
-            s_acc[j] = s_acc[j] + Float32(cutlass.select_(ok, dots, Float32(0.0)))
+            s_acc[j] = s_acc[j] + Float32(cutlass.select_(ok, sxg, Float32(0.0)))
             if ok:
                 vg.store(out.load().to(BFloat16))
 
