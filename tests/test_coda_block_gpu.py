@@ -199,10 +199,18 @@ def test_norm_backward_op(m, residual):
     assert rel_err(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
+def _qk_share(zdz, qkv, dv, n_qk):
+    """zdz less its V columns' share sum qkv dv: the Q/K heads' share, qk_eps rs^3 sum(x gw) each
+    with QK-norm (about qk_eps / (8 sqrt(D)) of the V share per head on unit data: a test needs
+    a large qk_eps to see it)."""
+    return zdz.double().flatten() - (qkv[:, n_qk:].double() * R.heads_as_rows(dv.double())).sum(1)
+
+
+@pytest.mark.parametrize("qk_norm, qk_eps", [(False, 1e-6), (True, 1e-6), (True, 1e-2)])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_rope_backward_op(qk_norm, hd):
-    """GQA heads, ragged rows, the attention core's own gradient layouts."""
+def test_rope_backward_op(qk_norm, qk_eps, hd):
+    """GQA heads, ragged rows, the attention core's own gradient layouts; with QK-norm at a model's
+    qk_eps and at one where the Q/K heads' share of zdz is 2 % of it (checked on its own)."""
     torch.manual_seed(hd)
     b, s, h, hkv = 3, 333, 8, 2
     m, n = b * s, (h + 2 * hkv) * hd
@@ -217,14 +225,18 @@ def test_rope_backward_op(qk_norm, hd):
     pre = cuda(m, n) if qk_norm else None
     qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
-    got = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
-    again = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    got = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, qk_eps)
+    again = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, qk_eps)
     assert all(a.equal(b) for a, b in zip(got, again) if a is not None)  # deterministic
-    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq,
+                               pre.double() if qk_norm else None, qn, kn, qk_eps)
     assert rel_err(got[0], want[0]) < 1e-2
     assert rel_err(got[1], want[1].float()) < 1e-4
     if qk_norm:
         assert rel_err(got[2].float(), want[2].float()) < 1e-2 and rel_err(got[3].float(), want[3].float()) < 1e-2
+        if qk_eps >= 1e-2:
+            n_qk = (h + hkv) * hd
+            assert rel_err(_qk_share(got[1], qkv, dv, n_qk), _qk_share(want[1], qkv, dv, n_qk)) < 1e-3
 
 
 def _sweep_tunings():
@@ -239,13 +251,14 @@ def _sweep_tunings():
     return [(qk, hd, t) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
 
 
-@pytest.mark.parametrize("b, s", [(2, 4133), (700, 3)])
+@pytest.mark.parametrize("b, s", [(8, 4133), (700, 3)])
 @pytest.mark.parametrize("qk_norm, hd, tuning", _sweep_tunings())
 def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, b, s):
     """Each tuning the sweep may pick as a default, on the kernel itself against float64: 32 / 8
-    heads (the layout the tunings build for), several chunks and steps per CTA (2 x 4133 rows, in
-    the attention core's gradient layout), and sequences of 3 rows (a stage's consecutive rows
-    cross batches; contiguous gradients)."""
+    heads (the layout the tunings build for); 8 x 4133 rows in the attention core's gradient
+    layout (250-251 rows per CTA: four chunks of 64, the last partial; 125-126 with two CTAs per
+    SM), and 700 x 3 rows (a stage's consecutive rows cross batches; contiguous gradients).
+    qk_eps 1e-2, so that the Q/K heads' share of zdz (2 % of it) is checked on its own."""
     from coda_cute.elementwise import rope_backward_kernel
 
     torch.manual_seed(hd + len(tuning))
@@ -263,13 +276,16 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, b, s):
     qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     qk_w = R.qk_norm_weight(qn, kn, h, hkv).float().reshape(-1).contiguous() if qk_norm else None
-    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qk_w, 1e-6, tuning)
-    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qk_w, 1e-2, tuning)
+    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq,
+                               pre.double() if qk_norm else None, qn, kn, 1e-2)
     assert rel_err(g, want[0]) < 1e-2
     assert rel_err(zdz, want[1].float()) < 1e-4
     if qk_norm:
         dw = dw.view(h + hkv, hd)
         assert rel_err(dw[:h].sum(0), want[2].float()) < 1e-2 and rel_err(dw[h:].sum(0), want[3].float()) < 1e-2
+        n_qk = (h + hkv) * hd
+        assert rel_err(_qk_share(zdz, qkv, dv, n_qk), _qk_share(want[1], qkv, dv, n_qk)) < 1e-3
 
 
 def test_attention_core_matches_reference():

@@ -86,9 +86,13 @@ def test_staged_shared_memory_fits_the_ctas_that_share_an_sm(head_dim, ctas_per_
     assert k.step == k.sub_rows * stage_rows and k.chunk % k.step == 0
 
 
-def test_stage_rows_must_be_positive():
+@pytest.mark.parametrize("qk_norm, tuning", [(True, dict(stage_rows=0)), (False, dict(stage_rows=2)),
+                                              (True, dict(stages=0, stage_rows=2))])
+def test_stage_rows_must_be_positive_and_only_for_staged_loads(qk_norm, tuning):
+    """A tuning that would build the same kernel as another (stage_rows without stages) is refused,
+    not compiled under a name of its own."""
     with pytest.raises(ValueError, match="stage_rows"):
-        RopeBackward(True, 64, 32, 8, stage_rows=0)
+        RopeBackward(qk_norm, 64, 32, 8, **tuning)
 
 
 # -- the kernel builds -----------------------------------------------------------------------------

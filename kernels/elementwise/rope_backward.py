@@ -167,8 +167,9 @@ class RopeBackward:
         self.staged = self.stages > 1
         # rows per thread and step: in flight together (in registers when not staged, in one
         # stage's shared memory when staged)
-        if cfg["stage_rows"] < 1:
-            raise ValueError(f"stage_rows must be at least 1, got {cfg['stage_rows']}")
+        if cfg["stage_rows"] < 1 or (cfg["stage_rows"] > 1 and not self.staged):
+            raise ValueError(f"stage_rows must be at least 1, and 1 unless the loads are staged "
+                             f"(stages > 1); got {cfg['stage_rows']} with stages {self.stages}")
         self.rif = cfg["stage_rows"] if self.staged else max(1, cfg["vecs_in_flight"] // self.vpt)
         self.step = self.sub_rows * self.rif  # rows per step
         self.chunk = self.step * max(1, cfg["chunk_rows"] // self.step)  # rows per table / s flush
