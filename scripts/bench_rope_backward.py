@@ -43,20 +43,21 @@ SHAPES = [(4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (3, 1111, 32, 8, 128)]
 #: (qk_norm, head_dim) -> tunings (over the defaults) that --sweep times: those that build without
 #: spills for 32 / 8 heads and differ from the defaults there (at head_dim 128 target_threads 384
 #: is the default's 768-thread row). QK-norm, sm_90a, 2026-12-04, SASS instructions per row and
-#: vector in the main loop (both branches counted): at head_dim 64 the default 266 (80 registers,
-#: 384 threads, one row per thread and step, 5 in flight); stage_rows 4: 230 (124 registers, 8 in
-#: flight); two vectors per thread: 239 (min_vpt 2), 193 on 192-thread CTAs, two per SM (185 with
-#: stage_rows 2, 4 rows in flight); four: 219. At head_dim 128 (768 threads, at most 80 registers; stage_rows 2 spills there) the default
-#: 280, two vectors per thread on 384 threads 246, with stage_rows 2 220.
+#: vector in the main loop (both branches counted): at head_dim 64 the default 249 (80 registers,
+#: 384 threads, one row per thread and step, 5 in flight); stage_rows 2 / 4: 209 / 203 (10 / 8
+#: in flight); two vectors per thread: 224 (min_vpt 2), 208 with stage_rows 2, 178 on 192-thread
+#: CTAs two per SM, 170 with stage_rows 2 there. At head_dim 128 (768 threads, at most 80
+#: registers) the default 257, stage_rows 2 220; two vectors per thread on 384 threads 219, 197
+#: with stage_rows 2.
 SWEEP = {
     (False, 64): [(), (("target_threads", 384),)],
     (False, 128): [()],
     (True, 64): [(), (("ctas_per_sm", 2),), (("stages", 4),), (("stages", 8),),
                  (("chunk_rows", 32), ("stage_rows", 2)), (("stage_rows", 4),), (("chunk_rows", 32), ("stage_rows", 4)),
-                 (("min_vpt", 2),), (("min_vpt", 2), ("stage_rows", 2)), (("min_vpt", 4),),
+                 (("min_vpt", 2),), (("min_vpt", 2), ("stage_rows", 2)),
                  (("ctas_per_sm", 2), ("min_vpt", 2), ("target_threads", 192)),
                  (("chunk_rows", 32), ("ctas_per_sm", 2), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 192))],
-    (True, 128): [(), (("stages", 4),), (("min_vpt", 2), ("target_threads", 384)),
+    (True, 128): [(), (("stages", 4),), (("stage_rows", 2),), (("min_vpt", 2), ("target_threads", 384)),
                   (("chunk_rows", 32), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 384))],
 }
 

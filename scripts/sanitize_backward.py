@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool memcheck --report-api-errors no python3 scripts/sanitize_backward.py
 
-The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm),
+The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm, and
+two staged tunings of the QK-norm kernel),
 the LM head's training chunk (target logits, the exp-form logits GEMM, its row step, the dgrad
 and its row finish, the wgrads, the deferred last-chunk wgrad; several chunks, a vocabulary that
 is no multiple of 8), the loss-only op's recomputing backward (its dlogits tree and dgrad, several
@@ -14,6 +15,7 @@ row; and the model's own, bf16), and the two sublayer ops forward and backward.
 import torch
 
 from coda_cute import reference as R
+from coda_cute.elementwise import rope_backward_kernel
 from coda_cute.ops import lm_head_ce as LH
 from coda_cute.ops.attention import attention_backward, attention_forward, qkv_heads
 
@@ -39,6 +41,15 @@ def main():
         extra = (rand(b * s, n), 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1), 1e-6) if qk else ()
         torch.ops.coda.rope_backward(dq, dk, dv, rand(b * s, n), torch.rand(b * s, device="cuda") + 0.5, pos,
                                      R.rope_inv_freq(hd, 10000.0, "cuda"), *extra)
+    # the QK-norm kernel's staged tunings (bench_rope_backward --sweep), on 3-row sequences: the row
+    # cursor crosses a batch inside a stage and passes the end
+    qk_w = (1 + rand((h + hkv) * 64, scale=0.1)).float()
+    n = (h + 2 * hkv) * 64
+    for tuning in ((("stage_rows", 4),), (("min_vpt", 2), ("stage_rows", 2))):
+        dq, dk, dv = rand(37, h, 3, 64), rand(37, hkv, 3, 64), rand(37, hkv, 3, 64)
+        rope_backward_kernel(dq, dk, dv, rand(111, n), torch.rand(111, device="cuda") + 0.5,
+                             torch.arange(3, device="cuda", dtype=torch.int32).repeat(37),
+                             R.rope_inv_freq(64, 10000.0, "cuda"), rand(111, n), qk_w, 1e-6, tuning)
     v_ = 1003
     LH.CHUNK_BYTES = 128 * 2 * 1008  # 128-row chunks: three of them, dW accumulated in bf16
     w = rand(v_, d, scale=d ** -0.5).requires_grad_()

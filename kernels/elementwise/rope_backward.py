@@ -50,17 +50,19 @@ row, and unstaged ptxas sinks each row's loads to their first use, past the prev
 sums (seen in the SASS: the rows' loads would not be in flight together), so there the loads go
 through a ``stages``-deep cp.async pipeline in shared memory instead: each thread copies its
 own vectors for step k + stages - 1, waits for step k's group and computes step k from shared
-memory (it reads only what it copied itself: no barrier). A stage holds ``stage_rows``
-consecutive rows per thread, copied back to back: one wait and one loop trip for that many
-rows, and rows with no dependence on each other for the scheduler to interleave (which tuning
-the H200 runs fastest is what ``bench_rope_backward.py --sweep`` times). One head's vectors sit
-in D / 8 consecutive lanes of a warp, so the QK-norm head sums are butterfly shuffles within
-those lanes (run by every lane, outside any branch). The row sum s is a warp butterfly and a
-``(warps per row, chunk)`` shared-memory step (double buffered), added in warp order by one
-thread per row after the chunk's one barrier: deterministic, written once. With QK-norm the
-side-by-side rows' dw accumulators are added in shared memory at the end, in order, and written
-to row p of ``dw_partials`` (every entry written, no atomics; the caller sums over p and
-heads).
+memory (it reads only what it copied itself: no barrier). Its addresses come from a cursor that
+moves a row at a time by additions and selects (the (b, s) of its first row from one division,
+at the start), and rows past the end are not loaded (their stage slots keep whatever they
+held, computed on and never stored). A stage holds ``stage_rows`` consecutive rows per thread, copied
+back to back: one wait and one loop trip for that many rows, and rows with no dependence on
+each other for the scheduler to interleave (which tuning the H200 runs fastest is what
+``bench_rope_backward.py --sweep`` times). One head's vectors sit in D / 8 consecutive lanes of
+a warp, so the QK-norm head sums are butterfly shuffles within those lanes (run by every lane,
+outside any branch). The row sum s is a warp butterfly and a ``(warps per row, chunk)``
+shared-memory step (double buffered), added in warp order by one thread per row after the
+chunk's one barrier: deterministic, written once. With QK-norm the side-by-side rows' dw
+accumulators are added in shared memory at the end, in order, and written to row p of
+``dw_partials`` (every entry written, no atomics; the caller sums over p and heads).
 
 The kernel is correct for any grid size: with QK-norm it takes P from ``dw_partials.shape[0]``.
 """
@@ -262,6 +264,10 @@ class RopeBackward:
         # Each vector's gradient source (dq, dk or dv) is chosen once: its (b, s) plane as a
         # tensor of its own, so a row's load is one address computation and no branch.
         srcs, zsrcs, vs, is_qk, valid, quart = [], [], [], [], [], []
+        # the same sources as addresses and strides, for the staged loads' cursor: per slot
+        # (gradient address, its b stride in elements, in bytes its s stride and the step from
+        # (b, S - 1) to (b + 1, 0), z address, z row stride in bytes)
+        flat = []
         for i in cutlass.range_constexpr(VPT):
             v = t + C * i
             if const_expr(self.ragged):
@@ -278,14 +284,15 @@ class RopeBackward:
                 addr.append(cute.local_tile(tsr[(0, hh, 0, None)], (VEC,), (d8,)).iterator.toint())
                 sb.append(tsr.stride[0])
                 ss.append(tsr.stride[2])
-            ptr = cute.make_ptr(BFloat16, self._pick(q, kk, addr), cute.AddressSpace.gmem,
-                                assumed_align=16)
+            daddr, dsb, dss = self._pick(q, kk, addr), self._pick(q, kk, sb), self._pick(q, kk, ss)
+            ptr = cute.make_ptr(BFloat16, daddr, cute.AddressSpace.gmem, assumed_align=16)
             srcs.append(cute.make_tensor(ptr, cute.make_layout(
-                (VEC, dq.shape[0], seq), stride=(1, cute.assume(self._pick(q, kk, sb), divby=VEC),
-                                                 cute.assume(self._pick(q, kk, ss), divby=VEC)))))
+                (VEC, dq.shape[0], seq), stride=(1, cute.assume(dsb, divby=VEC),
+                                                 cute.assume(dss, divby=VEC)))))
             # the values z are read from: qkv, or with QK-norm x_pre on the Q/K columns
             zsrc = cute.make_tensor(cute.local_tile(qkv[(0, None)], (VEC,), (v,)).iterator,
                                     cute.make_layout((VEC, m_total), stride=(1, qkv.stride[0])))
+            zaddr, zstride = zsrc.iterator.toint(), Int64(qkv.stride[0])
             if const_expr(self.qk_norm):
                 zx = cute.local_tile(x_pre[(0, None)], (VEC,), (v,))
                 zaddr = Int64(cutlass.select_(v < self.nv_qk, zx.iterator.toint(),
@@ -295,6 +302,8 @@ class RopeBackward:
                 zsrc = cute.make_tensor(zptr, cute.make_layout(
                     (VEC, m_total), stride=(1, cute.assume(zstride, divby=VEC))))
             zsrcs.append(zsrc)
+            flat.append((Int64(daddr), Int64(dsb), Int64(dss) * 2,
+                         (Int64(dsb) - Int64(dss) * Int64(seq - 1)) * 2, Int64(zaddr), Int64(zstride) * 2))
             vs.append(v)
             is_qk.append(v < self.nv_qk)
             # the angle quartet it reads; V slots read the identity one
@@ -324,13 +333,26 @@ class RopeBackward:
             S = self.stages
             spc = self.chunk // self.step  # steps per chunk
             n_steps = cute.ceil_div(end - start, self.step)
-            inv_seq = 1.0 / cutlass.Float64(seq)
             cp_vec = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                 num_bits_per_copy=128)
+            # the cursor: the next row this thread loads, its s, and per slot the addresses of
+            # that row's vectors (gradient, z); set once by a division, then moved on a row at a
+            # time
+            cur = cute.make_rmem_tensor((2,), Int32)
+            addrs = cute.make_rmem_tensor((2, VPT), Int64)
+            m0 = start + sub * RIF
+            b0, sq0 = self._divmod(m0, seq, 1.0 / cutlass.Float64(seq))
+            cur[0] = m0
+            cur[1] = sq0
+            for i in cutlass.range_constexpr(VPT):
+                daddr, dsb, dss2, _, zaddr, zstride2 = flat[i]
+                addrs[(0, i)] = daddr + Int64(b0) * dsb * 2 + Int64(sq0) * dss2
+                addrs[(1, i)] = zaddr + Int64(m0) * zstride2
+            src = (flat, cur, addrs)
             for k in cutlass.range_constexpr(S - 1):  # the prologue: steps 0 .. S - 2
                 if k < n_steps:
-                    self._issue(k, k, start, end, seq, inv_seq, sub, tidx, srcs, zsrcs, st_v, cp_vec)
+                    self._issue(k, end, seq, tidx, src, st_v, cp_vec)
                 cute.arch.cp_async_commit_group()
             for ci in cutlass.range(n_chunks, unroll=1):
                 c0 = start + ci * self.chunk
@@ -339,8 +361,7 @@ class RopeBackward:
                 for st in cutlass.range(cutlass.min(spc, n_steps - ci * spc), unroll=1):
                     k = ci * spc + st
                     if k + S - 1 < n_steps:
-                        self._issue(k + S - 1, (k + S - 1) % S, start, end, seq, inv_seq, sub,
-                                    tidx, srcs, zsrcs, st_v, cp_vec)
+                        self._issue((k + S - 1) % S, end, seq, tidx, src, st_v, cp_vec)
                     cute.arch.cp_async_commit_group()  # (an empty group past the end)
                     cute.arch.cp_async_wait_group(S - 1)  # step k's copies (this thread's) landed
                     stage = k % S
@@ -426,16 +447,38 @@ class RopeBackward:
             s_out[c0 + tidx] = tot
 
     @cute.jit
-    def _issue(self, k, stage, start, end, seq, inv_seq, sub, tidx, srcs, zsrcs, st_v, cp_vec):
-        """cp.async this thread's vectors of step k into ``stage``: its ``rif`` consecutive rows
-        start + k * step + sub * rif + j (past the end: row end - 1), issued back to back."""
-        m0 = start + k * self.step + sub * self.rif
+    def _issue(self, stage, end, seq, tidx, src, st_v, cp_vec):
+        """cp.async this thread's vectors of its next step into ``stage``: its ``rif``
+        consecutive rows m0 + j (m0 = start + k * step + sub * rif for step k), issued back to
+        back; rows past the end are not loaded (their stage slots keep whatever they held, which
+        the step computes on and never stores). The cursor then moves on to the thread's first row
+        of the step after: a row at a time, by additions and selects (no division, no 64-bit
+        product, no branch)."""
+        flat, cur, addrs = src
         for j in cutlass.range_constexpr(self.rif):
-            m = cutlass.min(m0 + j, end - 1)
-            b, sq = self._divmod(m, seq, inv_seq)
+            live = cur[0] < end
             for i in cutlass.range_constexpr(self.vpt):
-                cute.copy(cp_vec, srcs[i][(None, b, sq)], st_v[(None, tidx, 0, i, j, stage)])
-                cute.copy(cp_vec, zsrcs[i][(None, m)], st_v[(None, tidx, 1, i, j, stage)])
+                for w in cutlass.range_constexpr(2):
+                    ptr = cute.make_ptr(BFloat16, addrs[(w, i)], cute.AddressSpace.gmem,
+                                        assumed_align=16)
+                    if live:
+                        cute.copy(cp_vec, cute.make_tensor(ptr, cute.make_layout((VEC,))),
+                                  st_v[(None, tidx, w, i, j, stage)])
+            self._next_row(seq, flat, cur, addrs)
+        for _ in cutlass.range_constexpr((self.sub_rows - 1) * self.rif):  # the other sub-rows'
+            self._next_row(seq, flat, cur, addrs)
+
+    @cute.jit
+    def _next_row(self, seq, flat, cur, addrs):
+        """The cursor one row on: s + 1, or (b + 1, 0) past the sequence's last row."""
+        sq = cur[1] + 1
+        wrap = sq == seq
+        cur[0] = cur[0] + 1
+        cur[1] = Int32(cutlass.select_(wrap, 0, sq))
+        for i in cutlass.range_constexpr(self.vpt):
+            _, _, dss2, dwrap2, _, zstride2 = flat[i]
+            addrs[(0, i)] = addrs[(0, i)] + Int64(cutlass.select_(wrap, dwrap2, dss2))
+            addrs[(1, i)] = addrs[(1, i)] + zstride2
 
     @cute.jit
     def _divmod(self, m, seq, inv_seq):
