@@ -240,7 +240,10 @@ def test_rope_backward_op(qk_norm, qk_eps, hd):
 
 
 def _sweep_tunings():
-    """(qk_norm, head_dim, tuning) of every tuning ``scripts/bench_rope_backward.py --sweep`` times."""
+    """(qk_norm, head_dim, tuning, heads) of every tuning ``scripts/bench_rope_backward.py --sweep``
+    times (at its 32 / 8 heads), and fixed staged cases of their own (the sweep's list is edited
+    for speed): two vectors per thread and stage_rows 2 (two rows side by side), and 8 / 2 heads
+    with stage_rows 4 (four rows side by side, each thread skipping the other three's rows)."""
     import importlib.util
     from pathlib import Path
 
@@ -248,27 +251,40 @@ def _sweep_tunings():
     spec = importlib.util.spec_from_file_location("bench_rope_backward", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return [(qk, hd, t) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
+    swept = [(qk, hd, t, (32, 8)) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
+    fixed = [(True, 64, (("min_vpt", 2), ("stage_rows", 2)), (32, 8)), (True, 64, (("stage_rows", 4),), (8, 2)),
+             (True, 128, (("stage_rows", 2),), (8, 2))]
+    return swept + [c for c in fixed if c not in swept]
 
 
-@pytest.mark.parametrize("b, s", [(8, 4133), (700, 3)])
-@pytest.mark.parametrize("qk_norm, hd, tuning", _sweep_tunings())
-def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, b, s):
-    """Each tuning the sweep may pick as a default, on the kernel itself against float64: 32 / 8
-    heads (the layout the tunings build for); 8 x 4133 rows in the attention core's gradient
-    layout (250-251 rows per CTA: four chunks of 64, the last partial; 125-126 with two CTAs per
-    SM), and 700 x 3 rows (a stage's consecutive rows cross batches; contiguous gradients).
-    qk_eps 1e-2, so that the Q/K heads' share of zdz (2 % of it) is checked on its own."""
+#: (batch, seq, the gradients' memory order): the attention core's (B, S, heads, D); contiguous
+#: (B, heads, S, D); S outermost (S, B, heads, D), where a step from a batch's last row to the next
+#: batch's first goes back in memory
+ROPE_SHAPES = [(8, 4133, "bshd"), (700, 3, "bhsd"), (37, 57, "sbhd")]
+
+
+def _gradients(b, s, heads, hd, order):
+    """dq / dk / dv (B, heads, S, D) with the memory order ``order`` (letters outermost first)."""
+    sizes = dict(b=b, h=heads, s=s, d=hd)
+    t = cuda(*(sizes[c] for c in order))
+    return t.permute(*(order.index(c) for c in "bhsd"))
+
+
+@pytest.mark.parametrize("b, s, order", ROPE_SHAPES)
+@pytest.mark.parametrize("qk_norm, hd, tuning, heads", _sweep_tunings())
+def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
+    """Each tuning the sweep may pick as a default, on the kernel itself against float64: 8 x 4133
+    rows in the attention core's gradient layout (250-251 rows per CTA: four chunks of 64, the last
+    partial; 125-126 with two CTAs per SM), 700 x 3 rows (a stage's consecutive rows cross batches;
+    contiguous gradients) and 37 x 57 with the sequence outermost in memory. qk_eps 1e-2, so that
+    the Q/K heads' share of zdz (2 % of it) is checked on its own."""
     from coda_cute.elementwise import rope_backward_kernel
 
-    torch.manual_seed(hd + len(tuning))
-    h, hkv = 32, 8
+    torch.manual_seed(hd + len(tuning) + s)
+    h, hkv = heads
     m, n = b * s, (h + 2 * hkv) * hd
     qkv = cuda(m, n)
-    if s > 3:  # the attention core's layout: (B, S, heads, D) in memory
-        dq, dk, dv = (cuda(b, s, n_h, hd).transpose(1, 2) for n_h in (h, hkv, hkv))
-    else:  # contiguous (B, heads, S, D)
-        dq, dk, dv = cuda(b, h, s, hd), cuda(b, hkv, s, hd), cuda(b, hkv, s, hd)
+    dq, dk, dv = (_gradients(b, s, n_h, hd, order) for n_h in (h, hkv, hkv))
     r = torch.rand(m, device="cuda") + 0.5
     pos = torch.randint(0, 4096, (m,), device="cuda", dtype=torch.int32)
     inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")

@@ -401,8 +401,13 @@ class RopeBackward:
     @cute.jit
     def _row(self, j, rl, cnt, c0, buf, ctx, ds, zs):
         """Row rl of the chunk (its vectors ds / zs, bf16): g and the row's s share (row j of the
-        step), reduced over the warp into the shared-memory step. rl >= cnt: past the end, the
-        chunk's last row redone and nothing stored."""
+        step), reduced over the warp into the shared-memory step. rl >= cnt: past the end, with
+        the chunk's last row's table entries and whatever ds / zs hold (the unstaged path's
+        clamped loads: that row again; staged: stale or never-written shared memory, NaN or Inf
+        possibly); nothing of it may reach memory or a live row. So its values leave only
+        through ``select_`` or under ``if ok`` (never a product with a 0 / 1 mask: NaN * 0 is
+        NaN), and every shuffle stays within one row (C is a multiple of 32: a warp holds one
+        row, live or not)."""
         (vs, quart, valid, is_qk, wts, dw_acc, qk_eps, out, s_acc, tab_cs, tab_r, red, g, sub,
          wrow, tidx) = ctx
         live = rl < cnt
