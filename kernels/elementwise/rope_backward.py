@@ -336,20 +336,7 @@ class RopeBackward:
             cp_vec = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
                 num_bits_per_copy=128)
-            # the cursor: the next row this thread loads, its s, and per slot the addresses of
-            # that row's vectors (gradient, z); set once by a division, then moved on a row at a
-            # time
-            cur = cute.make_rmem_tensor((2,), Int32)
-            addrs = cute.make_rmem_tensor((2, VPT), Int64)
-            m0 = start + sub * RIF
-            b0, sq0 = self._divmod(m0, seq, 1.0 / cutlass.Float64(seq))
-            cur[0] = m0
-            cur[1] = sq0
-            for i in cutlass.range_constexpr(VPT):
-                daddr, dsb, dss2, _, zaddr, zstride2 = flat[i]
-                addrs[(0, i)] = daddr + Int64(b0) * dsb * 2 + Int64(sq0) * dss2
-                addrs[(1, i)] = zaddr + Int64(m0) * zstride2
-            src = (flat, cur, addrs)
+            src = self._cursor(start + sub * RIF, seq, flat)
             for k in cutlass.range_constexpr(S - 1):  # the prologue: steps 0 .. S - 2
                 if k < n_steps:
                     self._issue(k, end, seq, tidx, src, st_v, cp_vec)
@@ -450,6 +437,22 @@ class RopeBackward:
             for w in cutlass.range_constexpr(1, self.warps_per_row):
                 tot = tot + red[(w, tidx, buf)]
             s_out[c0 + tidx] = tot
+
+    @cute.jit
+    def _cursor(self, m, seq, flat):
+        """(flat, cur, addrs): the staged loads' cursor at row m: ``cur`` the next row this
+        thread loads and its s, ``addrs`` per slot the addresses of that row's vectors (gradient,
+        z); set once by a division here, then moved on a row at a time (:meth:`_next_row`)."""
+        cur = cute.make_rmem_tensor((2,), Int32)
+        addrs = cute.make_rmem_tensor((2, self.vpt), Int64)
+        b, sq = self._divmod(m, seq, 1.0 / cutlass.Float64(seq))
+        cur[0] = m
+        cur[1] = sq
+        for i in cutlass.range_constexpr(self.vpt):
+            daddr, dsb, dss2, _, zaddr, zstride2 = flat[i]
+            addrs[(0, i)] = daddr + Int64(b) * dsb * 2 + Int64(sq) * dss2
+            addrs[(1, i)] = zaddr + Int64(m) * zstride2
+        return flat, cur, addrs
 
     @cute.jit
     def _issue(self, stage, end, seq, tidx, src, st_v, cp_vec):
