@@ -10,8 +10,9 @@ QK-norm), and the FP8 quantizers of both recipes (1 x 128 rows, both layouts, th
 fold factors, the amax passes, the columns, the folded columns) with the FP8 byte transpose.
 
 Per kernel: ptxas registers, spill bytes, stack frame, compile seconds, and the count of each
-instruction the kernel is meant to contain, found in its PTX: 16-byte global loads, 16- or
-8-byte global stores (the copy-bandwidth accesses), the saturating FP8 conversion, the IEEE scale
+instruction the kernel is meant to contain, found in its PTX: 16-byte global loads (into
+registers, or into shared memory by cp.async where the loads are staged), 16- or 8-byte global
+stores (the copy-bandwidth accesses), the saturating FP8 conversion, the IEEE scale
 division, atomic maxima, warp shuffles, barriers, the exp2 of the softmax. A kernel is *ok* when
 each of its intended instructions is there and nothing spills.
 """
@@ -32,6 +33,8 @@ from .elementwise_lm_head import ExpCombineSpec, LmHeadRowsSpec, TargetLogitsSpe
 
 #: the intended instructions, by the PTX opcode prefix each is counted by
 LD16, ST16, ST8 = "ld.global.v4", "st.global.v4", "st.global.v2"
+#: 16-byte copies into shared memory (cp.async's .cg form copies 16 bytes only)
+CP16 = "cp.async.cg.shared.global"
 FP8, DIV, ATOM = "cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "atom.global"
 SHFL, BAR, EX2 = "shfl.sync", "bar.sync", "ex2.approx"
 
@@ -50,7 +53,7 @@ def kernels() -> list[tuple[str, object, tuple[str, ...]]]:
         ("LM head row finish", LmHeadRowsSpec(), (LD16, ST16)),
         ("log-sum-exp combine", LseCombineSpec(), (SHFL, EX2)),
         ("RoPE backward", RopeBackwardSpec(False, 128, 32, 8), (LD16, ST16, SHFL, BAR)),
-        ("RoPE + QK-norm backward", RopeBackwardSpec(True, 128, 32, 8), (LD16, ST16, SHFL, BAR)),
+        ("RoPE + QK-norm backward", RopeBackwardSpec(True, 128, 32, 8), (CP16, ST16, SHFL, BAR)),
         ("FP8 1 x 128 rows", QuantizeRowsSpec("bfloat16"), (LD16, ST8, FP8, DIV, SHFL)),
         ("FP8 1 x 128, both layouts", QuantizeDualSpec("bfloat16"), (LD16, ST16, ST8, FP8, DIV, BAR)),
         ("FP8 weight 128 x 128 + transpose", QuantizeWeightSpec("bfloat16", transposed=True),
