@@ -37,10 +37,10 @@ up once. For H=32, Hkv=8 a row is one vector per thread: C = 768 for D=128, 384 
 (the plain variant runs two such rows side by side, 768 threads; QK-norm one).
 
 The rows go in chunks of ~``chunk_rows`` (64). Before a chunk, the whole CTA fills a
-shared-memory table for it: per row (b, s) and r, and per (row, pair quartet) cos / sin of
-theta, computed in registers with fast_cos / fast_sin exactly as the forward epilogue does.
-Every head of a row shares the angles, so this is one sin/cos per (row, pair) instead of one
-per (row, pair, head), and no table is ever read from global memory. Plain variant: the
+shared-memory table for it: per row (b, s) (unstaged) and r, and per (row, pair quartet) cos /
+sin of theta, computed in registers with fast_cos / fast_sin exactly as the forward epilogue
+does. Every head of a row shares the angles, so this is one sin/cos per (row, pair) instead of
+one per (row, pair, head), and no table is ever read from global memory. Plain variant: the
 quartets hold r cos, r sin, plus one (r, 0) quartet that the V slots read, so every slot runs
 the same r-scaled rotation.
 
@@ -52,8 +52,8 @@ through a ``stages``-deep cp.async pipeline in shared memory instead: each threa
 own vectors for step k + stages - 1, waits for step k's group and computes step k from shared
 memory (it reads only what it copied itself: no barrier). Its addresses come from a cursor that
 moves a row at a time by additions and selects (the (b, s) of its first row from one division,
-at the start), and rows past the end are not loaded (their stage slots keep whatever they
-held, computed on and never stored). A stage holds ``stage_rows`` consecutive rows per thread, copied
+at the start), and rows past the end are not loaded (their stage slots keep whatever they held,
+computed on and never stored). A stage holds ``stage_rows`` consecutive rows per thread, copied
 back to back: one wait and one loop trip for that many rows, and rows with no dependence on
 each other for the scheduler to interleave (which tuning the H200 runs fastest is what
 ``bench_rope_backward.py --sweep`` times). One head's vectors sit in D / 8 consecutive lanes of
@@ -193,8 +193,9 @@ class RopeBackward:
 
     def smem_bytes(self) -> int:
         """Shared memory per CTA, alignment padding aside: two chunks' tables (cos / sin
-        quartets, (b, s), r), the s step, the staged vectors, the dw sums."""
-        n = 2 * self.chunk * (self.nq * 2 * 4 * 4 + 12) + 2 * self.chunk * self.warps_per_row * 4
+        quartets, (b, s) unstaged, r), the s step, the staged vectors, the dw sums."""
+        row = self.nq * 2 * 4 * 4 + 4 + (0 if self.staged else 8)
+        n = 2 * self.chunk * row + 2 * self.chunk * self.warps_per_row * 4
         if self.staged:
             n += self.stages * self.rif * self.threads * self.vpt * 2 * VEC * 2
         if self.qk_norm and self.sub_rows > 1:
@@ -241,9 +242,12 @@ class RopeBackward:
         end = start + share + Int32(cutlass.select_(p < extra, 1, 0))
 
         smem = cutlass.memory.SmemAllocator()
-        # per chunk (double buffered): the rows' cos / sin quartets, (b, s) and r
+        # per chunk (double buffered): the rows' cos / sin quartets, (b, s) (unstaged: the
+        # staged loads keep a cursor instead) and r
         tab_cs = smem.allocate_tensor(Float32, cute.make_layout((4, self.nq, 2, self.chunk, 2)), 16)
-        tab_bs = smem.allocate_tensor(Int32, cute.make_layout((2, self.chunk, 2)), 16)
+        tab_bs = None
+        if const_expr(not self.staged):
+            tab_bs = smem.allocate_tensor(Int32, cute.make_layout((2, self.chunk, 2)), 16)
         tab_r = smem.allocate_tensor(Float32, cute.make_layout((self.chunk, 2)), 16)
         red = smem.allocate_tensor(Float32, cute.make_layout((self.warps_per_row, self.chunk, 2)), 16)
         st_v = None
@@ -511,7 +515,7 @@ class RopeBackward:
     def _fill_table(self, start, end, ci, seq, tidx, rstd, positions, inv_freq, tab_cs, tab_bs,
                     tab_r):
         """Chunk ci's table, by the whole CTA: per row (rows past the end: the last row) its
-        (b, s) = divmod(m, S), r, and per pair quartet the (cos, sin) of theta = float(pos) *
+        (b, s) = divmod(m, S) (unstaged only), r, and per pair quartet the (cos, sin) of theta = float(pos) *
         inv_freq[k] (fast_cos / fast_sin, as the forward epilogue), times r for the plain
         variant; the extra quartet, the V columns' identity rotation, is (r, 0) plain, (1, 0)
         with QK-norm."""
@@ -538,9 +542,10 @@ class RopeBackward:
             tab_cs[(None, qd, 1, rl, buf)].store(vsn.load())
         if tidx < self.chunk:
             m = c0 + cutlass.min(tidx, last)
-            b = m // seq
-            tab_bs[(0, tidx, buf)] = b
-            tab_bs[(1, tidx, buf)] = m - b * seq
+            if const_expr(not self.staged):
+                b = m // seq
+                tab_bs[(0, tidx, buf)] = b
+                tab_bs[(1, tidx, buf)] = m - b * seq
             tab_r[(tidx, buf)] = rstd[m]
 
     @cute.jit
