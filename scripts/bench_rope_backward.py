@@ -15,10 +15,16 @@ tokens, 32 / 8 heads, with and without QK-norm, and a ragged 3 x 1111.
 
     python scripts/bench_rope_backward.py [--rounds 20] [--json out.json]
         [--sweep]    # also the kernel's tuning options (SWEEP) on each shape, launched directly
+        [--once]     # no timing: each function launched once per shape, in a printed order (ncu)
 
 ``--sweep`` times the kernel itself (``elementwise.rope_backward_kernel``, no op around it) with
 each tuning in ``SWEEP`` over the defaults (``RopeBackward.DEFAULTS``), in the same turns, so a
 default can be picked from measurements; rows "sweep: option=value".
+
+``--once`` launches each function (the copy first) once per shape after one warm-up launch of
+all of them, prints the order and the strides dq / dk / dv arrive in, and times nothing: for a
+profiler, e.g. ``ncu --clock-control none --kernel-name regex:RopeBackward --launch-skip K`` with
+K the first shape's RopeBackward launches in its warm-up (its functions but the copy, a memcpy).
 """
 
 from __future__ import annotations
@@ -48,7 +54,11 @@ SHAPES = [(4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (3, 1111, 32, 8, 128)]
 #: in flight); two vectors per thread: 224 (min_vpt 2), 208 with stage_rows 2, 178 on 192-thread
 #: CTAs two per SM, 170 with stage_rows 2 there. At head_dim 128 (768 threads, at most 80
 #: registers) the default 257, stage_rows 2 220; two vectors per thread on 384 threads 219, 197
-#: with stage_rows 2.
+#: with stage_rows 2. Latency rather than issue may bound it (one CTA of 12 warps per SM at head_dim
+#: 64, each thread's rows in sequence), so the sweep also has the most warps with two rows per
+#: thread and step that fit: at head_dim 64 two CTAs per SM with stage_rows 2 and chunk_rows 32
+#: (78 registers, 3 stages; chunk_rows 64 leaves 2), at head_dim 128 stage_rows 2 with chunk_rows
+#: 32 (76 registers, 3 stages against 2).
 SWEEP = {
     (False, 64): [(), (("target_threads", 384),)],
     (False, 128): [()],
@@ -56,8 +66,10 @@ SWEEP = {
                  (("chunk_rows", 32), ("stage_rows", 2)), (("stage_rows", 4),), (("chunk_rows", 32), ("stage_rows", 4)),
                  (("min_vpt", 2),), (("min_vpt", 2), ("stage_rows", 2)),
                  (("ctas_per_sm", 2), ("min_vpt", 2), ("target_threads", 192)),
-                 (("chunk_rows", 32), ("ctas_per_sm", 2), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 192))],
-    (True, 128): [(), (("stages", 4),), (("stage_rows", 2),), (("min_vpt", 2), ("target_threads", 384)),
+                 (("chunk_rows", 32), ("ctas_per_sm", 2), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 192)),
+                 (("chunk_rows", 32), ("ctas_per_sm", 2), ("stage_rows", 2))],
+    (True, 128): [(), (("stages", 4),), (("stage_rows", 2),), (("chunk_rows", 32), ("stage_rows", 2)),
+                  (("min_vpt", 2), ("target_threads", 384)),
                   (("chunk_rows", 32), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 384))],
 }
 
@@ -78,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel's tuning options (SWEEP)")
+    ap.add_argument("--once", action="store_true", help="launch each function once per shape, untimed (for ncu)")
     args = ap.parse_args(argv)
     console = Console(width=140)
     if not torch.cuda.is_available():
@@ -110,6 +123,13 @@ def main(argv=None) -> int:
                     extra = (pre, qk_w) if qk_norm else (None, None)
                     fns[(qk_norm, tuning)] = functools.partial(rope_backward_kernel, dq, dk, dv, qkv, r, pos,
                                                                inv_freq, *extra, 1e-6, tuning)
+        if args.once:
+            for fn in list(fns.values()) * 2:  # warm-up (compiles), then the profiled launches
+                fn()
+            torch.cuda.synchronize()
+            console.print(f"{b} x {s} x {hd}: dq strides {dq.stride()}, dk {dk.stride()}, dv {dv.stride()}; "
+                          f"{len(fns)} launches after {len(fns)} warm-up ones: {', '.join(map(str, fns))}")
+            continue
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
         copy_tbs = 2 * 2 * m * n / ms["copy"] / 1e9
         for key in fns:

@@ -16,6 +16,13 @@ own kernels in the step by the op (and its input shapes) that launched each.
 
     python scripts/trace_step.py [--config 8b] [--fp8] [--min-gap-us 20] [--trace out.json] [--shapes]
     python scripts/trace_step.py --model train [--hf] [--cprofile]
+    python scripts/trace_step.py --model mlp-fp8 [--fast-accum all]
+
+``--model mlp-fp8``: the FP8 MLP sublayer of ``scripts/bench_fp8.py`` instead (forward +
+backward, d 4096, ffn 14336, 16384 tokens, the row-wise recipe with ``--fast-accum``), whose
+target is 1.05x its six row-wise ``_scaled_mm``: the same trace and timings, and the timings of
+that shadow (same fast accumulation) next to them, so that host gaps, clocks and GPU work can be
+told apart in the ratio.
 """
 
 from __future__ import annotations
@@ -117,6 +124,24 @@ def bench_step(config: str, layers: int, precision: str = "bf16"):
     return TM.coda_step(model, tokens, TM.shift_labels(tokens), list(model.parameters()))
 
 
+def mlp_fp8_steps(fast_accum: str) -> tuple:
+    """(ours, shadow): ``bench_fp8``'s row-wise FP8 MLP sublayer step with ``fast_accum`` and its
+    six row-wise ``_scaled_mm`` with the same fast accumulation."""
+    import bench_fp8 as BF
+
+    from coda_cute.nn.llama import embedding_norm_stats
+
+    torch.manual_seed(0)
+    m, d, f = 16384, 4096, 14336
+    y = torch.randn(m, d, device="cuda").bfloat16()
+    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
+    dy2 = torch.randn(m, d, device="cuda").bfloat16()
+    ours = BF.coda_step(torch.ops.coda.mlp_block_fp8, y, embedding_norm_stats(y), w_gu, w_down, dy2, BF.EPS,
+                        row_scaling=True, fast_accum=fast_accum)
+    return ours, BF.shadow_step(BF.mlp_gemms(m, d, f), fast_accum=fast_accum)
+
+
 def train_step(plain_hf: bool):
     from coda_cute import train as T
     from coda_cute.nn import apply_coda
@@ -197,7 +222,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--min-gap-us", type=float, default=20.0)
     ap.add_argument("--trace", help="also keep the chrome trace here")
-    ap.add_argument("--model", choices=("bench", "train"), default="bench")
+    ap.add_argument("--model", choices=("bench", "train", "mlp-fp8"), default="bench")
+    ap.add_argument("--fast-accum", choices=("none", "forward", "all"), default="all",
+                    help="--model mlp-fp8: the GEMMs that accumulate in the tensor core")
     ap.add_argument("--hf", action="store_true", help="--model train without apply_coda")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="the benchmark model with precision=\"fp8\" (bench_train's coda_fp8)")
@@ -209,7 +236,13 @@ def main(argv=None):
         sys.exit("trace_step needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile
 
-    step = train_step(args.hf) if args.model == "train" else bench_step(args.config, args.layers, "fp8" if args.fp8 else "bf16")
+    shadow = None
+    if args.model == "mlp-fp8":
+        step, shadow = mlp_fp8_steps(args.fast_accum)
+    elif args.model == "train":
+        step = train_step(args.hf)
+    else:
+        step = bench_step(args.config, args.layers, "fp8" if args.fp8 else "bf16")
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -229,7 +262,8 @@ def main(argv=None):
         for g in launchers_of(trace)[:30]:
             lt.add_row(f"{g['ms']:.3f}", str(g["n"]), g["kernel"], g["op"], g["dims"][:90])
         console.print(lt)
-    t = Table(title=f"{args.config}: GPU idle gaps >= {args.min_gap_us:.0f} us in one step")
+    what = args.config if args.model == "bench" else args.model
+    t = Table(title=f"{what}: GPU idle gaps >= {args.min_gap_us:.0f} us in one step")
     for col in ("gap us", "next kernel", "outermost CPU op", "innermost CPU op"):
         t.add_column(col, justify="right" if col == "gap us" else "left", overflow="fold")
     for r in sorted(rows, key=lambda r: -r["gap_us"])[:40]:
@@ -252,6 +286,10 @@ def main(argv=None):
                   f"{summary['cpu_ms']:.2f} ms and launched its first kernel after {summary['lead_ms']:.2f} ms")
     console.print("CUDA-event medians of the step without the profiler: "
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in alone.items()))
+    if shadow is not None:
+        ref = timed_alone(shadow)
+        console.print("the same of its shadow: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ref.items()))
+        console.print("ours / shadow: " + ", ".join(f"{k} {alone[k] / ref[k]:.3f}" for k in alone if k != "host only"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU work of a session on the lent H200, as named stages that each fit one device call
+# (10 minutes), so that a session's 30 minutes go to running rather than to writing commands.
+#
+#   run(command="bash scripts/gpu_session.sh rope backward", carry=[".dsl", ".wheels"])
+#
+# Every command's output goes to $OUT/<stage>-<what>.log (and its JSON next to it), under a time
+# limit of its own, so that one that hangs leaves the next stages their time; the last lines of
+# each log are printed at the end. Set-up (once per machine): the DSL pack of
+# ../shared/device/pack-dsl (built with --with apache-tvm-ffi==0.1.15.post2), the package
+# installed in place, and the pure-Python wheels in .wheels/ (Liger-Kernel 0.8.5, pytest-xdist,
+# execnet: `pip download --no-deps -d .wheels liger-kernel==0.8.5 pytest-xdist execnet`) on the
+# path.
+#
+# Stages:
+#   rope      the RoPE backward's tuning sweep (bench_rope_backward.py --sweep), its GPU tests
+#             (every swept tuning against float64) and compute-sanitizer memcheck of every
+#             backward kernel (sanitize_backward.py)
+#   backward  the training-step GPU tests (test_coda_block_gpu, test_train_gpu, test_fold_gpu),
+#             then the model's gradients against fp32 with their error ratios printed (-s)
+#   hf        the HF integration and embedding GPU tests
+#   fp8       the FP8 GPU tests (quantizers, block-scaled GEMM, LM head, MLP, attention)
+#   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
+#   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
+#             clocks against its shadow's
+#   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
+#             shape: head_dim 64)
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+LOGS=()
+
+setup() {
+    # a /tmp/coda-site unpacked from an older pack (no TVM-FFI) is stale
+    ls -d /tmp/coda-site/tvm_ffi >/dev/null 2>&1 || rm -rf /tmp/coda-site
+    # shellcheck disable=SC1091
+    source .dsl/env.sh
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    if ls .wheels/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --target /tmp/coda-wheels .wheels/*.whl >/dev/null 2>&1
+        export PYTHONPATH=$PYTHONPATH:/tmp/coda-wheels
+    fi
+    nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+}
+
+# step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in $OUT/NAME.log
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc, $((SECONDS - t0)) s" >> "$OUT/$name.log"
+    LOGS+=("$name")
+}
+
+stage_rope() {
+    step rope-sweep 200 python3 scripts/bench_rope_backward.py --sweep --rounds 20 --json "$OUT/rope.json"
+    step rope-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py -k rope_backward
+    step rope-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_backward.py
+}
+
+stage_backward() {
+    step backward-tests 400 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py tests/test_train_gpu.py \
+        tests/test_fold_gpu.py -k "not rope_backward and not model_gradients"
+    step backward-gradients 150 python3 -m pytest -q -s -m gpu tests/test_coda_block_gpu.py -k model_gradients
+}
+
+stage_hf() {
+    step hf-tests 500 python3 -m pytest -q -m gpu -n 2 tests/test_hf_gpu.py tests/test_embedding_gpu.py
+}
+
+stage_fp8() {
+    step fp8-tests 550 python3 -m pytest -q -m gpu -n 6 tests/test_fp8_gpu.py tests/test_block_scaled_gpu.py \
+        tests/test_lm_head_fp8_gpu.py tests/test_mlp_fp8_gpu.py tests/test_attention_fp8_gpu.py
+}
+
+stage_train() {
+    step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
+}
+
+stage_mlp_gaps() {
+    step mlp-gaps 400 python3 scripts/trace_step.py --model mlp-fp8 --fast-accum all
+}
+
+stage_rope_ncu() {
+    # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
+    local skip
+    skip=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_rope_backward as b; \
+print(2 + sum(len(t) for (q, hd), t in b.SWEEP.items() if hd == b.SHAPES[0][4]))")
+    step rope-ncu 500 ncu --clock-control none --kernel-name regex:RopeBackward --launch-skip "$skip" \
+        --launch-count "$skip" --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 scripts/bench_rope_backward.py --once --sweep
+}
+
+setup
+for s in "$@"; do
+    case $s in
+        rope) stage_rope ;;
+        backward) stage_backward ;;
+        hf) stage_hf ;;
+        fp8) stage_fp8 ;;
+        train) stage_train ;;
+        mlp-gaps) stage_mlp_gaps ;;
+        rope-ncu) stage_rope_ncu ;;
+        *) echo "unknown stage $s (rope backward hf fp8 train mlp-gaps rope-ncu)"; exit 2 ;;
+    esac
+done
+for name in "${LOGS[@]}"; do
+    echo "---------------- $name"
+    tail -n 25 "$OUT/$name.log"
+done
