@@ -630,6 +630,7 @@ def lse_combine(mx: torch.Tensor, se: torch.Tensor, out: torch.Tensor | None = N
 @dataclass(frozen=True)
 class RopeBackwardSpec:
     """The RoPE (+ QK-norm) backward (``kernels.elementwise.rope_backward``) for one head layout;
+    ``weight_dtype``: the QK-norm weights' ("float32" or "bfloat16", read as they are);
     ``tuning``: (option, value) pairs over the kernel's defaults (``RopeBackward.DEFAULTS``;
     ``scripts/bench_rope_backward.py --sweep``)."""
 
@@ -640,8 +641,11 @@ class RopeBackwardSpec:
     arch: str = "sm_90a"
     num_sms: int = 132
     tuning: tuple = ()
+    weight_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"RopeBackwardSpec: weight_dtype must be float32 or bfloat16, got {self.weight_dtype!r}")
         # one spec (and one compiled kernel) per distinct tuning: pairs sorted, a dict taken too
         if not self.tuning:
             object.__setattr__(self, "tuning", ())
@@ -656,7 +660,7 @@ class RopeBackwardSpec:
 
     @property
     def name(self) -> str:
-        qk = "_qknorm" if self.qk_norm else ""
+        qk = ("_qknorm" + ("_wbf16" if self.weight_dtype == "bfloat16" else "")) if self.qk_norm else ""
         tuned = "".join(f"_{k}{v}" for k, v in self.tuning)
         return f"rope_backward_{self.arch}_h{self.n_heads}x{self.n_kv_heads}_d{self.head_dim}{qk}{tuned}"
 
@@ -673,7 +677,6 @@ class RopeBackwardSpec:
         kernel = self.kernel()
         b, s, m = cute.sym_int(), cute.sym_int(), cute.sym_int()
         d, n = self.head_dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        n_qk = (self.n_heads + self.n_kv_heads) * self.head_dim
 
         def d8():
             return cute.sym_int64(divisibility=8)
@@ -688,10 +691,11 @@ class RopeBackwardSpec:
                 _fake("float32", (m,), (1,)), _fake("int32", (m,), (1,)),
                 _fake("float32", (d // 2,), (1,), 16), rows(), _fake("float32", (m,), (1,))]
         if self.qk_norm:
-            args += [rows(), _fake("float32", (n_qk,), (1,), 16),
-                     _fake("float32", (cute.sym_int(), n_qk), (cute.sym_int64(divisibility=4), 1), 16)]
+            w_align = 4 if self.weight_dtype == "float32" else 2
+            args += [rows(), _fake(self.weight_dtype, (d,), (1,), w_align), _fake(self.weight_dtype, (d,), (1,), w_align),
+                     _fake("float32", (cute.sym_int(), 2, d), (2 * d, d, 1), 16)]
         else:
-            args += [None, None, None]
+            args += [None, None, None, None]
         return kernel, (*args, cutlass.Float32(1e-6))
 
 
@@ -701,23 +705,24 @@ def _rope_layout(spec: RopeBackwardSpec):
     return spec.kernel()
 
 
-def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, qk_w, qk_eps: float,
+def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_w, k_w, qk_eps: float,
                          tuning: tuple = ()):
-    """(g, zdz (M, 1), dw (n_qk,) or None): one pass of the RoPE (+ QK-norm) backward kernel;
-    ``qk_w`` the per-column QK-norm weight (n_qk,) fp32 with QK-norm, else None; ``tuning`` as
-    in ``RopeBackwardSpec``."""
+    """(g, zdz (M, 1), dw (2, head_dim) fp32 or None): one pass of the RoPE (+ QK-norm) backward
+    kernel and the sum of its CTAs' partials: dw's rows the q_w and k_w gradients. ``q_w``,
+    ``k_w``: the QK-norm weights (head_dim,), contiguous, both fp32 or both bf16, with QK-norm,
+    else None; ``tuning`` as in ``RopeBackwardSpec``."""
     from . import dispatch
 
     b, h, s, d = dq.shape
+    wdt = "float32" if pre is None else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[q_w.dtype]
     spec = RopeBackwardSpec(pre is not None, d, h, dk.shape[1], dispatch.arch_of(qkv.device),
-                            dispatch.num_sms(qkv.device), tuple(tuning))
+                            dispatch.num_sms(qkv.device), tuple(tuning), wdt)
     m, n = qkv.shape
     g = torch.empty_like(qkv)
     zdz = torch.empty((m, 1), dtype=torch.float32, device=qkv.device)
     partials = None
     if pre is not None:
-        partials = torch.empty((_rope_layout(spec).num_row_blocks(m), qk_w.shape[0]), dtype=torch.float32,
-                               device=qkv.device)
-    get_kernel(spec).fn(dq, dk, dv, qkv, rstd, positions, inv_freq, g, zdz.view(m), pre, qk_w, partials,
+        partials = torch.empty((_rope_layout(spec).num_row_blocks(m), 2, d), dtype=torch.float32, device=qkv.device)
+    get_kernel(spec).fn(dq, dk, dv, qkv, rstd, positions, inv_freq, g, zdz.view(m), pre, q_w, k_w, partials,
                         float(qk_eps))
     return g, zdz, (partials.sum(0) if partials is not None else None)

@@ -117,10 +117,9 @@ def main(argv=None) -> int:
                (True, None): lambda: torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn,
                                                                   1e-6)}
         if args.sweep:
-            qk_w = (1 + rand((h + hkv) * hd, scale=0.1)).float()  # (n_qk,): the Q and K columns
             for (qk_norm, head_dim), tunings in SWEEP.items():
                 for tuning in tunings if head_dim == hd else ():
-                    extra = (pre, qk_w) if qk_norm else (None, None)
+                    extra = (pre, qn, kn) if qk_norm else (None, None, None)
                     fns[(qk_norm, tuning)] = functools.partial(rope_backward_kernel, dq, dk, dv, qkv, r, pos,
                                                                inv_freq, *extra, 1e-6, tuning)
         if args.once:

@@ -7,7 +7,7 @@
 one is reported instead of landing in the same cached segment)
 
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm, and
-two staged tunings of the QK-norm kernel),
+two staged tunings of the QK-norm kernel and its unstaged path),
 the LM head's training chunk (target logits, the exp-form logits GEMM, its row step, the dgrad
 and its row finish, the wgrads, the deferred last-chunk wgrad; several chunks, a vocabulary that
 is no multiple of 8), the loss-only op's recomputing backward (its dlogits tree and dgrad, several
@@ -45,17 +45,17 @@ def main():
         extra = (rand(b * s, n), 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1), 1e-6) if qk else ()
         torch.ops.coda.rope_backward(dq, dk, dv, rand(b * s, n), torch.rand(b * s, device="cuda") + 0.5, pos,
                                      R.rope_inv_freq(hd, 10000.0, "cuda"), *extra)
-    # the QK-norm kernel's staged tunings (bench_rope_backward --sweep) in their own 32 / 8-head
+    # the QK-norm kernel's tunings (two swept, staged; one unstaged) in their own 32 / 8-head
     # layouts, on 700 sequences of 3 rows (~16 rows per CTA: several steps each, past the
     # prologue): the row cursor crosses batches inside a stage and passes the CTA's end
     bq, sq, hq, hkvq = 700, 3, 32, 8
-    qk_w = (1 + rand((hq + hkvq) * 64, scale=0.1)).float()
+    qn, kn = (1 + rand(64, scale=0.1)).float(), (1 + rand(64, scale=0.1)).float()
     n = (hq + 2 * hkvq) * 64
-    for tuning in ((("stage_rows", 4),), (("min_vpt", 2), ("stage_rows", 2))):
+    for tuning in ((("stage_rows", 4),), (("min_vpt", 2), ("stage_rows", 2)), (("stages", 0),)):
         dq, dk, dv = rand(bq, hq, sq, 64), rand(bq, hkvq, sq, 64), rand(bq, hkvq, sq, 64)
         rope_backward_kernel(dq, dk, dv, rand(bq * sq, n), torch.rand(bq * sq, device="cuda") + 0.5,
                              torch.arange(sq, device="cuda", dtype=torch.int32).repeat(bq),
-                             R.rope_inv_freq(64, 10000.0, "cuda"), rand(bq * sq, n), qk_w, 1e-6, tuning)
+                             R.rope_inv_freq(64, 10000.0, "cuda"), rand(bq * sq, n), qn, kn, 1e-6, tuning)
     v_ = 1003
     LH.CHUNK_BYTES = 128 * 2 * 1008  # 128-row chunks: three of them, dW accumulated in bf16
     w = rand(v_, d, scale=d ** -0.5).requires_grad_()

@@ -206,11 +206,14 @@ def _qk_share(zdz, qkv, dv, n_qk):
     return zdz.double().flatten() - (qkv[:, n_qk:].double() * R.heads_as_rows(dv.double())).sum(1)
 
 
-@pytest.mark.parametrize("qk_norm, qk_eps", [(False, 1e-6), (True, 1e-6), (True, 1e-2)])
+@pytest.mark.parametrize("qk_norm, qk_eps, w_dtypes", [
+    (False, 1e-6, None), (True, 1e-6, ("bfloat16", "bfloat16")), (True, 1e-2, ("bfloat16", "bfloat16")),
+    (True, 1e-2, ("float32", "float32")), (True, 1e-6, ("float32", "bfloat16"))])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_rope_backward_op(qk_norm, qk_eps, hd):
+def test_rope_backward_op(qk_norm, qk_eps, w_dtypes, hd):
     """GQA heads, ragged rows, the attention core's own gradient layouts; with QK-norm at a model's
-    qk_eps and at one where the Q/K heads' share of zdz is 2 % of it (checked on its own)."""
+    qk_eps and at one where the Q/K heads' share of zdz is 2 % of it (checked on its own), its
+    weights in bf16, fp32 or one of each (their gradients in their dtypes)."""
     torch.manual_seed(hd)
     b, s, h, hkv = 3, 333, 8, 2
     m, n = b * s, (h + 2 * hkv) * hd
@@ -223,8 +226,8 @@ def test_rope_backward_op(qk_norm, qk_eps, hd):
     pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)
     inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
     pre = cuda(m, n) if qk_norm else None
-    qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
-    kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
+    qn = (1 + cuda(hd, scale=0.1)).to(getattr(torch, w_dtypes[0])) if qk_norm else None
+    kn = (1 + cuda(hd, scale=0.1)).to(getattr(torch, w_dtypes[1])) if qk_norm else None
     got = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, qk_eps)
     again = torch.ops.coda.rope_backward(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, qk_eps)
     assert all(a.equal(b) for a, b in zip(got, again) if a is not None)  # deterministic
@@ -233,6 +236,7 @@ def test_rope_backward_op(qk_norm, qk_eps, hd):
     assert rel_err(got[0], want[0]) < 1e-2
     assert rel_err(got[1], want[1].float()) < 1e-4
     if qk_norm:
+        assert (got[2].dtype, got[3].dtype) == (qn.dtype, kn.dtype)
         assert rel_err(got[2].float(), want[2].float()) < 1e-2 and rel_err(got[3].float(), want[3].float()) < 1e-2
         if qk_eps >= 1e-2:
             n_qk = (h + hkv) * hd
@@ -243,7 +247,9 @@ def _sweep_tunings():
     """(qk_norm, head_dim, tuning, heads) of every tuning ``scripts/bench_rope_backward.py --sweep``
     times (at its 32 / 8 heads), and fixed staged cases of their own (the sweep's list is edited
     for speed): two vectors per thread and stage_rows 2 (two rows side by side), and 8 / 2 heads
-    with stage_rows 4 (four rows side by side, each thread skipping the other three's rows)."""
+    with stage_rows 4 (four rows side by side, each thread skipping the other three's rows), and
+    the unstaged QK-norm path (rows in registers, the head sums of dw in shared memory of their
+    own)."""
     import importlib.util
     from pathlib import Path
 
@@ -253,7 +259,7 @@ def _sweep_tunings():
     spec.loader.exec_module(mod)
     swept = [(qk, hd, t, (32, 8)) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
     fixed = [(True, 64, (("min_vpt", 2), ("stage_rows", 2)), (32, 8)), (True, 64, (("stage_rows", 4),), (8, 2)),
-             (True, 128, (("stage_rows", 2),), (8, 2))]
+             (True, 128, (("stage_rows", 2),), (8, 2)), (True, 64, (("stages", 0),), (8, 2))]
     return swept + [c for c in fixed if c not in swept]
 
 
@@ -277,7 +283,8 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
     rows in the attention core's gradient layout (250-251 rows per CTA: four chunks of 64, the last
     partial; 125-126 with two CTAs per SM), 700 x 3 rows (a stage's consecutive rows cross batches;
     contiguous gradients) and 37 x 57 with the sequence outermost in memory. qk_eps 1e-2, so that
-    the Q/K heads' share of zdz (2 % of it) is checked on its own."""
+    the Q/K heads' share of zdz (2 % of it) is checked on its own; the norm weights in fp32 on the
+    contiguous layout, bf16 on the others."""
     from coda_cute.elementwise import rope_backward_kernel
 
     torch.manual_seed(hd + len(tuning) + s)
@@ -291,15 +298,16 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
     pre = cuda(m, n) if qk_norm else None
     qn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
     kn = (1 + cuda(hd, scale=0.1)) if qk_norm else None
-    qk_w = R.qk_norm_weight(qn, kn, h, hkv).float().reshape(-1).contiguous() if qk_norm else None
-    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qk_w, 1e-2, tuning)
+    if qk_norm and order == "bhsd":
+        qn, kn = qn.float(), kn.float()
+    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-2, tuning)
     want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq,
                                pre.double() if qk_norm else None, qn, kn, 1e-2)
     assert rel_err(g, want[0]) < 1e-2
     assert rel_err(zdz, want[1].float()) < 1e-4
     if qk_norm:
-        dw = dw.view(h + hkv, hd)
-        assert rel_err(dw[:h].sum(0), want[2].float()) < 1e-2 and rel_err(dw[h:].sum(0), want[3].float()) < 1e-2
+        assert dw.shape == (2, hd) and dw.dtype == torch.float32
+        assert rel_err(dw[0], want[2].float()) < 1e-2 and rel_err(dw[1], want[3].float()) < 1e-2
         n_qk = (h + hkv) * hd
         assert rel_err(_qk_share(zdz, qkv, dv, n_qk), _qk_share(want[1], qkv, dv, n_qk)) < 1e-3
 

@@ -155,3 +155,42 @@ def test_bench_sweep_tunings_build_without_spills():
             stats = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8, tuning=tuning),
                                         keep_artifacts=True).stats
             assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (qk_norm, head_dim, tuning, stats)
+
+
+@pytest.mark.parametrize("w_dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                      (torch.float32, torch.bfloat16)])
+def test_op_body_hands_the_kernel_its_weights_and_returns_separate_gradients(monkeypatch, w_dtypes):
+    """``coda.rope_backward``'s CUDA body around the kernel (run here on CPU tensors, the kernel
+    stood in by the float64 reference): the QK-norm weights reach it contiguous in one dtype
+    (bf16 or fp32 as given; fp32 when they differ), its (2, D) fp32 dw comes back as the two
+    weights' gradients in their own dtypes, and those two outputs share no memory (a custom op's
+    outputs may not alias: its aliasing check would refuse them)."""
+    from coda_cute import reference as R
+    from coda_cute.ops import qkv as Q
+    from coda_cute.ops.attention import qkv_heads
+
+    torch.manual_seed(5)
+    b, s, h, hkv, hd = 2, 9, 4, 2, 64
+    m, n = b * s, (h + 2 * hkv) * hd
+    qkv = torch.randn(m, n).bfloat16()
+    dq, dk, dv = qkv_heads(torch.randn(m, n).bfloat16(), b, h, hkv, hd)
+    r, pos = torch.rand(m) + 0.5, torch.arange(s, dtype=torch.int32).repeat(b)
+    inv_freq, pre = R.rope_inv_freq(hd, 10000.0), torch.randn(m, n).bfloat16()
+    qn = (1 + 0.1 * torch.randn(hd)).to(w_dtypes[0])
+    kn = (1 + 0.1 * torch.randn(hd)).to(w_dtypes[1])
+    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre.double(), qn, kn, 1e-6)
+    seen = {}
+
+    def kernel(dq_, dk_, dv_, qkv_, r_, pos_, inv_, pre_, q_w, k_w, qk_eps, tuning=()):
+        seen.update(q_w=q_w, k_w=k_w, eps=qk_eps)
+        return want[0].bfloat16(), want[1].float(), torch.stack([want[2], want[3]]).float()
+
+    monkeypatch.setattr(Q, "rope_backward_kernel", kernel)
+    g, zdz, dqn, dkn = Q.rope_backward.impls["cuda"](dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)
+    one = w_dtypes[0] if w_dtypes[0] == w_dtypes[1] else torch.float32
+    assert seen["q_w"].dtype == seen["k_w"].dtype == one and seen["eps"] == 1e-6
+    assert seen["q_w"].is_contiguous() and seen["k_w"].is_contiguous()
+    assert torch.equal(seen["q_w"], qn.to(one)) and torch.equal(seen["k_w"], kn.to(one))
+    assert (dqn.dtype, dkn.dtype) == w_dtypes and dqn.shape == dkn.shape == (hd,)
+    assert torch.equal(dqn, want[2].float().to(w_dtypes[0])) and torch.equal(dkn, want[3].float().to(w_dtypes[1]))
+    assert dqn.untyped_storage().data_ptr() != dkn.untyped_storage().data_ptr()

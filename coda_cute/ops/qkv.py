@@ -300,16 +300,17 @@ def rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: tor
     """
     m, n, hd = check_rope_backward(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_norm_w,
                                    k_norm_w, qk_eps)
-    h, hkv = dq.shape[1], dk.shape[1]
-    qk_w = None
-    if pre is not None:
-        qk_w = qk_norm_weight(q_norm_w, k_norm_w, h, hkv).float().reshape(-1).contiguous()
+    q_w = k_w = None
+    if pre is not None:  # the kernel reads both weights as they are, in one dtype
+        wdt = q_norm_w.dtype if q_norm_w.dtype == k_norm_w.dtype else F32
+        q_w, k_w = q_norm_w.to(wdt).contiguous(), k_norm_w.to(wdt).contiguous()
     g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, rstd, positions.to(torch.int32), inv_freq,
-                                      pre, qk_w, qk_eps)
+                                      pre, q_w, k_w, qk_eps)
     if dw is None:
         return g, zdz, qkv.new_empty((0,), dtype=F32), qkv.new_empty((0,), dtype=F32)
-    dw = dw.view(h + hkv, hd)
-    return g, zdz, dw[:h].sum(0).to(q_norm_w.dtype), dw[h:].sum(0).to(k_norm_w.dtype)
+    # dw's rows are the two weights' gradients (fp32); a custom op's outputs may not alias each
+    # other, so the second is always a tensor of its own
+    return g, zdz, dw[0].to(q_norm_w.dtype), dw[1].to(k_norm_w.dtype, copy=True)
 
 
 @rope_backward.register_fake

@@ -15,12 +15,14 @@ With ``r = rstd[m]``, per Q/K head of row m (``d``: that head's D values of dq o
 
 * plain:    dz = dqn on Q/K;  dz = dv on V;
             s[m] = sum_j qkv[m, j] * [dq | dk | dv][m, j]   (= sum z dz: the rotation is orthogonal)
-* QK-norm:  x = x_pre[m, head] (the r-scaled, pre-norm, pre-rotation values), w = qk_w[head]:
+* QK-norm:  x = x_pre[m, head] (the r-scaled, pre-norm, pre-rotation values), w = q_w on a Q
+            head, k_w on a K head:
             rs = (mean(x^2) + qk_eps)^(-1/2), xh = x rs, gw = dqn w,
             dz = rs (gw - xh mean(gw xh))                 (means over the head's D values)
             s[m] = sum_{Q/K} x dz + sum_V qkv dv,  a head's sum x dz taken in the exact closed
                    form  qk_eps rs^3 sum(x gw)  (the literal sum cancels down to ~qk_eps)
-            dw_partials[p, j] = sum over the rows of CTA p of dqn[m, j] xh[m, j]   (j < n_qk)
+            dw_partials[p, 0 | 1, e] = sum over the rows of CTA p and its Q | K heads of
+                                       dqn[m, head, e] xh[m, head, e]
 * always:   g[m, j] = bf16(r dz[m, j]).
 
 Bandwidth-bound: dq/dk/dv and qkv (QK-norm: x_pre on Q/K, qkv on V) are read and g written,
@@ -32,7 +34,7 @@ Roles (no specialization). ``ctas_per_sm`` CTAs per SM in one wave (grid P =
 the rows (CTA p: ``M // P`` rows, one more for the first ``M % P``). ``C`` consecutive threads
 share a row (C a multiple of 32, THREADS / C rows side by side), and slot t of a row owns the
 ``VPT`` vectors ``v = t + C i`` of every row it visits: fixed columns, so its gradient source
-(dq, dk or dv: picked once, no per-row branch), its qk_w columns and its dw accumulators are set
+(dq, dk or dv: picked once, no per-row branch), its QK-norm weights and dw accumulators are set
 up once. For H=32, Hkv=8 a row is one vector per thread: C = 768 for D=128, 384 for D=64
 (the plain variant runs two such rows side by side, 768 threads; QK-norm one).
 
@@ -61,8 +63,11 @@ a warp, so the QK-norm head sums are butterfly shuffles within those lanes (run 
 outside any branch). The row sum s is a warp butterfly and a ``(warps per row, chunk)``
 shared-memory step (double buffered), added in warp order by one thread per row after the
 chunk's one barrier: deterministic, written once. With QK-norm the side-by-side rows' dw
-accumulators are added in shared memory at the end, in order, and written to row p of
-``dw_partials`` (every entry written, no atomics; the caller sums over p and heads).
+accumulators are added in shared memory at the end, in order, then the heads' (the staged path
+reuses the stages' memory), one thread per (Q | K, e) adding them in head order, and row p of
+``dw_partials`` is written (every entry, no atomics; the caller sums over p: one small launch,
+where a per-column P x n_qk layout needed the head sums too, and the weights expanded per column
+before the kernel).
 
 The kernel is correct for any grid size: with QK-norm it takes P from ``dw_partials.shape[0]``.
 """
@@ -115,14 +120,15 @@ def row_layout(nv: int, min_vpt: int = 1) -> tuple[int, int]:
 
 class RopeBackward:
     """See the module docstring. ``__call__(dq, dk, dv, qkv, rstd, positions, inv_freq, g, s,
-    x_pre, qk_w, dw_partials, qk_eps, stream)``:
+    x_pre, q_w, k_w, dw_partials, qk_eps, stream)``:
 
     dq (B, H, S, D), dk / dv (B, Hkv, S, D) bf16, any strides with D contiguous, the others
     multiples of 8 elements, 16-byte-aligned bases; qkv, g (M, N) bf16 and x_pre (M, N) bf16
     (QK-norm; only its first n_qk columns are read), rows 16-byte aligned; rstd (M,) fp32;
-    positions (M,) int32; inv_freq (D/2,) fp32, 16-byte aligned; s (M,) fp32 out; qk_w (n_qk,)
-    fp32, 16-byte aligned; dw_partials (P, n_qk) fp32 out, rows 16-byte aligned; qk_eps fp32.
-    Without QK-norm x_pre, qk_w and dw_partials are None and qk_eps is ignored.
+    positions (M,) int32; inv_freq (D/2,) fp32, 16-byte aligned; s (M,) fp32 out; q_w, k_w (D,)
+    contiguous, both fp32 or both bf16 (read once per thread, any alignment); dw_partials
+    (P, 2, D) fp32 out, contiguous; qk_eps fp32. Without QK-norm x_pre, q_w, k_w and dw_partials
+    are None and qk_eps is ignored.
 
     Tuning (keyword arguments; defaults in ``DEFAULTS``, picked on an H200 at M = 16384,
     H = 32, Hkv = 8, D = 64 / 128): ``target_threads`` (CTA size aimed at: THREADS / C rows
@@ -193,11 +199,15 @@ class RopeBackward:
 
     def smem_bytes(self) -> int:
         """Shared memory per CTA, alignment padding aside: two chunks' tables (cos / sin
-        quartets, (b, s) unstaged, r), the s step, the staged vectors, the dw sums."""
+        quartets, (b, s) unstaged, r), the s step, the staged vectors, the dw sums (the
+        side-by-side rows'; the heads', in the stages' memory when staged: it holds at least
+        two rows of both operands, more than a row of fp32 dw)."""
         row = self.nq * 2 * 4 * 4 + 4 + (0 if self.staged else 8)
         n = 2 * self.chunk * row + 2 * self.chunk * self.warps_per_row * 4
         if self.staged:
             n += self.stages * self.rif * self.threads * self.vpt * 2 * VEC * 2
+        elif self.qk_norm:
+            n += self.nv_qk * VEC * 4
         if self.qk_norm and self.sub_rows > 1:
             n += (self.sub_rows - 1) * self.c * self.vpt * VEC * 4
         return n
@@ -206,7 +216,7 @@ class RopeBackward:
     @cute.jit
     def __call__(self, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, qkv: cute.Tensor,
                  rstd: cute.Tensor, positions: cute.Tensor, inv_freq: cute.Tensor, g: cute.Tensor,
-                 s: cute.Tensor, x_pre, qk_w, dw_partials, qk_eps: Float32, stream):
+                 s: cute.Tensor, x_pre, q_w, k_w, dw_partials, qk_eps: Float32, stream):
         m = qkv.shape[0]
         if const_expr(self.qk_norm):
             blocks = dw_partials.shape[0]  # whatever P the caller allocated
@@ -216,14 +226,14 @@ class RopeBackward:
         # DSL asks the device for its shared-memory size at compile time)
         bounds = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm,
                                                        preferred_smem_carveout=100)
-        self.kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, g, s, x_pre, qk_w, dw_partials,
+        self.kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, g, s, x_pre, q_w, k_w, dw_partials,
                     qk_eps).launch(grid=(blocks, 1, 1), block=(self.threads, 1, 1), stream=stream,
                                    **bounds)
 
     @cute.kernel
     def kernel(self, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, qkv: cute.Tensor,
                rstd: cute.Tensor, positions: cute.Tensor, inv_freq: cute.Tensor, g: cute.Tensor,
-               s_out: cute.Tensor, x_pre, qk_w, dw_partials, qk_eps: Float32):
+               s_out: cute.Tensor, x_pre, q_w, k_w, dw_partials, qk_eps: Float32):
         H, HKV, LPH, C, VPT, RIF = (self.n_heads, self.n_kv_heads, self.lph, self.c, self.vpt,
                                     self.rif)
         tidx, _, _ = cute.arch.thread_idx()
@@ -258,6 +268,9 @@ class RopeBackward:
             st_v = smem.allocate_tensor(BFloat16, cute.make_layout(
                 (VEC, T, 2, VPT, RIF, S),
                 stride=(1, VEC, VEC * T, 2 * VEC * T, 2 * VEC * T * VPT, 2 * VEC * T * VPT * RIF)), 16)
+        hsum = None  # QK-norm, unstaged: the CTA's dw per column, summed over heads at the end
+        if const_expr(self.qk_norm and not self.staged):
+            hsum = smem.allocate_tensor(Float32, cute.make_layout((self.nv_qk * VEC,)), 16)
         xs = None  # QK-norm: the dw accumulators of the other side-by-side rows, added at the end
         if const_expr(self.qk_norm and self.sub_rows > 1):
             xs = smem.allocate_tensor(Float32, cute.make_layout(
@@ -271,7 +284,7 @@ class RopeBackward:
         # the same sources as addresses and strides, for the staged loads' cursor: per slot
         # (gradient address, its b stride in elements, in bytes its s stride and the step from
         # (b, S - 1) to (b + 1, 0), z address, z row stride in bytes)
-        flat = []
+        flat, waddrs = [], []
         for i in cutlass.range_constexpr(VPT):
             v = t + C * i
             if const_expr(self.ragged):
@@ -306,6 +319,10 @@ class RopeBackward:
                 zsrc = cute.make_tensor(zptr, cute.make_layout(
                     (VEC, m_total), stride=(1, cute.assume(zstride, divby=VEC))))
             zsrcs.append(zsrc)
+            if const_expr(self.qk_norm):  # the head's norm weights (k_w for a V slot, unused)
+                waddrs.append(Int64(cutlass.select_(
+                    q, cute.local_tile(q_w, (VEC,), (d8,)).iterator.toint(),
+                    cute.local_tile(k_w, (VEC,), (d8,)).iterator.toint())))
             flat.append((Int64(daddr), Int64(dsb), Int64(dss) * 2,
                          (Int64(dsb) - Int64(dss) * Int64(seq - 1)) * 2, Int64(zaddr), Int64(zstride) * 2))
             vs.append(v)
@@ -314,12 +331,14 @@ class RopeBackward:
             quart.append(Int32(cutlass.select_(v < self.nv_qk, d8, LPH)))
         wts, dw_acc = None, None
         if const_expr(self.qk_norm):
-            # qk_w of the vector's columns, in registers (a V slot reads a Q/K vector and
-            # ignores it); the dw accumulators, (4, 2, VPT) per thread
+            # the norm weights of the vector's columns, in registers (read once: no alignment
+            # asked of them); the dw accumulators, (4, 2, VPT) per thread
             wts = []
+            wty = q_w.element_type
             for i in cutlass.range_constexpr(VPT):
                 w = cute.make_rmem_tensor((VEC,), Float32)
-                w.store(cute.local_tile(qk_w, (VEC,), (cutlass.min(vs[i], self.nv_qk - 1),)).load())
+                wptr = cute.make_ptr(wty, waddrs[i], cute.AddressSpace.gmem, assumed_align=wty.width // 8)
+                w.store(cute.make_tensor(wptr, cute.make_layout((VEC,))).load().to(Float32))
                 if not is_qk[i]:  # a V slot: weights of 1 (with its identity rotation, gw = dv)
                     w.fill(1.0)
                 wts.append(w.load())
@@ -386,7 +405,14 @@ class RopeBackward:
                                  positions, inv_freq, tab_cs, tab_bs, tab_r, red, s_out)
 
         if const_expr(self.qk_norm):
-            self._write_dw(dw_partials, dw_acc, xs, p, sub, t, vs, is_qk)
+            # the heads' dw sums: in the stages' memory once no copy or read of it is left
+            # (every real copy was waited for at its step; empty groups aside), or their own
+            if const_expr(self.staged):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                hsum = cute.make_tensor(cute.recast_ptr(st_v.iterator, dtype=Float32),
+                                        cute.make_layout((self.nv_qk * VEC,)))
+            self._write_dw(dw_partials, dw_acc, xs, hsum, p, sub, t, tidx, vs, is_qk)
 
     # -- pieces ----------------------------------------------------------------------------------
     @cute.jit
@@ -622,9 +648,11 @@ class RopeBackward:
                 vg.store(out.load().to(BFloat16))
 
     @cute.jit
-    def _write_dw(self, dw_partials, dw_acc, xs, p, sub, t, vs, is_qk):
-        """Row p of dw_partials: the side-by-side rows' accumulators added in shared memory (in
-        order), then every Q/K column written (zeros from a CTA without rows)."""
+    def _write_dw(self, dw_partials, dw_acc, xs, hsum, p, sub, t, tidx, vs, is_qk):
+        """Row p of dw_partials (2, D): the CTA's sums over its rows and over the Q heads (0) or
+        the K heads (1). The side-by-side rows' accumulators are added in shared memory (in
+        order), each Q/K column's sum goes to ``hsum``, then one thread per (Q | K, e) adds the
+        heads' in head order (zeros from a CTA without rows)."""
         if const_expr(self.sub_rows > 1):
             if sub > 0:
                 for i in cutlass.range_constexpr(self.vpt):
@@ -640,6 +668,17 @@ class RopeBackward:
         if sub == 0:
             for i in cutlass.range_constexpr(self.vpt):
                 if is_qk[i]:
-                    row = cute.local_tile(dw_partials[(p, None)], (VEC,), (vs[i],))
+                    col = cute.local_tile(hsum, (VEC,), (vs[i],))
                     for hf in cutlass.range_constexpr(2):
-                        cute.local_tile(row, (VEC // 2,), (hf,)).store(dw_acc[(None, hf, i)].load())
+                        cute.local_tile(col, (VEC // 2,), (hf,)).store(dw_acc[(None, hf, i)].load())
+        cute.arch.sync_threads()
+        D, H, HKV = self.head_dim, self.n_heads, self.n_kv_heads
+        for e in cutlass.range(tidx, 2 * D, self.threads, unroll=1):
+            # (a loop, not unrolled: its loads all in flight at once would take the registers
+            # the main loop needs)
+            kv = e // D
+            first = kv * H
+            tot = Float32(0.0)
+            for hh in cutlass.range(first, first + cutlass.select_(kv == 0, H, HKV), unroll=1):
+                tot = tot + hsum[hh * D + e - kv * D]
+            dw_partials[(p, kv, e - kv * D)] = tot
