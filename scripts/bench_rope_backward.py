@@ -57,8 +57,9 @@ SHAPES = [(4, 4096, 32, 8, 64), (4, 4096, 32, 8, 128), (3, 1111, 32, 8, 128)]
 #: with stage_rows 2. Latency rather than issue may bound it (one CTA of 12 warps per SM at head_dim
 #: 64, each thread's rows in sequence), so the sweep also has the most warps with two rows per
 #: thread and step that fit: at head_dim 64 two CTAs per SM with stage_rows 2 and chunk_rows 32
-#: (78 registers, 3 stages; chunk_rows 64 leaves 2), at head_dim 128 stage_rows 2 with chunk_rows
-#: 32 (76 registers, 3 stages against 2).
+#: (3 stages; chunk_rows 64 leaves 2), at head_dim 128 stage_rows 2 with chunk_rows 32 (3 stages
+#: against 2); and at head_dim 64 three vectors per thread, each of another head, on 128-thread
+#: CTAs three per SM (166 registers, 5 stages of 16-row chunks).
 SWEEP = {
     (False, 64): [(), (("target_threads", 384),)],
     (False, 128): [()],
@@ -67,7 +68,8 @@ SWEEP = {
                  (("min_vpt", 2),), (("min_vpt", 2), ("stage_rows", 2)),
                  (("ctas_per_sm", 2), ("min_vpt", 2), ("target_threads", 192)),
                  (("chunk_rows", 32), ("ctas_per_sm", 2), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 192)),
-                 (("chunk_rows", 32), ("ctas_per_sm", 2), ("stage_rows", 2))],
+                 (("chunk_rows", 32), ("ctas_per_sm", 2), ("stage_rows", 2)),
+                 (("chunk_rows", 16), ("ctas_per_sm", 3), ("min_vpt", 3), ("target_threads", 128))],
     (True, 128): [(), (("stages", 4),), (("stage_rows", 2),), (("chunk_rows", 32), ("stage_rows", 2)),
                   (("min_vpt", 2), ("target_threads", 384)),
                   (("chunk_rows", 32), ("min_vpt", 2), ("stage_rows", 2), ("target_threads", 384))],
