@@ -351,19 +351,27 @@ def disk_cache_dir() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _build_digest() -> str:
-    """Everything a binary depends on besides its spec: our kernel sources, the DSL, Python."""
+    """Everything a binary depends on besides its spec: :func:`digest_sources`, the DSL, Python."""
     import cutlass
 
-    from .kernels import __path__ as kernel_dirs
-
     h = hashlib.sha256()
-    paths = [os.path.abspath(__file__)] + sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(kernel_dirs[0]) for f in fs if f.endswith(".py"))
-    for path in paths:
+    for path in digest_sources():
         with open(path, "rb") as fh:
             h.update(os.path.basename(path).encode() + fh.read())
     h.update(f"{cutlass.__version__}|{sys.version_info[:2]}".encode())
     return h.hexdigest()
+
+
+def digest_sources() -> list[str]:
+    """The files a compiled binary is built from: this module, the modules that build the
+    compile arguments (``elementwise``, ``elementwise_lm_head``: a kernel's signature is its fake
+    arguments there) and every kernel source."""
+    from .kernels import __path__ as kernel_dirs
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    builders = [os.path.join(here, f) for f in ("elementwise.py", "elementwise_lm_head.py")]
+    return [os.path.abspath(__file__)] + builders + sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(kernel_dirs[0]) for f in fs if f.endswith(".py"))
 
 
 def _disk_path(spec) -> tuple[str, str] | None:

@@ -714,6 +714,9 @@ def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_w, k
     from . import dispatch
 
     b, h, s, d = dq.shape
+    if pre is not None and (q_w.dtype != k_w.dtype or q_w.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"rope_backward_kernel: q_w and k_w must both be float32 or both bfloat16, got "
+                         f"{q_w.dtype} and {k_w.dtype}")
     wdt = "float32" if pre is None else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[q_w.dtype]
     spec = RopeBackwardSpec(pre is not None, d, h, dk.shape[1], dispatch.arch_of(qkv.device),
                             dispatch.num_sms(qkv.device), tuple(tuning), wdt)

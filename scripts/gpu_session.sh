@@ -14,8 +14,8 @@
 #
 # Stages:
 #   rope      the RoPE backward's tuning sweep (bench_rope_backward.py --sweep), its GPU tests
-#             (every swept tuning against float64) and compute-sanitizer memcheck of every
-#             backward kernel (sanitize_backward.py)
+#             (every swept tuning against float64), compute-sanitizer memcheck of every
+#             backward kernel (sanitize_backward.py), racecheck and synccheck of the RoPE one
 #   backward  the training-step GPU tests (test_coda_block_gpu, test_train_gpu, test_fold_gpu),
 #             then the model's gradients against fp32 with their error ratios printed (-s)
 #   hf        the HF integration and embedding GPU tests
@@ -59,6 +59,11 @@ stage_rope() {
     step rope-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py -k rope_backward
     step rope-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_backward.py
+    local t
+    for t in racecheck synccheck; do
+        step "rope-$t" 100 compute-sanitizer --tool "$t" --report-api-errors no --kernel-name kns=RopeBackward \
+            python3 scripts/sanitize_backward.py --rope
+    done
 }
 
 stage_backward() {

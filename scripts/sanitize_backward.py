@@ -4,7 +4,9 @@
         python3 scripts/sanitize_backward.py
 
 (without the caching allocator every tensor is an allocation of its own, so an access just past
-one is reported instead of landing in the same cached segment)
+one is reported instead of landing in the same cached segment). ``--rope`` runs the RoPE
+backward's launches alone, for ``--tool racecheck`` and ``--tool synccheck`` (its QK-norm kernel
+reuses its stages' shared memory for the heads' dw sums at the end).
 
 The SwiGLU-backward and RMSNorm-backward GEMMs, the RoPE backward (with and without QK-norm, and
 two staged tunings of the QK-norm kernel and its unstaged path),
@@ -15,6 +17,8 @@ chunks), the gradient times dloss (``coda.scale``, also on
 its own at 333 x 40), the token embedding's backward (fp32, d 40, a table of 77 rows with a padding
 row; and the model's own, bf16), and the two sublayer ops forward and backward.
 """
+
+import sys
 
 import torch
 
@@ -28,14 +32,8 @@ def rand(*shape, scale=1.0, dtype=torch.bfloat16):
     return (torch.randn(*shape, device="cuda") * scale).to(dtype)
 
 
-def main():
-    torch.manual_seed(0)
-    m, d, f, eps = 333, 256, 384, 1e-5
-    y = rand(m, d)
-    ss = R.norm_stats_partials_ref(y, 128)
-    torch.ops.coda.swiglu_backward(rand(m, d), rand(d, f, scale=0.05), rand(m, 2 * f), ss, eps)
-    torch.ops.coda.norm_backward(rand(m, 2 * f), rand(2 * f, d, scale=0.05), y, ss, rand(m, 3, dtype=torch.float32), eps, rand(m, d))
-    b, s, h, hkv = 3, 111, 4, 2
+def rope_kernels(b, s, h, hkv):
+    """The RoPE backward's launches (``--rope``: these alone, for racecheck and synccheck)."""
     for hd, qk in ((64, False), (128, True)):
         n = (h + 2 * hkv) * hd
         q, k, v = qkv_heads(rand(b * s, n), b, h, hkv, hd)
@@ -56,6 +54,21 @@ def main():
         rope_backward_kernel(dq, dk, dv, rand(bq * sq, n), torch.rand(bq * sq, device="cuda") + 0.5,
                              torch.arange(sq, device="cuda", dtype=torch.int32).repeat(bq),
                              R.rope_inv_freq(64, 10000.0, "cuda"), rand(bq * sq, n), qn, kn, 1e-6, tuning)
+
+
+def main(rope_only: bool = False):
+    torch.manual_seed(0)
+    b, s, h, hkv = 3, 111, 4, 2
+    rope_kernels(b, s, h, hkv)
+    if rope_only:
+        torch.cuda.synchronize()
+        print("sanitize_backward: the RoPE backward's kernels ran")
+        return
+    m, d, f, eps = 333, 256, 384, 1e-5
+    y = rand(m, d)
+    ss = R.norm_stats_partials_ref(y, 128)
+    torch.ops.coda.swiglu_backward(rand(m, d), rand(d, f, scale=0.05), rand(m, 2 * f), ss, eps)
+    torch.ops.coda.norm_backward(rand(m, 2 * f), rand(2 * f, d, scale=0.05), y, ss, rand(m, 3, dtype=torch.float32), eps, rand(m, d))
     v_ = 1003
     LH.CHUNK_BYTES = 128 * 2 * 1008  # 128-row chunks: three of them, dW accumulated in bf16
     w = rand(v_, d, scale=d ** -0.5).requires_grad_()
@@ -81,4 +94,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(rope_only="--rope" in sys.argv[1:])

@@ -496,6 +496,13 @@ def _bad_fake():
     yield "rope_bwd inv_freq misaligned", lambda: rope_bwd(t(M, NQKV), off(HD // 2, dtype=F32)), ValueError, aligned
     yield "rope_bwd aligned", lambda: rope_bwd(t(M, NQKV)), None, None
 
+    def rope_bwd_qk(qn_device="cuda"):
+        q, k, v = qkv_heads(t(M, NQKV), B, H, HKV, HD)
+        return torch.ops.coda.rope_backward(q, k, v, t(M, NQKV), t(M, dtype=F32), pos(), t(HD // 2, dtype=F32),
+                                            t(M, NQKV), t(HD, device=qn_device), t(HD), 1e-6)
+    yield "rope_bwd q_norm_w on the host", lambda: rope_bwd_qk("cpu"), ValueError, "all tensors must be on one device"
+    yield "rope_bwd qk-norm", lambda: rope_bwd_qk(), None, None
+
     def mlp(w_down):
         return torch.ops.coda.mlp_block(t(M, D), ss(), t(2 * FF, D), w_down, EPS)
     yield "mlp w_down column-major", lambda: mlp(t(FF, D).t()), ValueError, "coda.mlp_block: w_down must be contiguous"

@@ -249,7 +249,8 @@ def _sweep_tunings():
     for speed): two vectors per thread and stage_rows 2 (two rows side by side), and 8 / 2 heads
     with stage_rows 4 (four rows side by side, each thread skipping the other three's rows), and
     the unstaged QK-norm path (rows in registers, the head sums of dw in shared memory of their
-    own)."""
+    own) at both head dims, and 3 / 1 heads (a ragged row: 40 vectors on 64 threads, the slots
+    past it clamped onto a V vector)."""
     import importlib.util
     from pathlib import Path
 
@@ -259,7 +260,8 @@ def _sweep_tunings():
     spec.loader.exec_module(mod)
     swept = [(qk, hd, t, (32, 8)) for (qk, hd), tunings in mod.SWEEP.items() for t in tunings]
     fixed = [(True, 64, (("min_vpt", 2), ("stage_rows", 2)), (32, 8)), (True, 64, (("stage_rows", 4),), (8, 2)),
-             (True, 128, (("stage_rows", 2),), (8, 2)), (True, 64, (("stages", 0),), (8, 2))]
+             (True, 128, (("stage_rows", 2),), (8, 2)), (True, 64, (("stages", 0),), (8, 2)),
+             (True, 128, (("stages", 0),), (8, 2)), (True, 64, (), (3, 1))]
     return swept + [c for c in fixed if c not in swept]
 
 

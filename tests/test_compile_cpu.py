@@ -461,3 +461,19 @@ def test_disk_key_tells_every_kernel_apart():
         out_dtype: str = "float8_e4m3fn"
         arch: str = "sm_90a"
     assert disk_key(Twin("bfloat16")) != disk_key(QuantizeWeightSpec("bfloat16"))
+
+
+def test_binary_digest_covers_the_modules_that_shape_a_kernel():
+    """The on-disk cache's build digest reads every kernel source and the modules that build the
+    kernels' compile arguments (an element-wise kernel's signature is its spec's fake arguments
+    in ``coda_cute.elementwise``: a change there alone must not load an old binary)."""
+    from pathlib import Path
+
+    from coda_cute import compiler, elementwise, elementwise_lm_head
+    from coda_cute.kernels.elementwise import rope_backward
+
+    sources = {Path(p).resolve() for p in compiler.digest_sources()}
+    for mod in (compiler, elementwise, elementwise_lm_head, rope_backward):
+        assert Path(mod.__file__).resolve() in sources, mod.__name__
+    kernel_root = Path(rope_backward.__file__).resolve().parents[1]
+    assert {p for p in kernel_root.rglob("*.py")} <= sources

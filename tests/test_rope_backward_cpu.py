@@ -97,22 +97,28 @@ def test_stage_rows_must_be_positive_and_only_for_staged_loads(qk_norm, tuning):
 
 # -- the kernel builds -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _build(qk_norm, head_dim):
+def _build(qk_norm, head_dim, weight_dtype="float32"):
     """(PTX, ptxas statistics) of the kernel for 32 / 8 heads, sm_90a."""
-    kernel = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8), keep_artifacts=True)
+    spec = RopeBackwardSpec(qk_norm, head_dim, 32, 8, weight_dtype=weight_dtype)
+    kernel = compile_elementwise(spec, keep_artifacts=True)
     return kernel.ptx, kernel.stats
 
 
-@pytest.mark.parametrize("qk_norm, head_dim", [(False, 64), (True, 128)])
-def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, head_dim):
-    ptx, stats = _build(qk_norm, head_dim)
+@pytest.mark.parametrize("qk_norm, head_dim, weight_dtype", [(False, 64, "float32"), (True, 128, "float32"),
+                                                            (True, 64, "bfloat16")])
+def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, head_dim, weight_dtype):
+    ptx, stats = _build(qk_norm, head_dim, weight_dtype)
     assert ".target sm_90a" in ptx
     # global data moves 16 bytes at a time (loads into registers or cp.async into shared
-    # memory); no 2-byte bf16 access anywhere
+    # memory); no 2-byte bf16 access but the QK-norm weights', read once per thread (8 per
+    # vector slot) as they are
     loads16 = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global[^;]*, 16;", ptx)
     stores16 = re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)
     assert len(loads16) >= 2 and len(stores16) >= 1, (loads16, stores16)
-    assert not re.search(r"(?:ld|st)\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    assert not re.search(r"st\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    loads2 = re.findall(r"ld\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    vpt = RopeBackward(qk_norm, head_dim, 32, 8).vpt
+    assert len(loads2) == (8 * vpt if weight_dtype == "bfloat16" else 0), loads2
     # cos / sin computed in the kernel with the hardware approximations (no table in memory)
     assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
     if qk_norm:  # the per-head sums: butterflies within a head's lanes, and its rsqrt
@@ -152,9 +158,10 @@ def test_bench_sweep_tunings_build_without_spills():
     spec.loader.exec_module(mod)
     for (qk_norm, head_dim), tunings in mod.SWEEP.items():
         for tuning in tunings:
-            stats = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8, tuning=tuning),
-                                        keep_artifacts=True).stats
-            assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (qk_norm, head_dim, tuning, stats)
+            for wdt in ("float32", "bfloat16") if qk_norm else ("float32",):  # the weights as the op has them
+                stats = compile_elementwise(RopeBackwardSpec(qk_norm, head_dim, 32, 8, tuning=tuning, weight_dtype=wdt),
+                                            keep_artifacts=True).stats
+                assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, (qk_norm, head_dim, tuning, wdt, stats)
 
 
 @pytest.mark.parametrize("w_dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),

@@ -277,7 +277,7 @@ def check_rope_backward(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_norm_
         check_tensor(op, "pre", pre, 2, (BF16,), aligned=True)
         check_shape(op, "pre", pre, (m, n), "like qkv ")
     check_same_device(op, dq=dq, dk=dk, dv=dv, qkv=qkv, rstd=rstd, positions=positions,
-                      inv_freq=inv_freq, pre=pre)
+                      inv_freq=inv_freq, pre=pre, q_norm_w=q_norm_w, k_norm_w=k_norm_w)
     return m, n, hd
 
 
