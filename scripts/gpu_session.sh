@@ -16,11 +16,13 @@
 #   rope      the RoPE backward's tuning sweep (bench_rope_backward.py --sweep), its GPU tests
 #             (every swept tuning against float64), compute-sanitizer memcheck of every
 #             backward kernel (sanitize_backward.py), racecheck and synccheck of the RoPE one
+#   rope-bench  bench_rope_backward.py --sweep alone (the op and its kernel's tunings against copy bandwidth)
 #   backward  the training-step GPU tests (test_coda_block_gpu, test_train_gpu, test_fold_gpu),
 #             then the model's gradients against fp32 with their error ratios printed (-s)
 #   hf        the HF integration and embedding GPU tests
 #   fp8       the FP8 GPU tests (quantizers, block-scaled GEMM, LM head, MLP, attention)
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
+#   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
 #             clocks against its shadow's
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
@@ -66,6 +68,10 @@ stage_rope() {
     done
 }
 
+stage_rope_bench() {
+    step rope-bench 150 python3 scripts/bench_rope_backward.py --sweep --rounds 30 --json "$OUT/rope-bench.json"
+}
+
 stage_backward() {
     step backward-tests 400 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py tests/test_train_gpu.py \
         tests/test_fold_gpu.py -k "not rope_backward and not model_gradients"
@@ -83,6 +89,11 @@ stage_fp8() {
 
 stage_train() {
     step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
+}
+
+stage_train_fp8() {
+    step train-fp8 560 python3 scripts/bench_train.py --configs 8b --no-compile --rounds 6 --fp8-row-fast all \
+        --json "$OUT/train-fp8.json"
 }
 
 stage_mlp_gaps() {
@@ -104,13 +115,15 @@ setup
 for s in "$@"; do
     case $s in
         rope) stage_rope ;;
+        rope-bench) stage_rope_bench ;;
         backward) stage_backward ;;
         hf) stage_hf ;;
         fp8) stage_fp8 ;;
         train) stage_train ;;
+        train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope backward hf fp8 train mlp-gaps rope-ncu)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 train train-fp8 mlp-gaps rope-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do

@@ -59,7 +59,8 @@ def event_median_ms(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, rep_
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms: float = 0.0) -> dict:
+def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms: float = 0.0,
+                        lead_cycles: int = 0) -> dict:
     """Median milliseconds of each ``fns[name]()``, timed round-robin: every round runs each fn
     once (L2 flushed before each, CUDA events around it). An H200 under sustained load drifts by
     several percent in clock speed; fns timed one after another would carry that drift into their
@@ -68,7 +69,11 @@ def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms:
     starts cooler than one right after another GEMM), and in any fixed cyclic order, rotated or
     not, every fn keeps the same predecessor. ``settle_ms``: keep running the fns in turns for
     that long first, so that timing starts at the clocks the sequence settles at (a GPU coming
-    from idle starts several percent faster)."""
+    from idle starts several percent faster). ``lead_cycles``: before each timed call the GPU
+    first spins that many clock cycles (``torch.cuda._sleep``, outside the events), so that the
+    host has queued the call before the GPU reaches it: the events then hold the call's GPU time
+    alone, as in a step whose host runs ahead, not the host's time for an op whose kernel is
+    shorter than its Python."""
     flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     for fn in fns.values():
         for _ in range(warmup):
@@ -86,6 +91,8 @@ def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms:
         for name, fn in order:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush.zero_()
+            if lead_cycles:
+                torch.cuda._sleep(lead_cycles)
             start.record()
             fn()
             end.record()
