@@ -307,11 +307,30 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
                                pre.double() if qk_norm else None, qn, kn, 1e-2)
     assert rel_err(g, want[0]) < 1e-2
     assert rel_err(zdz, want[1].float()) < 1e-4
-    if qk_norm:
-        assert dw.shape == (2, hd) and dw.dtype == torch.float32
-        assert rel_err(dw[0], want[2].float()) < 1e-2 and rel_err(dw[1], want[3].float()) < 1e-2
+    if qk_norm:  # the last CTA's sums, in the weights' dtype; the arrival counter back at 0
+        assert [t.dtype for t in dw] == [qn.dtype, kn.dtype] and dw[0].shape == dw[1].shape == (hd,)
+        assert rel_err(dw[0].float(), want[2].float()) < 1e-2 and rel_err(dw[1].float(), want[3].float()) < 1e-2
+        from coda_cute.elementwise import _arrival_counter
+
+        assert _arrival_counter(qkv.device).item() == 0
         n_qk = (h + hkv) * hd
         assert rel_err(_qk_share(zdz, qkv, dv, n_qk), _qk_share(want[1], qkv, dv, n_qk)) < 1e-3
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_backward_without_rows(qk_norm):
+    """No tokens: nothing launched (a grid of no CTAs is no launch), empty g and zdz, and with
+    QK-norm zero weight gradients."""
+    hd, h, hkv = 64, 4, 2
+    dq, dk, dv = cuda(2, h, 0, hd), cuda(2, hkv, 0, hd), cuda(2, hkv, 0, hd)
+    n = (h + 2 * hkv) * hd
+    inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
+    extra = (cuda(0, n), 1 + cuda(hd, scale=0.1), 1 + cuda(hd, scale=0.1), 1e-6) if qk_norm else ()
+    g, zdz, dqn, dkn = torch.ops.coda.rope_backward(dq, dk, dv, cuda(0, n), torch.rand(0, device="cuda"),
+                                                    torch.zeros(0, dtype=torch.int32, device="cuda"), inv_freq, *extra)
+    assert g.shape == (0, n) and zdz.shape == (0, 1)
+    if qk_norm:
+        assert dqn.shape == dkn.shape == (hd,) and not dqn.any() and not dkn.any()
 
 
 def test_attention_core_matches_reference():
