@@ -716,9 +716,12 @@ def _arrival_counter(device) -> torch.Tensor:
     back to 0): one per device and stream, so that launches that may run at the same time never
     share one; under CUDA-graph capture a new one each call (its zeroing captured with the
     kernel: memory of the graph's pool may not outlive the graph)."""
-    if torch.cuda.is_current_stream_capturing():
+    with torch.cuda.device(device):  # the capture state and stream of the tensors' device
+        capturing = torch.cuda.is_current_stream_capturing()
+        stream = torch.cuda.current_stream(device).cuda_stream
+    if capturing:
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    key = (device, stream)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return _COUNTERS[key]
