@@ -295,14 +295,20 @@ def fast_label(fast_accum: str) -> tuple[str, str]:
     return f"fp8 shadow, fast accum ({fast_accum})", f"coda fp8 row-wise, fast accum ({fast_accum})"
 
 
+def mlp_case(m, d, f):
+    """The MLP sublayer's inputs: y (m, d), w_gu (2f, d), w_down (d, f) at 1 / sqrt(K) and the
+    output gradient dy2 (m, d), bf16, random."""
+    y = torch.randn(m, d, device="cuda").bfloat16()
+    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
+    return y, w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
+
+
 def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") -> dict:
     """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
     also the row-wise recipe with it and its shadow."""
-    y = torch.randn(m, d, device="cuda").bfloat16()
+    y, w_gu, w_down, dy2 = mlp_case(m, d, f)
     ss = None if baselines_only else embedding_norm_stats(y)
-    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
-    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
-    dy2 = torch.randn(m, d, device="cuda").bfloat16()
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
     if fast_accum != "none":
         fns[fast_label(fast_accum)[0]] = shadow_step(mlp_gemms(m, d, f), fast_accum=fast_accum)

@@ -133,10 +133,7 @@ def mlp_fp8_steps(fast_accum: str) -> tuple:
 
     torch.manual_seed(0)
     m, d, f = 16384, 4096, 14336
-    y = torch.randn(m, d, device="cuda").bfloat16()
-    w_gu = (torch.randn(2 * f, d, device="cuda") * d ** -0.5).bfloat16()
-    w_down = (torch.randn(d, f, device="cuda") * f ** -0.5).bfloat16()
-    dy2 = torch.randn(m, d, device="cuda").bfloat16()
+    y, w_gu, w_down, dy2 = BF.mlp_case(m, d, f)
     ours = BF.coda_step(torch.ops.coda.mlp_block_fp8, y, embedding_norm_stats(y), w_gu, w_down, dy2, BF.EPS,
                         row_scaling=True, fast_accum=fast_accum)
     return ours, BF.shadow_step(BF.mlp_gemms(m, d, f), fast_accum=fast_accum)
