@@ -692,10 +692,13 @@ class RopeBackwardSpec:
                 _fake("float32", (d // 2,), (1,), 16), rows(), _fake("float32", (m,), (1,))]
         if self.qk_norm:
             w_align = 4 if self.weight_dtype == "float32" else 2
-            args += [rows(), _fake(self.weight_dtype, (d,), (1,), w_align), _fake(self.weight_dtype, (d,), (1,), w_align),
-                     _fake("float32", (cute.sym_int(), 2, d), (2 * d, d, 1), 16)]
+
+            def weight():
+                return _fake(self.weight_dtype, (d,), (1,), w_align)
+            args += [rows(), weight(), weight(), _fake("float32", (cute.sym_int(), 2, d), (2 * d, d, 1), 16),
+                     _fake("int32", (1,), (1,)), weight(), weight()]
         else:
-            args += [None, None, None, None]
+            args += [None] * 7
         return kernel, (*args, cutlass.Float32(1e-6))
 
 
@@ -705,12 +708,31 @@ def _rope_layout(spec: RopeBackwardSpec):
     return spec.kernel()
 
 
+_COUNTERS: dict = {}
+
+
+def _arrival_counter(device) -> torch.Tensor:
+    """The int32 zero the QK-norm RoPE backward's CTAs count themselves on (its last CTA sets it
+    back to 0): one per device and stream, so that launches that may run at the same time never
+    share one; under CUDA-graph capture a new one each call (its zeroing captured with the
+    kernel: memory of the graph's pool may not outlive the graph)."""
+    with torch.cuda.device(device):  # the capture state and stream of the tensors' device
+        capturing = torch.cuda.is_current_stream_capturing()
+        stream = torch.cuda.current_stream(device).cuda_stream
+    if capturing:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_w, k_w, qk_eps: float,
                          tuning: tuple = ()):
-    """(g, zdz (M, 1), dw (2, head_dim) fp32 or None): one pass of the RoPE (+ QK-norm) backward
-    kernel and the sum of its CTAs' partials: dw's rows the q_w and k_w gradients. ``q_w``,
+    """(g, zdz (M, 1), (dq_w, dk_w) or None): one launch of the RoPE (+ QK-norm) backward kernel;
+    with QK-norm dq_w, dk_w (head_dim,) the norm weights' gradients in their dtype. ``q_w``,
     ``k_w``: the QK-norm weights (head_dim,), contiguous, both fp32 or both bf16, with QK-norm,
-    else None; ``tuning`` as in ``RopeBackwardSpec``."""
+    else None; ``tuning`` as in ``RopeBackwardSpec``. No rows: nothing launched, zero gradients."""
     from . import dispatch
 
     b, h, s, d = dq.shape
@@ -723,9 +745,13 @@ def rope_backward_kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, pre, q_w, k
     m, n = qkv.shape
     g = torch.empty_like(qkv)
     zdz = torch.empty((m, 1), dtype=torch.float32, device=qkv.device)
-    partials = None
+    if m == 0:
+        return g, zdz, (None if pre is None else (torch.zeros_like(q_w), torch.zeros_like(k_w)))
+    partials = counter = dws = None
     if pre is not None:
         partials = torch.empty((_rope_layout(spec).num_row_blocks(m), 2, d), dtype=torch.float32, device=qkv.device)
+        counter = _arrival_counter(qkv.device)
+        dws = (torch.empty_like(q_w), torch.empty_like(k_w))
     get_kernel(spec).fn(dq, dk, dv, qkv, rstd, positions, inv_freq, g, zdz.view(m), pre, q_w, k_w, partials,
-                        float(qk_eps))
-    return g, zdz, (partials.sum(0) if partials is not None else None)
+                        counter, *(dws or (None, None)), float(qk_eps))
+    return g, zdz, dws

@@ -307,11 +307,61 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
                                pre.double() if qk_norm else None, qn, kn, 1e-2)
     assert rel_err(g, want[0]) < 1e-2
     assert rel_err(zdz, want[1].float()) < 1e-4
-    if qk_norm:
-        assert dw.shape == (2, hd) and dw.dtype == torch.float32
-        assert rel_err(dw[0], want[2].float()) < 1e-2 and rel_err(dw[1], want[3].float()) < 1e-2
+    if qk_norm:  # the last CTA's sums, in the weights' dtype; the arrival counter back at 0
+        assert [t.dtype for t in dw] == [qn.dtype, kn.dtype] and dw[0].shape == dw[1].shape == (hd,)
+        assert rel_err(dw[0].float(), want[2].float()) < 1e-2 and rel_err(dw[1].float(), want[3].float()) < 1e-2
+        from coda_cute.elementwise import _arrival_counter
+
+        assert _arrival_counter(qkv.device).item() == 0
         n_qk = (h + hkv) * hd
         assert rel_err(_qk_share(zdz, qkv, dv, n_qk), _qk_share(want[1], qkv, dv, n_qk)) < 1e-3
+
+
+@pytest.mark.parametrize("b, s", [(1, 1), (1, 16), (1, 17), (2, 20), (1, 1000)])
+def test_rope_backward_qk_norm_grids(b, s):
+    """The QK-norm kernel's last CTA adds every CTA's dw row: grids of 1, 1, 2, 3 and 63 CTAs
+    (16 rows or more each), so fewer CTAs than the finish's thread groups, empty and uneven
+    groups; four launches in a row on one stream and one on a second stream, each against
+    float64 and its counter back at 0."""
+    from coda_cute.elementwise import _arrival_counter, rope_backward_kernel
+
+    torch.manual_seed(s)
+    h, hkv, hd = 32, 8, 64
+    m, n = b * s, (h + 2 * hkv) * hd
+    qkv, pre = cuda(m, n), cuda(m, n)
+    dq, dk, dv = (_gradients(b, s, n_h, hd, "bshd") for n_h in (h, hkv, hkv))
+    r = torch.rand(m, device="cuda") + 0.5
+    pos = torch.randint(0, 4096, (m,), device="cuda", dtype=torch.int32)
+    inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
+    qn, kn = 1 + cuda(hd, scale=0.1), 1 + cuda(hd, scale=0.1)
+    want = R.rope_backward_ref(*(t.double() for t in (dq, dk, dv)), qkv, r, pos, inv_freq, pre.double(), qn, kn, 1e-2)
+    side = torch.cuda.Stream()
+    runs = []
+    for stream in [torch.cuda.current_stream()] * 4 + [side]:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            runs.append(rope_backward_kernel(dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-2)[2])
+            assert _arrival_counter(qkv.device).item() == 0
+    torch.cuda.synchronize()
+    for dqn, dkn in runs:
+        assert rel_err(dqn.float(), want[2].float()) < 1e-2 and rel_err(dkn.float(), want[3].float()) < 1e-2
+        assert dqn.equal(runs[0][0]) and dkn.equal(runs[0][1])  # deterministic
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_backward_without_rows(qk_norm):
+    """No tokens: nothing launched (a grid of no CTAs is no launch), empty g and zdz, and with
+    QK-norm zero weight gradients."""
+    hd, h, hkv = 64, 4, 2
+    dq, dk, dv = cuda(2, h, 0, hd), cuda(2, hkv, 0, hd), cuda(2, hkv, 0, hd)
+    n = (h + 2 * hkv) * hd
+    inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
+    extra = (cuda(0, n), 1 + cuda(hd, scale=0.1), 1 + cuda(hd, scale=0.1), 1e-6) if qk_norm else ()
+    g, zdz, dqn, dkn = torch.ops.coda.rope_backward(dq, dk, dv, cuda(0, n), torch.rand(0, device="cuda"),
+                                                    torch.zeros(0, dtype=torch.int32, device="cuda"), inv_freq, *extra)
+    assert g.shape == (0, n) and zdz.shape == (0, 1)
+    if qk_norm:
+        assert dqn.shape == dkn.shape == (hd,) and not dqn.any() and not dkn.any()
 
 
 def test_attention_core_matches_reference():

@@ -111,18 +111,21 @@ def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, he
     assert ".target sm_90a" in ptx
     # global data moves 16 bytes at a time (loads into registers or cp.async into shared
     # memory); no 2-byte bf16 access but the QK-norm weights', read once per thread (8 per
-    # vector slot) as they are
+    # vector slot) as they are, and their gradients, written by the last CTA (one store)
     loads16 = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global[^;]*, 16;", ptx)
     stores16 = re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)
     assert len(loads16) >= 2 and len(stores16) >= 1, (loads16, stores16)
-    assert not re.search(r"st\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    stores2 = re.findall(r"st\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
+    assert len(stores2) == (1 if weight_dtype == "bfloat16" else 0), stores2
     loads2 = re.findall(r"ld\.global(?:\.\w+)*\.(?:b16|u16|bf16)\b", ptx)
     vpt = RopeBackward(qk_norm, head_dim, 32, 8).vpt
     assert len(loads2) == (8 * vpt if weight_dtype == "bfloat16" else 0), loads2
     # cos / sin computed in the kernel with the hardware approximations (no table in memory)
     assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
-    if qk_norm:  # the per-head sums: butterflies within a head's lanes, and its rsqrt
+    if qk_norm:  # the per-head sums: butterflies within a head's lanes, and its rsqrt; the CTAs
+        # counted in at GPU scope (a release fence, one acq_rel atomic per CTA)
         assert "shfl.sync.bfly.b32" in ptx and "rsqrt.approx" in ptx
+        assert ptx.count("fence.acq_rel.gpu") == 1 and len(re.findall(r"atom\.global\.acq_rel\.add", ptx)) == 1
     assert stats.get("spill_stores", 0) == 0 and stats.get("spill_loads", 0) == 0, stats
     assert stats.get("registers", 0) > 0, stats
 
@@ -169,9 +172,9 @@ def test_bench_sweep_tunings_build_without_spills():
 def test_op_body_hands_the_kernel_its_weights_and_returns_separate_gradients(monkeypatch, w_dtypes):
     """``coda.rope_backward``'s CUDA body around the kernel (run here on CPU tensors, the kernel
     stood in by the float64 reference): the QK-norm weights reach it contiguous in one dtype
-    (bf16 or fp32 as given; fp32 when they differ), its (2, D) fp32 dw comes back as the two
-    weights' gradients in their own dtypes, and those two outputs share no memory (a custom op's
-    outputs may not alias: its aliasing check would refuse them)."""
+    (bf16 or fp32 as given; fp32 when they differ), its gradients (in that dtype) come back in
+    each weight's own dtype, and the two outputs share no memory (a custom op's outputs may not
+    alias: its aliasing check would refuse them)."""
     from coda_cute import reference as R
     from coda_cute.ops import qkv as Q
     from coda_cute.ops.attention import qkv_heads
@@ -190,7 +193,7 @@ def test_op_body_hands_the_kernel_its_weights_and_returns_separate_gradients(mon
 
     def kernel(dq_, dk_, dv_, qkv_, r_, pos_, inv_, pre_, q_w, k_w, qk_eps, tuning=()):
         seen.update(q_w=q_w, k_w=k_w, eps=qk_eps)
-        return want[0].bfloat16(), want[1].float(), torch.stack([want[2], want[3]]).float()
+        return want[0].bfloat16(), want[1].float(), (want[2].float().to(q_w.dtype), want[3].float().to(k_w.dtype))
 
     monkeypatch.setattr(Q, "rope_backward_kernel", kernel)
     g, zdz, dqn, dkn = Q.rope_backward.impls["cuda"](dq, dk, dv, qkv, r, pos, inv_freq, pre, qn, kn, 1e-6)

@@ -304,13 +304,12 @@ def rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: tor
     if pre is not None:  # the kernel reads both weights as they are, in one dtype
         wdt = q_norm_w.dtype if q_norm_w.dtype == k_norm_w.dtype else F32
         q_w, k_w = q_norm_w.to(wdt).contiguous(), k_norm_w.to(wdt).contiguous()
-    g, zdz, dw = rope_backward_kernel(dq, dk, dv, qkv, rstd, positions.to(torch.int32), inv_freq,
-                                      pre, q_w, k_w, qk_eps)
-    if dw is None:
+    g, zdz, dws = rope_backward_kernel(dq, dk, dv, qkv, rstd, positions.to(torch.int32), inv_freq,
+                                       pre, q_w, k_w, qk_eps)
+    if dws is None:
         return g, zdz, qkv.new_empty((0,), dtype=F32), qkv.new_empty((0,), dtype=F32)
-    # dw's rows are the two weights' gradients (fp32); a custom op's outputs may not alias each
-    # other, so the second is always a tensor of its own
-    return g, zdz, dw[0].to(q_norm_w.dtype), dw[1].to(k_norm_w.dtype, copy=True)
+    # in the weights' dtype already, unless they differ (then fp32 from the kernel)
+    return g, zdz, dws[0].to(q_norm_w.dtype), dws[1].to(k_norm_w.dtype)
 
 
 @rope_backward.register_fake

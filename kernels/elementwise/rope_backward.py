@@ -23,6 +23,7 @@ With ``r = rstd[m]``, per Q/K head of row m (``d``: that head's D values of dq o
                    form  qk_eps rs^3 sum(x gw)  (the literal sum cancels down to ~qk_eps)
             dw_partials[p, 0 | 1, e] = sum over the rows of CTA p and its Q | K heads of
                                        dqn[m, head, e] xh[m, head, e]
+            dq_w[e], dk_w[e] = sum over p of dw_partials[p, 0 | 1, e]   (in the weights' dtype)
 * always:   g[m, j] = bf16(r dz[m, j]).
 
 Bandwidth-bound: dq/dk/dv and qkv (QK-norm: x_pre on Q/K, qkv on V) are read and g written,
@@ -65,9 +66,12 @@ shared-memory step (double buffered), added in warp order by one thread per row 
 chunk's one barrier: deterministic, written once. With QK-norm the side-by-side rows' dw
 accumulators are added in shared memory at the end, in order, then the heads' (the staged path
 reuses the stages' memory), one thread per (Q | K, e) adding them in head order, and row p of
-``dw_partials`` is written (every entry, no atomics; the caller sums over p: one small launch,
-where a per-column P x n_qk layout needed the head sums too, and the weights expanded per column
-before the kernel).
+``dw_partials`` is written (every entry, no atomics on data). The CTAs then count themselves on
+``counter`` (an int32 that is 0 at launch): the last to arrive adds every CTA's row in CTA order
+(a few groups of threads over disjoint CTA ranges, then the groups in order: deterministic) and
+writes dq_w / dk_w in the weights' dtype, and sets the counter back to 0 for the next launch.
+So the op is this one launch (before: the weights expanded per column and cast, then a sum over
+the CTAs and over the heads and two casts, each a launch of its own).
 
 The kernel is correct for any grid size: with QK-norm it takes P from ``dw_partials.shape[0]``.
 """
@@ -120,15 +124,17 @@ def row_layout(nv: int, min_vpt: int = 1) -> tuple[int, int]:
 
 class RopeBackward:
     """See the module docstring. ``__call__(dq, dk, dv, qkv, rstd, positions, inv_freq, g, s,
-    x_pre, q_w, k_w, dw_partials, qk_eps, stream)``:
+    x_pre, q_w, k_w, dw_partials, counter, dq_w, dk_w, qk_eps, stream)``:
 
     dq (B, H, S, D), dk / dv (B, Hkv, S, D) bf16, any strides with D contiguous, the others
     multiples of 8 elements, 16-byte-aligned bases; qkv, g (M, N) bf16 and x_pre (M, N) bf16
     (QK-norm; only its first n_qk columns are read), rows 16-byte aligned; rstd (M,) fp32;
     positions (M,) int32; inv_freq (D/2,) fp32, 16-byte aligned; s (M,) fp32 out; q_w, k_w (D,)
     contiguous, both fp32 or both bf16 (read once per thread, any alignment); dw_partials
-    (P, 2, D) fp32 out, contiguous; qk_eps fp32. Without QK-norm x_pre, q_w, k_w and dw_partials
-    are None and qk_eps is ignored.
+    (P, 2, D) fp32, contiguous: the CTAs' workspace; counter (1,) int32, 0 at launch and again
+    after it (one launch at a time may use it); dq_w, dk_w (D,) out, contiguous, the weights'
+    dtype; qk_eps fp32. Without QK-norm x_pre, q_w, k_w, dw_partials, counter, dq_w and dk_w are
+    None and qk_eps is ignored.
 
     Tuning (keyword arguments; defaults in ``DEFAULTS``, picked on an H200 at M = 16384,
     H = 32, Hkv = 8, D = 64 / 128): ``target_threads`` (CTA size aimed at: THREADS / C rows
@@ -214,30 +220,44 @@ class RopeBackward:
             n += self.nv_qk * VEC * 4
         if self.qk_norm and self.sub_rows > 1:
             n += (self.sub_rows - 1) * self.c * self.vpt * VEC * 4
+        if self.qk_norm:
+            n += 16  # the arrival count
         return n
+
+    @property
+    def finish_groups(self) -> int:
+        """G, the groups of threads that add the CTAs' dw rows over disjoint CTA ranges in the
+        last CTA (their 2 D partial sums go to the heads' sum buffer, of (H + Hkv) D floats)."""
+        return max(1, min(self.threads // (2 * self.head_dim), (self.n_heads + self.n_kv_heads) // 2))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, qkv: cute.Tensor,
                  rstd: cute.Tensor, positions: cute.Tensor, inv_freq: cute.Tensor, g: cute.Tensor,
-                 s: cute.Tensor, x_pre, q_w, k_w, dw_partials, qk_eps: Float32, stream):
+                 s: cute.Tensor, x_pre, q_w, k_w, dw_partials, counter, dq_w, dk_w, qk_eps: Float32,
+                 stream):
         m = qkv.shape[0]
         if const_expr(self.qk_norm):
             blocks = dw_partials.shape[0]  # whatever P the caller allocated
         else:
             blocks = cutlass.min(cute.ceil_div(m, MIN_ROWS), self.num_sms * self.ctas_per_sm)
-        # minctasm only where it says something (> 1 also needs the carveout given, else the
-        # DSL asks the device for its shared-memory size at compile time)
-        bounds = {} if self.ctas_per_sm == 1 else dict(min_blocks_per_mp=self.ctas_per_sm,
-                                                       preferred_smem_carveout=100)
+        # minctasm > 1 also needs the carveout given, else the DSL asks the device for its
+        # shared-memory size at compile time. With QK-norm, one CTA per SM is said too: its
+        # shared memory allows no second one, and unsaid, ptxas held the kernel to 80 registers
+        # (room for two 384-thread CTAs) and spilled
+        if const_expr(self.ctas_per_sm > 1):
+            bounds = dict(min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)
+        else:
+            bounds = dict(min_blocks_per_mp=1) if self.qk_norm else {}
         self.kernel(dq, dk, dv, qkv, rstd, positions, inv_freq, g, s, x_pre, q_w, k_w, dw_partials,
-                    qk_eps).launch(grid=(blocks, 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                   **bounds)
+                    counter, dq_w, dk_w, qk_eps).launch(grid=(blocks, 1, 1), block=(self.threads, 1, 1),
+                                                        stream=stream, **bounds)
 
     @cute.kernel
     def kernel(self, dq: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, qkv: cute.Tensor,
                rstd: cute.Tensor, positions: cute.Tensor, inv_freq: cute.Tensor, g: cute.Tensor,
-               s_out: cute.Tensor, x_pre, q_w, k_w, dw_partials, qk_eps: Float32):
+               s_out: cute.Tensor, x_pre, q_w, k_w, dw_partials, counter, dq_w, dk_w,
+               qk_eps: Float32):
         H, HKV, LPH, C, VPT, RIF = (self.n_heads, self.n_kv_heads, self.lph, self.c, self.vpt,
                                     self.rif)
         tidx, _, _ = cute.arch.thread_idx()
@@ -275,6 +295,9 @@ class RopeBackward:
         hsum = None  # QK-norm, unstaged: the CTA's dw per column, summed over heads at the end
         if const_expr(self.qk_norm and not self.staged):
             hsum = smem.allocate_tensor(Float32, cute.make_layout((self.nv_qk * VEC,)), 16)
+        arrived = None  # QK-norm: how many CTAs had finished before this one
+        if const_expr(self.qk_norm):
+            arrived = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
         xs = None  # QK-norm: the dw accumulators of the other side-by-side rows, added at the end
         if const_expr(self.qk_norm and self.sub_rows > 1):
             xs = smem.allocate_tensor(Float32, cute.make_layout(
@@ -417,6 +440,7 @@ class RopeBackward:
                 hsum = cute.make_tensor(cute.recast_ptr(st_v.iterator, dtype=Float32),
                                         cute.make_layout((self.nv_qk * VEC,)))
             self._write_dw(dw_partials, dw_acc, xs, hsum, p, sub, t, tidx, vs, is_qk)
+            self._finish_dw(dw_partials, counter, dq_w, dk_w, hsum, arrived, tidx)
 
     # -- pieces ----------------------------------------------------------------------------------
     @cute.jit
@@ -686,3 +710,44 @@ class RopeBackward:
             for hh in cutlass.range(first, first + cutlass.select_(kv == 0, H, HKV), unroll=1):
                 tot = tot + hsum[hh * D + e - kv * D]
             dw_partials[(p, kv, e - kv * D)] = tot
+
+    @cute.jit
+    def _finish_dw(self, dw_partials, counter, dq_w, dk_w, hsum, arrived, tidx):
+        """The last CTA to finish writes dq_w / dk_w: each CTA's row p of dw_partials is written
+        (by :meth:`_write_dw`) before one thread releases it at GPU scope and counts the CTA
+        in; the CTA that counts P - 1 acquires every row, and G groups of its threads add the
+        rows of CTAs [g * per, (g + 1) * per) in CTA order into ``hsum`` (its heads' sums are
+        read: a barrier ago), then one thread per (Q | K, e) adds the groups in order and stores
+        the weight's dtype. That CTA sets the counter back to 0."""
+        D, G = self.head_dim, self.finish_groups
+        nblk = dw_partials.shape[0]
+        cute.arch.sync_threads()  # the CTA's row is written, its heads' sums read
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            arrived[0] = cute.arch.atomic_add(counter.iterator, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.sync_threads()
+        if arrived[0] == nblk - 1:
+            per = cute.ceil_div(nblk, G)
+            for e in cutlass.range(tidx, G * 2 * D, self.threads, unroll=1):
+                grp = e // (2 * D)
+                col = e - grp * (2 * D)
+                kv = col // D
+                tot = Float32(0.0)
+                for q in cutlass.range(grp * per, cutlass.min(grp * per + per, nblk), unroll=1):
+                    tot = tot + dw_partials[(q, kv, col - kv * D)]
+                hsum[e] = tot
+            cute.arch.sync_threads()
+            wty = dq_w.element_type
+            for e in cutlass.range(tidx, 2 * D, self.threads, unroll=1):
+                tot = hsum[e]
+                for grp in cutlass.range_constexpr(1, G):
+                    tot = tot + hsum[grp * 2 * D + e]
+                # one store through the selected weight's address (two stores under a branch
+                # took ptxas down to 80 registers and a spill)
+                kv = e // D
+                addr = Int64(cutlass.select_(kv == 0, dq_w.iterator.toint(), dk_w.iterator.toint()))
+                out = cute.make_tensor(cute.make_ptr(wty, addr, cute.AddressSpace.gmem,
+                                                     assumed_align=wty.width // 8), cute.make_layout((D,)))
+                out[e - kv * D] = wty(tot)
+            if tidx == 0:
+                counter[0] = Int32(0)
