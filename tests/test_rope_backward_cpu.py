@@ -95,6 +95,17 @@ def test_stage_rows_must_be_positive_and_only_for_staged_loads(qk_norm, tuning):
         RopeBackward(qk_norm, 64, 32, 8, **tuning)
 
 
+def test_unstaging_the_qk_norm_kernel_drops_its_default_stage_rows():
+    """stages=0 alone on QK-norm (whose default stages its loads two rows at a time) builds the
+    unstaged layout: rows in registers from vecs_in_flight, one row per step and thread, and the
+    same kernel as asking for stage_rows=1 too (one tuning, one name)."""
+    k = RopeBackward(True, 64, 32, 8, stages=0)
+    assert RopeBackward.DEFAULTS[True]["stage_rows"] > 1
+    assert not k.staged and k.tuning["stage_rows"] == 1
+    assert k.rif == max(1, k.tuning["vecs_in_flight"] // k.vpt)
+    assert k.tuning == RopeBackward(True, 64, 32, 8, stages=0, stage_rows=1).tuning
+
+
 # -- the kernel builds -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _build(qk_norm, head_dim, weight_dtype="float32"):
@@ -126,6 +137,9 @@ def test_kernel_builds_for_sm90a_with_16_byte_accesses_and_no_spills(qk_norm, he
         # counted in at GPU scope (a release fence, one acq_rel atomic per CTA)
         assert "shfl.sync.bfly.b32" in ptx and "rsqrt.approx" in ptx
         assert ptx.count("fence.acq_rel.gpu") == 1 and len(re.findall(r"atom\.global\.acq_rel\.add", ptx)) == 1
+        # the last CTA's sum over the CTAs' rows: 8 rows' loads at a time (then the remainder's)
+        finish = ptx[ptx.index("atom.global.acq_rel.add"):]
+        assert len(re.findall(r"ld\.global\.b32\b", finish)) >= 9, finish[:2000]
     assert stats.get("spill_stores", 0) == 0 and stats.get("spill_loads", 0) == 0, stats
     assert stats.get("registers", 0) > 0, stats
 
