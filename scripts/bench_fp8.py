@@ -24,6 +24,10 @@ medians). Also printed: the bytes our separate quantization passes move per step
         [--profile]                                  # also the kernels of one coda fp8 step (both variants)
     python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
     python scripts/bench_fp8.py --sublayer attention [--heads 32 --kv-heads 8 --head-dim 128 --seq 4096]
+    ncu --nvtx --nvtx-include "coda-fp8-step/" python scripts/bench_fp8.py --once --fast-accum all
+
+``--once``: no timing; our row-wise variant (with ``--fast-accum``'s) runs one warm-up step, then
+one step inside the NVTX range ``coda-fp8-step``, for a profiler to take its kernels alone.
 
 ``--sublayer attention``: the attention sublayer (``coda.attention_block_fp8`` in both recipes and
 the bf16 ``coda.attention_block``: QKV with the RMSNorm and RoPE in its epilogue, the causal GQA
@@ -355,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="print the kernels of one coda fp8 step")
+    p.add_argument("--once", action="store_true",
+                   help="our row-wise step once after a warm-up one, in the NVTX range coda-fp8-step (for ncu)")
     p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
     p.add_argument("--sublayer", choices=("mlp", "attention"), default="mlp")
     p.add_argument("--heads", type=int, default=32)
@@ -371,6 +377,15 @@ def main(argv=None) -> int:
     m, d, f = args.tokens, args.dim, args.ffn
     fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum) if args.sublayer == "mlp" else \
         attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
+    if args.once:
+        name = fast_label(args.fast_accum)[1] if args.fast_accum != "none" else "coda fp8 row-wise"
+        fns[name]()
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range("coda-fp8-step"):
+            fns[name]()
+        torch.cuda.synchronize()
+        console.print(f"{name}: one step in the NVTX range coda-fp8-step")
+        return 0
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:
             fn()

@@ -25,6 +25,8 @@
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
 #             clocks against its shadow's
+#   fp8-ncu   ncu of the quantize, amax and transpose kernels of one FP8 MLP step (row-wise, fast
+#             accumulation: bench_fp8.py --once)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
 set -u
@@ -100,6 +102,13 @@ stage_mlp_gaps() {
     step mlp-gaps 400 python3 scripts/trace_step.py --model mlp-fp8 --fast-accum all
 }
 
+stage_fp8_ncu() {
+    step fp8-ncu 300 ncu --clock-control none --nvtx --nvtx-include "coda-fp8-step/" \
+        --kernel-name regex:"AbsMax|QuantizeDual|TransposeBytes|QuantizeWholeRows" --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python3 scripts/bench_fp8.py --once --fast-accum all
+}
+
 stage_rope_ncu() {
     # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
     local skip
@@ -122,8 +131,9 @@ for s in "$@"; do
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
+        fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 train train-fp8 mlp-gaps rope-ncu)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
