@@ -11,7 +11,9 @@ Kernels: ``quantize_rows`` (1 x 128 along the rows: y, h, the attention output f
 transposed layout alone: h, y along the tokens for the weight gradients), and the row-wise recipe's
 ``quantize_rowwise`` (both layouts, columns alone, rows alone: one scale per whole row or column,
 its time including the launcher's amax pass, ``abs_max``, which reads x once more; the bytes
-counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts).
+counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts; also with
+``fold``, a weight gradient's activation columns scaled by the gradient rows' factors), and the
+columns' amax pass alone (``abs_max``: x read once).
 Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
@@ -27,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coda_cute.elementwise import quantize_dual, quantize_rows, quantize_rowwise
+from coda_cute.elementwise import abs_max, quantize_dual, quantize_rows, quantize_rowwise
 from coda_cute.sol.timing import interleaved_medians
 
 FP8 = torch.float8_e4m3fn
@@ -59,12 +61,17 @@ def main(argv=None) -> int:
     for m, k in SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
         dst = torch.empty_like(x)
+        fold = torch.rand(m, device="cuda") + 0.5  # a gradient's row scales, folded into x's rows
         kernels = {"quantize_rows": (lambda: quantize_rows(x, FP8), (True, False)),
                    "quantize_dual": (lambda: quantize_dual(x, FP8), (True, True)),
                    "quantize_dual(rows=False)": (lambda: quantize_dual(x, FP8, rows=False), (False, True)),
                    "quantize_rowwise": (lambda: quantize_rowwise(x, FP8), (True, True, True)),
                    "quantize_rowwise(rows=False)": (lambda: quantize_rowwise(x, FP8, rows=False), (False, True, True)),
-                   "quantize_rowwise(cols=False)": (lambda: quantize_rowwise(x, FP8, cols=False), (True, False, True))}
+                   "quantize_rowwise(cols=False)": (lambda: quantize_rowwise(x, FP8, cols=False), (True, False, True)),
+                   # a weight gradient's folded activation columns, and their amax pass alone
+                   "quantize_rowwise(rows=False, fold)": (lambda: quantize_rowwise(x, FP8, rows=False, fold=fold),
+                                                          (False, True, True)),
+                   "abs_max(columns, fold)": (lambda: abs_max(x, rows=False, fold=fold), (False, False, True))}
         fns = {"copy": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in kernels.items()}}
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
         copy_tbs = 2 * 2 * m * k / ms["copy"] / 1e9

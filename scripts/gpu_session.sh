@@ -21,6 +21,8 @@
 #             then the model's gradients against fp32 with their error ratios printed (-s)
 #   hf        the HF integration and embedding GPU tests
 #   fp8       the FP8 GPU tests (quantizers, block-scaled GEMM, LM head, MLP, attention)
+#   quant     the quantizer GPU tests and the FP8 MLP's (test_fp8_gpu, test_mlp_fp8_gpu),
+#             bench_quantize.py, compute-sanitizer memcheck of sanitize_fp8.py (the quantizers, an FP8 model)
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
@@ -89,6 +91,13 @@ stage_fp8() {
         tests/test_lm_head_fp8_gpu.py tests/test_mlp_fp8_gpu.py tests/test_attention_fp8_gpu.py
 }
 
+stage_quant() {
+    step quant-tests 300 python3 -m pytest -q -m gpu -n 6 tests/test_fp8_gpu.py tests/test_mlp_fp8_gpu.py
+    step quant-bench 200 python3 scripts/bench_quantize.py --rounds 20 --json "$OUT/quant.json"
+    step quant-memcheck 250 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+}
+
 stage_train() {
     step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
 }
@@ -128,12 +137,13 @@ for s in "$@"; do
         backward) stage_backward ;;
         hf) stage_hf ;;
         fp8) stage_fp8 ;;
+        quant) stage_quant ;;
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
