@@ -106,6 +106,18 @@ def test_unstaging_the_qk_norm_kernel_drops_its_default_stage_rows():
     assert k.tuning == RopeBackward(True, 64, 32, 8, stages=0, stage_rows=1).tuning
 
 
+def test_every_tuning_of_the_gpu_tests_is_a_layout():
+    """Each tuning the GPU tests launch (``test_coda_block_gpu._sweep_tunings``: the benchmark's
+    sweep and the fixed staged, unstaged and ragged cases) is a layout the kernel accepts, checked
+    here on the CPU: a change of defaults that turns one into an error (stages=0 alone raised once
+    the staged default took two rows per stage) fails in CI, not first on the GPU."""
+    from test_coda_block_gpu import _sweep_tunings
+
+    for qk_norm, head_dim, tuning, (h, hkv) in _sweep_tunings():
+        k = RopeBackward(qk_norm, head_dim, h, hkv, **dict(tuning))
+        assert k.threads <= 1024 and k.chunk % k.step == 0, (qk_norm, head_dim, tuning)
+
+
 # -- the kernel builds -----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _build(qk_norm, head_dim, weight_dtype="float32"):
