@@ -13,7 +13,7 @@ from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, 
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
 from coda_cute.kernels.epilogue.edges import unmasked_max, zero_past_edge, zero_past_rows
-from coda_cute.kernels.epilogue.nodes import nonnegative
+from coda_cute.kernels.epilogue.rewrites import nonnegative
 from coda_cute.kernels.sm90.epilogue import MIN_LOAD_STAGES, Sm90TreeEpilogue
 from coda_cute.ops.lm_head_ce import logits_tree
 from coda_cute.ops.qkv import norm_rope_qkv_tree

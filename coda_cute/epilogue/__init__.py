@@ -55,9 +55,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     row_vec,
     rsqrt,
     scalar,
-    scale_acc,
     scalar_tensor,
-    segment_reduce,
     sigmoid,
     silu,
     sin,
@@ -70,6 +68,7 @@ from ..kernels.epilogue.nodes import (  # noqa: F401  (the public vocabulary)
     where,
     wide_tile,
 )
+from ..kernels.epilogue.rewrites import scale_acc, segment_reduce  # noqa: F401  (the public vocabulary)
 from .reference import evaluate, finalize_lse, finalize_max, finalize_sum  # noqa: F401
 from .register import register_op  # noqa: F401
 from .runner import run

@@ -36,6 +36,7 @@ import math
 from typing import Optional, Union
 
 from . import nodes as N
+from .rewrites import is_row_uniform, nonnegative
 
 #: an unknown row-uniform number (:func:`edge_value`)
 ROW = "row"
@@ -138,7 +139,7 @@ _SAME_PAST_M = (N.Const, N.Scalar, N.ScalarTensor, N.RowVec, N.RowSum, N.ColVec,
 def _same_past_edge(x: N.Node, axis: str) -> bool:
     """Whether every leaf of ``x`` reads, past the edge, a number it also has inside the problem."""
     if axis == "col":
-        return N.is_row_uniform(x)
+        return is_row_uniform(x)
     return all(isinstance(n, _SAME_PAST_M) or not isinstance(n, (N.Leaf, N.Pairwise, N.SegmentReduce))
                for n in N.walk(x))
 
@@ -209,5 +210,5 @@ def zero_past_rows(x: N.Node) -> bool:
 @functools.lru_cache(maxsize=None)
 def unmasked_max(x: N.Node, axis: str = "col") -> bool:
     """Whether a row max of ``x`` over a tile may take its columns past N unmasked (``axis="row"``:
-    a column max its rows past M): ``x`` is zero there and never negative (:func:`nodes.nonnegative`)."""
-    return N.nonnegative(x) and (zero_past_edge(x) if axis == "col" else zero_past_rows(x))
+    a column max its rows past M): ``x`` is zero there and never negative (:func:`rewrites.nonnegative`)."""
+    return nonnegative(x) and (zero_past_edge(x) if axis == "col" else zero_past_rows(x))
