@@ -43,7 +43,7 @@ def rope_kernels(b, s, h, hkv):
         extra = (rand(b * s, n), 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1), 1e-6) if qk else ()
         torch.ops.coda.rope_backward(dq, dk, dv, rand(b * s, n), torch.rand(b * s, device="cuda") + 0.5, pos,
                                      R.rope_inv_freq(hd, 10000.0, "cuda"), *extra)
-    # the QK-norm kernel's tunings (two swept, staged; one unstaged) in their own 32 / 8-head
+    # the QK-norm kernel's tunings (two staged, one unstaged) in their own 32 / 8-head
     # layouts, on 700 sequences of 3 rows (~16 rows per CTA: several steps each, past the
     # prologue): the row cursor crosses batches inside a stage and passes the CTA's end
     bq, sq, hq, hkvq = 700, 3, 32, 8

@@ -150,8 +150,9 @@ class RopeBackward:
     #: registers). QK-norm needs ~40 more registers per row, so its rows are staged instead, two
     #: consecutive rows per thread and stage, 32-row tables: the fastest of the H200 sweep at
     #: both head dims (2026-12-05, bench_rope_backward.py --sweep, 4 x 4096 tokens, 32 / 8 heads:
-    #: 0.860 / 0.900 of copy bandwidth at head_dim 64 / 128, against 0.849 / 0.894 for one row
-    #: per stage and 64-row tables).
+    #: 0.860 / 0.900 of copy bandwidth at head_dim 64 / 128 for the kernel and its partials'
+    #: sum then, against 0.849 / 0.894 for one row per stage and 64-row tables; with the last
+    #: CTA's finish, the op in one launch: 0.878 / 0.907).
     DEFAULTS = {
         False: dict(target_threads=768, min_vpt=1, vecs_in_flight=4, stages=0, stage_rows=1,
                     chunk_rows=64, ctas_per_sm=1),
