@@ -212,21 +212,22 @@ def quantize_bytes(m, d, f) -> list[dict]:
     layout has a sink; along its columns a block-scaled tile holds half a block of each row), dz'
     the down dgrad's double-width one (both layouts); the weights are quantized by
     their own kernel with their FP8 transposes (read bf16, write both), once per version with
-    ``nn.fold.WeightQuantCache``. ``row_wise``: the same passes in the row-wise recipe, which
-    also read a tensor once more first wherever a column amax over all the tokens is needed (the
-    activations along the tokens, the weights' transposes: ``elementwise.abs_max``); a tensor
-    needed along K only is read once (``elementwise.QuantizeWholeRowsSpec``), and so is a gradient,
-    whose FP8 rows are then transposed as bytes (read and written once more,
-    ``elementwise.transpose_fp8``: its wgrad folds the row scales into the activation)."""
-    rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM"),
-            ("h (forward, along K)", m * f, 1, "no: a row of h is half a block per block-scaled tile"),
-            ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad"),
-            ("dz' (both layouts)", m * 2 * f, 2, "yes: the down dgrad (double-width, both layouts)"),
-            ("h (along the tokens)", m * f, 1, "yes: the gate/up GEMM (half-width, transposed)"),
-            ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)")]
+    ``nn.fold.WeightQuantCache``. ``row_wise``: the same tensors in the row-wise recipe, bytes per
+    element: a tensor needed along K is read once and written (3, ``elementwise.QuantizeWholeRowsSpec``);
+    a column quantization over all the tokens reads once more first for the columns' amaxes (5,
+    ``elementwise.abs_max``; the weights' transposes too); dz''s FP8 rows are transposed as bytes
+    for its wgrad (2 more, ``elementwise.transpose_fp8``; the wgrad folds its row scales into y's
+    columns), and so are h's, kept from the forward (2: the down-proj wgrad folds h's row scales
+    into dy2's columns, ``fp8_gemms.wgrad_kept``; the down dgrad no longer stores h either)."""
+    rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM", 3),
+            ("h (forward, along K)", m * f, 1, "no: a row of h is half a block per block-scaled tile", 3),
+            ("dy2 (both layouts)", m * d, 2, "yes: the next sublayer's dgrad", 3 + 5),
+            ("dz' (both layouts)", m * 2 * f, 2, "yes: the down dgrad (double-width, both layouts)", 3 + 2),
+            ("h (along the tokens)", m * f, 1, "yes: the gate/up GEMM (half-width, transposed)", 2),
+            ("y (along the tokens)", m * d, 1, "yes: the previous residual GEMM (transposed sink)", 5)]
     out = [dict(tensor=name, elements=n, separate=n * (2 + layouts * _FP8), fused=n * layouts * _FP8, sink=sink,
-                row_wise=n * (2 + 1 + (0 if "along K" in name else 2)))
-           for name, n, layouts, sink in rows]
+                row_wise=n * row_wise)
+           for name, n, layouts, sink, row_wise in rows]
     w = 3 * f * d
     out.append(dict(tensor="W_gu, W_down (128 x 128, with transposes)", elements=w, separate=w * (2 + 2),
                     fused=None, sink="own kernel, once per version when cached", row_wise=w * (2 + 2 + 2)))

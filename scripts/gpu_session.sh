@@ -23,6 +23,8 @@
 #   fp8       the FP8 GPU tests (quantizers, block-scaled GEMM, LM head, MLP, attention)
 #   quant     the quantizer GPU tests and the FP8 MLP's (test_fp8_gpu, test_mlp_fp8_gpu),
 #             bench_quantize.py, compute-sanitizer memcheck of sanitize_fp8.py (the quantizers, an FP8 model)
+#   mlp-fp8   the FP8 MLP's GPU tests, compute-sanitizer memcheck of sanitize_fp8.py, then
+#             bench_fp8.py --fast-accum all (the MLP sublayer against its shadows, in turns)
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
@@ -98,6 +100,13 @@ stage_quant() {
         --report-api-errors no python3 scripts/sanitize_fp8.py
 }
 
+stage_mlp_fp8() {
+    step mlp-fp8-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_mlp_fp8_gpu.py
+    step mlp-fp8-memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+    step mlp-fp8-bench 300 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --json "$OUT/mlp-fp8.json"
+}
+
 stage_train() {
     step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
 }
@@ -138,12 +147,13 @@ for s in "$@"; do
         hf) stage_hf ;;
         fp8) stage_fp8 ;;
         quant) stage_quant ;;
+        mlp-fp8) stage_mlp_fp8 ;;
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do

@@ -44,9 +44,9 @@ def test_shadow_gemms_are_the_sublayers_training_gemms(mods, heads, kv_heads, he
 
 def test_quantize_bytes_count_each_recipes_reads_and_writes(mods):
     """Per element: one bf16 read and each layout's FP8 value plus a 4-byte scale per 128 in the
-    block recipe; the row-wise recipe reads once more where a column amax is needed (along the
-    tokens, the weights), not for a tensor needed along K only, and a gradient's FP8 rows once
-    more for their transpose (its scales: one per row, left out); the epilogue writes."""
+    block recipe; the row-wise recipe reads once more where a column amax is needed (y and dy2
+    along the tokens, the weights), not for a tensor needed along K only, and dz''s and h's FP8
+    rows once more for their transposes (the scales: one per row, left out); the epilogue writes."""
     bench, _ = mods
     m, d, f = 256, 128, 384
     rows = {r["tensor"]: r for r in bench.quantize_bytes(m, d, f)}
@@ -55,6 +55,7 @@ def test_quantize_bytes_count_each_recipes_reads_and_writes(mods):
     h_t = rows["h (along the tokens)"]
     assert h_k["separate"] == m * f * (2 + fp8) and h_k["row_wise"] == m * f * 3 and h_k["fused"] == m * f * fp8
     assert dz["separate"] == 2 * m * f * (2 + 2 * fp8) and dz["row_wise"] == 2 * m * f * (2 + 1 + 1 + 1)
-    assert h_t["row_wise"] == m * f * (2 + 2 + 1)
+    assert h_t["row_wise"] == m * f * (1 + 1)
+    assert rows["dy2 (both layouts)"]["row_wise"] == m * d * (2 + 1 + 2 + 2 + 1)
     for r in rows.values():
         assert r["fused"] is None or r["fused"] < r["separate"]

@@ -102,7 +102,7 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads, row):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate-quantize", "fused-quantize"])
 def test_fake_outputs_are_the_cpu_outputs(fused, row, monkeypatch):
     """Also with ``FUSED_QUANT`` (M = 80: a multiple of 16, h^T (f, M) among the outputs; the
-    row-wise recipe does not take it)."""
+    row-wise recipe does not take it, and returns h's FP8 rows (M, f) there either way)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from coda_cute.ops import mlp_fp8
@@ -115,7 +115,9 @@ def test_fake_outputs_are_the_cpu_outputs(fused, row, monkeypatch):
         fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS,
                                             row_scaling=row)
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-    assert tuple(real[7].shape) == ((208, 80) if fused and not row else (0,))
+    m = y.shape[0]
+    assert tuple(real[7].shape) == ((m, 208) if row else (208, 80) if fused else (0,))
+    assert tuple(real[8].shape) == ((m,) if row else (208, 1) if fused else (0,))
 
 
 @pytest.mark.parametrize("path", ["cpu", "fake"])
@@ -150,11 +152,12 @@ def test_fast_accum_is_checked_on_every_path(path, kw, match):
     (norm_swiglu_tree(), 28672, 4096),       # gate/up: (M, 2f) from d
     (residual_norm_stats_tree(), 4096, 14336),  # down-proj + residual + norm statistics
     (swiglu_backward_tree(), 14336, 4096),   # down-proj dgrad + SwiGLU backward
+    (swiglu_backward_tree(False), 14336, 4096),  # the same without h (the row-wise recipe keeps it)
     (norm_backward_tree(True), 4096, 28672),  # gate/up dgrad + RMSNorm backward + residual grad
-], ids=["norm_swiglu", "residual", "swiglu_backward", "norm_backward"])
+], ids=["norm_swiglu", "residual", "swiglu_backward", "swiglu_backward_kept_h", "norm_backward"])
 @pytest.mark.parametrize("row, fast", [(False, False), (True, False), (True, True)],
                          ids=["block", "row-wise", "row-wise-fast-accum"])
-def test_kernels_of_the_four_trees_build_without_spills(tree, n, k, row, fast):
+def test_kernels_of_the_trees_build_without_spills(tree, n, k, row, fast):
     """Block-scaled, or the row-wise recipe's trees (the scales on the accumulator) on the plain
     FP8 kernel, with or without fast accumulation: the config the runner picks (the first of its
     ranking that builds without spills)."""
@@ -356,6 +359,42 @@ def test_row_wise_weight_gradient_folds_the_gradient_rows_scales(m):
     assert torch.equal(dw_big, dw)
     exact = dy.double().t() @ x.double()
     assert rel_err(dw.double(), exact) < 0.08
+
+
+@pytest.mark.parametrize("m", [96, 77])  # M a multiple of 16 (the FP8 transpose), ragged (bf16 wgrad)
+def test_row_wise_weight_gradient_takes_the_kept_rows_of_the_wider_operand(m):
+    """The mirrored form (``fp8_gemms.wgrad_kept``, the down-proj's dW = dy2^T h with h wider than
+    dy2): X's FP8 rows as its forward quantized them, their bytes transposed, G's rows scaled by
+    X's fold factors before G's columns are quantized (checked bit for bit; dW against the product
+    of the quantized operands and within FP8's bound of float64); a zero row of X (scale 1) gets
+    factor 0, so a huge G row beside it changes no column scale and no bit of dW; ragged tokens:
+    the bf16 GEMM on X dequantized."""
+    from coda_cute.ops.fp8_gemms import wgrad_kept
+    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
+
+    g = torch.Generator().manual_seed(22)
+    dy = torch.randn(m, 160, generator=g).bfloat16()
+    x = (torch.randn(m, 272, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).bfloat16()
+    x[5] = 0
+    with coda_cute.reference_on_cpu():
+        xq, xs, xt, fold = quantize_grad_rowwise_fp8(x, torch.float8_e4m3fn, transposed=False)
+        dw = wgrad_kept(dy, xq, fold, torch.float8_e4m3fn)
+        dy_big = dy.clone()
+        dy_big[5] = 3e4
+        dw_big = wgrad_kept(dy_big, xq, fold, torch.float8_e4m3fn)
+        if m % 16 == 0:
+            _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, rows=False, fold=fold)
+    assert xt is None and fold[5] == 0 and xs[5, 0] == 1
+    if m % 16:
+        x_deq = (xq.float() * fold[:, None]).bfloat16()
+        assert torch.equal(dw, (dy.float().t() @ x_deq.float()).bfloat16())
+        return
+    want_q, want_s = R.quantize_blocks_ref((dy.float() * fold[:, None]).t().contiguous(), (1, m))
+    assert torch.equal(dyt_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(dyt_s, want_s)
+    want = ((want_q.float() * want_s) @ xq.float()).bfloat16()
+    torch.testing.assert_close(dw.float(), want.float(), rtol=1e-2, atol=1e-6 * want.float().abs().max().item())
+    assert torch.equal(dw_big, dw)
+    assert rel_err(dw.double(), dy.double().t() @ x.double()) < 0.08
 
 
 def test_row_wise_gradient_of_ragged_width_takes_the_bf16_weight_gradient():

@@ -68,6 +68,41 @@ def test_gradients_against_float64_next_to_the_bf16_op(e5m2_grads, row):
         assert e16 < e8 < bound, errors
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast-accum"])
+@pytest.mark.parametrize("m", [4096, 1008, 1000])  # 1000: no FP8 transpose, the bf16 GEMM
+def test_row_wise_down_proj_weight_gradient_is_the_product_of_its_fp8_operands(m, fast):
+    """``fp8_gemms.wgrad_kept`` on the GPU (the row-wise down-proj's dW = dy2^T h from h's FP8 rows
+    kept by the forward): h's rows, scales and fold factors and dy2's folded columns bit for bit
+    the CPU reference's; dW the product of those FP8 operands in float64 up to the bf16 output's
+    rounding, and within FP8's bound of float64 on the unquantized tensors; a zero row of h."""
+    import coda_cute
+    from coda_cute.ops.fp8_gemms import wgrad_kept
+    from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
+
+    fp8 = torch.float8_e4m3fn
+    dy = torch.randn(m, 1024, device="cuda").bfloat16()
+    x = (torch.randn(m, 2816, device="cuda") * torch.exp2(torch.randint(-6, 6, (m, 1), device="cuda").float())).bfloat16()
+    x[3] = 0
+    xq, xs, _, fold = quantize_grad_rowwise_fp8(x, fp8, transposed=False)
+    dw = wgrad_kept(dy, xq, fold, fp8, fast=fast)
+    with coda_cute.reference_on_cpu():
+        want = quantize_grad_rowwise_fp8(x.cpu(), fp8, transposed=False)
+    for got, ref in zip((xq, xs, fold), (want[0], want[1], want[3])):
+        assert torch.equal(got.cpu().view(torch.uint8) if got.dtype == fp8 else got.cpu(),
+                           ref.view(torch.uint8) if ref.dtype == fp8 else ref)
+    assert fold[3] == 0
+    if m % 16:
+        operands = dy.double().t() @ (xq.double() * fold.double()[:, None]).bfloat16().double()
+    else:
+        _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, fp8, rows=False, fold=fold)
+        want_q, want_s = R.quantize_blocks_ref((dy.cpu().float() * fold.cpu()[:, None]).t().contiguous(), (1, m))
+        assert torch.equal(dyt_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(dyt_s.cpu(), want_s)
+        operands = (dyt_q.double() * dyt_s.double()) @ xq.double()
+    assert rel_err(dw.double(), operands) < 4e-3
+    assert rel_err(dw.double(), dy.double().t() @ x.double()) < 0.08
+
+
 @pytest.mark.parametrize("fast", ["forward", "all"])
 @pytest.mark.parametrize("m", [2048, 1000])
 def test_fast_accumulation_keeps_the_row_wise_recipes_errors(m, fast):

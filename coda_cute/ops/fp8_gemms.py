@@ -44,7 +44,8 @@ from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
 from ..precision import FAST_ACCUM
-from .quantize import quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8, quantize_rowwise_fp8
+from .quantize import (quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8, quantize_rowwise_fp8,
+                       transpose_bytes)
 from .residual import residual_norm_stats_tree
 from .rmsnorm import tile_n_of
 
@@ -177,15 +178,16 @@ def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = 
     return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
 
 
-def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False):
+def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False, wgrad_form: bool = True):
     """(q, s, qt, st) of a gradient g (M, N): 1 x 128 along N for its dgrad and, where M is a
     multiple of 16, along M transposed for its wgrad (else qt, st None: the wgrad in bf16;
     with ``row`` N a multiple of 16 too); ``pow2``: power-of-two
     scales; ``row``: one scale per row of g, qt = q^T the same bytes transposed and st the rows'
     fold factors (M,) (``quantize.quantize_grad_rowwise_fp8``: the wgrad folds the rows' scales
-    into its other operand, :func:`wgrad`)."""
+    into its other operand, :func:`wgrad`); without ``wgrad_form`` (row-wise: the wgrad quantizes
+    g's columns itself, :func:`wgrad_kept`) qt None."""
     if row:  # the FP8 transpose wants 16-byte rows both ways
-        transposed = g.shape[0] % 16 == 0 and g.shape[1] % 16 == 0
+        transposed = wgrad_form and g.shape[0] % 16 == 0 and g.shape[1] % 16 == 0
         return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=transposed)
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
@@ -212,3 +214,26 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
         return gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dy.dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
     return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
+
+
+def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
+               fast: bool = False) -> torch.Tensor:
+    """dW = dy^T @ x over the tokens in the row-wise recipe, x kept from the forward as its
+    row-wise FP8 bytes ``x_q`` (M, K) with its rows' fold factors ``x_fold`` (M,)
+    (``quantize.quantize_grad_rowwise_fp8``): x's bytes transposed, dy's rows scaled by the
+    factors and its columns quantized in ``grad_dtype`` (one scale per column of dy over all the
+    tokens; ``pow2``: a power of two), on the plain FP8 GEMM (``fast``: fast accumulation):
+
+        dW = sum_m dy[m, :]^T (fold_m q[m, :]) = Qcol(fold[:, None] * dy)^T @ q
+             scale_a = dy's folded columns' scales, scale_b = 1
+
+    :func:`wgrad`'s form mirrored, for an x wider than dy (the down-proj's h, f wide, against
+    dy2's d): the wide operand moves as FP8 bytes once, the narrow one takes the amax read. Tokens
+    not a multiple of 16 (no FP8 transpose): the bf16 GEMM on x dequantized (fold_m = s_m where q's
+    row is not zero). No tokens: dW = 0."""
+    if dy.shape[0] == 0:
+        return dy.new_zeros((dy.shape[1], x_q.shape[1]))
+    if dy.shape[0] % 16:
+        return gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
+    _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, grad_dtype, rows=False, pow2_scales=pow2, fold=x_fold)
+    return gemm_op(dyt_q, transpose_bytes(x_q).t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)

@@ -42,15 +42,21 @@ every GEMM, the down dgrad included, fits ping-pong 128 x 128 (H200, 2026-12-04,
 errors against float64 within 0.1 % of the promoted ones'). A whole row's scale needs the whole
 row's amax, which no tile has, so each tensor is quantized in a pass after its GEMM, where a CTA
 holds a whole row, finds its amax and quantizes it (``elementwise.QuantizeWholeRowsSpec``): one
-read. The gradients dy2 and dz' feed their weight gradients as those FP8 bytes transposed
-(``elementwise.transpose_fp8``), their per-token scales folded into h and y, whose columns are then
-quantized over the tokens (``fp8_gemms.wgrad``):
+read. The gradient dz' feeds its weight gradient as those FP8 bytes transposed
+(``elementwise.transpose_fp8``), its per-token scales folded into y, whose columns are then
+quantized over the tokens (``fp8_gemms.wgrad``). The down-proj's weight gradient mirrors that,
+since h (f wide) is wider than dy2 (d): the forward keeps h's FP8 rows, the bytes the down-proj
+read, with their per-token scales; the backward transposes those bytes and folds the scales into
+dy2, whose columns are then quantized (``fp8_gemms.wgrad_kept``):
 
-    dw_down = q(dy2)^T @ Qcol(s_dy2 h),   dw_gu = q(dz')^T @ Qcol(s_dz' y)
+    dw_down = Qcol(s_h dy2)^T @ q(h),   dw_gu = q(dz')^T @ Qcol(s_dz' y)
 
-so neither gradient is read for column amaxes: dz' (M, 2f), the largest tensor of the step, takes
-one read and an FP8 transpose (5 bytes moved per element where the amax pass and the dual
-quantization moved 6). The activations' columns take the amax pass and the quantizer: two reads.
+So the wide tensors are never read for column amaxes: dz' (M, 2f), the largest tensor of the
+step, takes one read and an FP8 transpose (5 bytes moved per element where the amax pass and the
+dual quantization moved 6); h is neither recomputed and stored by the down dgrad's epilogue nor
+read twice for its columns (7 bytes per element become the 2 of its FP8 transpose, for 1 byte per
+element kept from forward to backward). The narrow y and dy2 take the amax pass and the column
+quantizer: two reads.
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
@@ -73,10 +79,10 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
+                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad, wgrad_kept)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from .quantize import quantize_dual_fp8
+from .quantize import quantize_dual_fp8, quantize_grad_rowwise_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
@@ -135,7 +141,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     z, then the quantized weights kept for the backward: W_gu's FP8 transpose (d, 2f) and its
     scales (128 x 128, or row-wise (N + K, 1)), W_down's; empty when the caller passed them, which
     the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8 and its scales (f, ceil(M
-    / 128)), else two empty tensors); only y2 carries a gradient."""
+    / 128)), in the row-wise recipe h's FP8 rows (M, f) and their fold factors (M,), else two empty
+    tensors); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
     check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
@@ -147,9 +154,13 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
     out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row,
                   fast=fast)
-    res = project(OP, residual_norm_stats_tree(), *activation(out["h"], pow2_scales, row), down_q, down_s,
-                  {"residual": y}, row=row, fast=fast)
-    h_t = out["h_t"] if fused else _no_h_t(y)
+    if row:  # h's rows with their fold factors, kept for the down-proj weight gradient
+        h_q, h_s, _, h_fold = quantize_grad_rowwise_fp8(out["h"], FP8, pow2_scales, transposed=False)
+        h_t = (h_q, h_fold)
+    else:
+        h_q, h_s = activation(out["h"], pow2_scales)
+        h_t = out["h_t"] if fused else _no_h_t(y)
+    res = project(OP, residual_norm_stats_tree(), h_q, h_s, down_q, down_s, {"residual": y}, row=row, fast=fast)
     if given[0] is not None:
         return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True), *h_t
     return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s, *h_t
@@ -176,8 +187,12 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
         quantized_weights(OP, given, pow2_scales, row, w_gu=w_gu, w_down=w_down)
     d = y.shape[1]
     t = residual_stats_tiles(m, d, f, y.device, row, fast_for(fast_accum, "forward"))
-    h_t = ((y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32)) if _fused(y, row)
-           else _no_h_t(y))
+    if row:
+        h_t = (y.new_empty((m, f), dtype=FP8), y.new_empty((m,), dtype=F32))
+    elif _fused(y, row):
+        h_t = (y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32))
+    else:
+        h_t = _no_h_t(y)
     return (y.new_empty(y.shape), y.new_empty((m, t), dtype=F32), y.new_empty((m, 2 * f)),
             *kept_weights(w_gu, cached, row), *kept_weights(w_down, cached, row), *h_t)
 
@@ -187,13 +202,21 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
                      fast_accum: str = "none"):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
     the weights' FP8 transposes and scales; ``pow2``: power-of-two scales; ``h_t``: the
-    forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too);
-    ``row``: the row-wise recipe; ``fast_accum``: which GEMMs accumulate in the tensor core."""
+    forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too), in
+    the row-wise recipe (``row``) its (h rows in FP8, fold factors); ``fast_accum``: which GEMMs
+    accumulate in the tensor core."""
     fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row, wgrad_form=not row)
     inputs = dict(norm_inputs(d, ss, eps), z=z)
-    if h_t is not None:
+    if row:
+        bwd = project(OP, swiglu_backward_tree(recompute_h=False), dy_q, dy_s, w_down_qt, w_down_s, inputs,
+                      transposed=True, row=True, fast=fast_d)
+        dzp, zdz = bwd["dz"], bwd["zdz"]
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, True)
+        dw_down = wgrad_kept(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, True, fast_w) if needs[1] else None
+    elif h_t is not None:
         bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
                       transposed=True)
         zdz, (dz_q, dz_s), (dzt_q, dzt_s) = bwd["zdz"], bwd["dz_q"], bwd["dz_t"]
@@ -201,12 +224,11 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
         dw_down = gemm_blockwise(dyt_q, dyt_s, *h_t, dy2.dtype, "1x128") if needs[2] else None
         dw_gu = gemm_blockwise(dzt_q, dzt_s, yt_q, yt_s, dy2.dtype, "1x128") if needs[1] else None
     else:
-        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True, row=row,
-                      fast=fast_d)
+        bwd = project(OP, swiglu_backward_tree(), dy_q, dy_s, w_down_qt, w_down_s, inputs, transposed=True)
         dzp, h, zdz = bwd["dz"], bwd["h"], bwd["zdz"]
-        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, row)
-        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2, row, fast_w) if needs[2] else None
-        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, row, fast_w) if needs[1] else None
+        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2)
+        dw_down = wgrad(dy2, dyt_q, dyt_s, h, pow2) if needs[2] else None
+        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2) if needs[1] else None
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
@@ -233,7 +255,7 @@ def _backward(ctx, dy2, *_):
     if dy2 is None:
         return (None,) * 15
     n = ctx.needs_input_grad
-    h_t = (h_tq, h_ts) if h_tq.numel() else None
+    h_t = (h_tq, h_ts) if ctx.row or h_tq.numel() else None
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
                                           ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row, ctx.fast_accum)
     return (dy, None, dw_gu, dw_down) + (None,) * 11

@@ -220,7 +220,13 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
     dispatch.require_reference(OP_ROWWISE)
     q, s, _, _ = quantize_rowwise_fp8(g, dtype, cols=False, pow2_scales=pow2_scales)
     amax = g.float().abs().amax(1) if g.numel() else torch.zeros(m, dtype=F32)
-    return q, s, q.t().contiguous() if transposed else None, fold_factors_ref(amax, s[:, 0])
+    return q, s, transpose_bytes(q) if transposed else None, fold_factors_ref(amax, s[:, 0])
+
+
+def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
+    """``q.t()`` of a contiguous FP8 (M, N) as a contiguous tensor: ``elementwise.transpose_fp8`` on
+    CUDA (M and N multiples of 16), torch's copy on the CPU reference path."""
+    return transpose_fp8(q) if q.device.type == "cuda" else q.t().contiguous()
 
 
 @torch.library.custom_op("coda::quantize_fp8_rowwise", mutates_args=())

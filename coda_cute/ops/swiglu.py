@@ -122,9 +122,10 @@ norm_swiglu.register_autograd(_backward, setup_context=_setup)
 
 # == the down-proj dgrad with the SwiGLU backward in its epilogue ================================
 @functools.lru_cache(maxsize=None)
-def swiglu_backward_tree() -> E.Epilogue:
+def swiglu_backward_tree(recompute_h: bool = True) -> E.Epilogue:
     """The down-proj dgrad's epilogue: acc = dy @ W_down = dh; (g, u) = the wide tile z at each
-    output column; dz' (M, 2f), h recomputed (M, f), zdz partials."""
+    output column; dz' (M, 2f), h recomputed (M, f) (for the down-proj weight gradient; without
+    ``recompute_h`` where the caller kept the forward's h), zdz partials."""
     z = E.wide_tile("z")
     g = E.pairwise(lambda a, b: a, z)
     u = E.pairwise(lambda a, b: b, z)
@@ -133,8 +134,8 @@ def swiglu_backward_tree() -> E.Epilogue:
     silu = g * sg
     dg = dh * u * sg * (1 + g * (1 - sg))
     du = dh * silu
-    return E.Epilogue(E.store(E.interleave(dg, du) * rstd_node(), "dz", "bfloat16"),
-                      E.store(silu * u, "h", "bfloat16"),
+    h = (E.store(silu * u, "h", "bfloat16"),) if recompute_h else ()
+    return E.Epilogue(E.store(E.interleave(dg, du) * rstd_node(), "dz", "bfloat16"), *h,
                       E.row_reduce(g * dg + u * du, "sum", "zdz"))
 
 
