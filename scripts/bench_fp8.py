@@ -359,7 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--json")
-    p.add_argument("--profile", action="store_true", help="print the kernels of one coda fp8 step")
+    p.add_argument("--profile", action="store_true",
+                   help="print the kernels of one step of each shadow and of our variants")
     p.add_argument("--once", action="store_true",
                    help="our row-wise step once after a warm-up one, in the NVTX range coda-fp8-step (for ncu)")
     p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
@@ -410,7 +411,8 @@ def main(argv=None) -> int:
         console.print(f"{fast_ours}: {ms[fast_ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                       f"accumulation ({ms[fast_shadow]:.3f} ms)")
     if args.profile:
-        for name in ("coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours):
+        # the shadows' kernels too: each of our GEMMs next to the _scaled_mm of its role
+        for name in (SHADOW, fast_shadow, "coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

@@ -24,7 +24,8 @@
 #   quant     the quantizer GPU tests and the FP8 MLP's (test_fp8_gpu, test_mlp_fp8_gpu),
 #             bench_quantize.py, compute-sanitizer memcheck of sanitize_fp8.py (the quantizers, an FP8 model)
 #   mlp-fp8   the FP8 MLP's GPU tests, compute-sanitizer memcheck of sanitize_fp8.py, then
-#             bench_fp8.py --fast-accum all (the MLP sublayer against its shadows, in turns)
+#             bench_fp8.py --fast-accum all --profile (the MLP sublayer against its shadows, in
+#             turns, and one step's kernels of each)
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
@@ -104,7 +105,8 @@ stage_mlp_fp8() {
     step mlp-fp8-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_mlp_fp8_gpu.py
     step mlp-fp8-memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
-    step mlp-fp8-bench 300 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --json "$OUT/mlp-fp8.json"
+    step mlp-fp8-bench 300 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --profile \
+        --json "$OUT/mlp-fp8.json"
 }
 
 stage_train() {
