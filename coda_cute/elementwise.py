@@ -414,7 +414,7 @@ def quantize_rowwise(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, rows: bool 
     amaxes, then ``QuantizeDual(whole=True)`` (``QuantizeRows(whole=True)`` for the rows alone)
     scales and casts; the rows alone take one pass (:class:`QuantizeWholeRowsSpec`) where a row
     fits one CTA's registers. ``fold`` (M,) fp32, the columns alone: those of ``fold[m] x[m, k]``
-    (a weight gradient's operand taking the gradient rows' scales, :func:`quantize_grad_rows`)."""
+    (a weight gradient's operand taking the other operand's row scales, :func:`quantize_grad_rows`)."""
     from . import dispatch
 
     if not (rows or cols):

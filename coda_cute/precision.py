@@ -12,7 +12,9 @@ scaling (the amax of the data being quantized, no history) and fp32 scales:
   (activations and gradients per token, a weight per row and, for the dgrad, per column): the
   GEMM's row-wise FP8, the scales applied to the accumulator in the sublayers' epilogue trees; a
   weight gradient dW = G^T X takes G's FP8 bytes transposed with its token scales folded into X's
-  rows, whose columns then get one scale per feature over the tokens (``ops.fp8_gemms.wgrad``);
+  rows, whose columns then get one scale per feature over the tokens (``ops.fp8_gemms.wgrad``),
+  or, where X is the wider and its rows were quantized for the forward (the MLP's down-proj: h),
+  X's kept FP8 bytes transposed with X's token scales folded into G (``ops.fp8_gemms.wgrad_kept``);
 * ``fast_accum`` (row-wise only): which GEMMs keep their FP8 products in the tensor core's
   accumulator for the whole k-loop rather than promoting each k-tile's partial sum into fp32:
   "none" (the default), "forward" (the forward GEMMs, as torchao's float8 training does by

@@ -6,8 +6,9 @@ block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
 with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
-FP8 kernel; each gradient quantized in one read, its FP8 bytes transposed for its weight gradient,
-the activations' columns after an amax pass), all timed in the same turns. ``--fast-accum
+FP8 kernel; dz' quantized in one read, its FP8 bytes transposed for its weight gradient and y's
+columns quantized after an amax pass; the down-proj's weight gradient the other way round, h's
+forward FP8 bytes transposed and dy2's columns quantized), all timed in the same turns. ``--fast-accum
 forward|all`` adds ``coda fp8 row-wise, fast accum`` (the GEMMs of those roles accumulating in the
 tensor core, ``fast_accum``) with a shadow of its own whose ``_scaled_mm`` calls of the same roles
 take ``use_fast_accum``.

@@ -10,6 +10,8 @@ forms against float64 G^T X of the bf16 operands, each quantized by
            scaled by those scales (0 for a zero row) and its columns quantized per feature
            (``fp8_gemms.wgrad``: G read once)
 
+(since 2026-12-05 the op folds dy2 with h the other way, h's kept rows and dy2's folded columns:
+``fp8_gemms.wgrad_kept``; this compares the two forms above as they were measured)
 on the MLP sublayer's two weight gradients (dz' with y, dy2 with h) from one bf16 forward +
 backward on random weights, and on the same with the gradient rows spread over 2^-8 .. 2^8 (token
 weights, padding-like rows of tiny gradients), E4M3 and E5M2 gradients.

@@ -74,7 +74,8 @@ def test_row_wise_down_proj_weight_gradient_is_the_product_of_its_fp8_operands(m
     """``fp8_gemms.wgrad_kept`` on the GPU (the row-wise down-proj's dW = dy2^T h from h's FP8 rows
     kept by the forward): h's rows, scales and fold factors and dy2's folded columns bit for bit
     the CPU reference's; dW the product of those FP8 operands in float64 up to the bf16 output's
-    rounding, and within FP8's bound of float64 on the unquantized tensors; a zero row of h."""
+    rounding, and within FP8's bound of float64 on the unquantized tensors; a zero row of h
+    (factor 0) keeps a huge dy2 row beside it out of every column scale and every bit of dW."""
     import coda_cute
     from coda_cute.ops.fp8_gemms import wgrad_kept
     from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
@@ -85,6 +86,9 @@ def test_row_wise_down_proj_weight_gradient_is_the_product_of_its_fp8_operands(m
     x[3] = 0
     xq, xs, _, fold = quantize_grad_rowwise_fp8(x, fp8, transposed=False)
     dw = wgrad_kept(dy, xq, fold, fp8, fast=fast)
+    dy_big = dy.clone()
+    dy_big[3] = 3e4
+    assert torch.equal(wgrad_kept(dy_big, xq, fold, fp8, fast=fast), dw)
     with coda_cute.reference_on_cpu():
         want = quantize_grad_rowwise_fp8(x.cpu(), fp8, transposed=False)
     for got, ref in zip((xq, xs, fold), (want[0], want[1], want[3])):

@@ -18,7 +18,9 @@ gradient dW = G^T X sums over the tokens, along which G's per-token scales vary:
 FP8 bytes transposed and folds each token's scale into X's row, then quantizes X's columns (one
 scale per feature over all the tokens) (:func:`wgrad`). G is read once for both its GEMMs,
 where scales per column of G need G's column amaxes first, a second read of the (M, 2f) gate/up
-gradient. The GEMMs run on the plain FP8 kernel with the scales in the epilogue,
+gradient. Where X is the wider operand and its rows were quantized for a forward GEMM (the MLP's
+h, f wide, against dy2's d), the fold goes the other way (:func:`wgrad_kept`): X's kept FP8 bytes
+transposed, X's token scales folded into G, G's columns quantized. The GEMMs run on the plain FP8 kernel with the scales in the epilogue,
 ``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc (``E.scale_acc``). A weight's
 two scale vectors travel as one (N + K, 1) tensor, its row scales then its column scales, where
 the block recipe has its 128 x 128 grid.
@@ -230,7 +232,9 @@ def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_d
     :func:`wgrad`'s form mirrored, for an x wider than dy (the down-proj's h, f wide, against
     dy2's d): the wide operand moves as FP8 bytes once, the narrow one takes the amax read. Tokens
     not a multiple of 16 (no FP8 transpose): the bf16 GEMM on x dequantized (fold_m = s_m where q's
-    row is not zero). No tokens: dW = 0."""
+    row is not zero), so the FP8 rounding of x stays in dW. No tokens: dW = 0. NaN or inf in x
+    makes its row's factor NaN, and with it every column scale of dy: dW is all NaN (the forward's
+    output row is NaN already)."""
     if dy.shape[0] == 0:
         return dy.new_zeros((dy.shape[1], x_q.shape[1]))
     if dy.shape[0] % 16:

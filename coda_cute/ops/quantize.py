@@ -166,8 +166,8 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool 
     the operands of the row-wise GEMM (x @ B with ``scale_a=s``; a weight gradient x^T @ B over the
     tokens with ``scale_a=st``). ``coda.quantize_fp8_dual``'s rules (M a multiple of 16 only with
     ``cols``); ``rows`` / ``cols`` False: None for that pair. ``fold`` (M,) fp32, the columns
-    alone: qt, st of ``fold[:, None] * x`` (fp32 products), a weight gradient's activation operand
-    taking its gradient rows' scales (:func:`quantize_grad_rowwise_fp8`). The kernel on CUDA
+    alone: qt, st of ``fold[:, None] * x`` (fp32 products), a weight gradient's operand taking
+    the other operand's row scales (:func:`quantize_grad_rowwise_fp8`). The kernel on CUDA
     (``elementwise.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
     if cols:
         m, k = check_dual(x, dtype, OP_ROWWISE)
@@ -196,7 +196,8 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool 
 
 def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_scales: bool = False,
                               transposed: bool = True):
-    """(q, s, qt, fold) of a gradient g (M, K) in the row-wise recipe: q, s (M, 1) one scale per
+    """(q, s, qt, fold) of a gradient g (M, K) in the row-wise recipe (or of an activation whose
+    weight gradient folds its rows' scales into the gradient: the MLP's h): q, s (M, 1) one scale per
     whole row (:func:`quantize_rowwise_fp8`'s rows, for its dgrad), qt = q^T (K, M) the same
     bytes transposed (``transposed``, M and K multiples of 16; else None) and fold (M,) the rows' fold
     factors, s with 0 for a zero row. Its weight gradient over the tokens folds each row's scale
