@@ -315,8 +315,14 @@ def test_row_wise_weights_take_fp32_masters_through_bf16():
 
 
 @RECIPES
-def test_an_empty_batch_runs_forward_and_backward(row):
-    """No tokens: empty outputs and dy, and weight gradients of zeros (a sum over no tokens)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-quantize", "fused-quantize"])
+def test_an_empty_batch_runs_forward_and_backward(row, fused, monkeypatch):
+    """No tokens: empty outputs and dy, and weight gradients of zeros (a sum over no tokens); with
+    ``FUSED_QUANT`` too (0 is a multiple of 16, but an (f, 0) h^T has no rows for the sink: the
+    op quantizes separately then)."""
+    from coda_cute.ops import mlp_fp8
+
+    monkeypatch.setattr(mlp_fp8, "FUSED_QUANT", fused)
     y, ss, w_gu, w_down, dy2 = _inputs(16, 128, 128, 5)
     y2, (dy, dw_gu, dw_down) = _grads(torch.ops.coda.mlp_block_fp8, y[:0], ss[:0], w_gu, w_down, dy2[:0],
                                       row_scaling=row)

@@ -24,8 +24,8 @@ With ``FUSED_QUANT`` the activation quantizations move into the GEMMs that produ
 (``E.quantize``, both layouts of a tile in one pass): the gate/up GEMM also writes h^T in FP8 along
 the tokens, which the backward keeps for the down-proj weight gradient instead of recomputing and
 re-quantizing h, and the down-proj dgrad writes dz' in FP8 along its columns and along the tokens
-instead of dz' in bf16 and its dual quantization pass; M must be a multiple of 16. Off: its GPU
-tests pass (``tests/test_epilogue_quantize_gpu.py``, ``tests/test_mlp_fp8_gpu.py``), but on the
+instead of dz' in bf16 and its dual quantization pass; M must be a positive multiple of 16.
+Off: its GPU tests pass (``tests/test_epilogue_quantize_gpu.py``, ``tests/test_mlp_fp8_gpu.py``), but on the
 H200 (2026-12-02, ``scripts/bench_fp8.py``, d 4096, ffn 14336, 16384 tokens, in turns) it is
 slower: 22.08 ms per forward + backward against 20.64 without. The sinks cost their GEMMs more
 than the passes they replace: the gate/up GEMM 3.44 ms against 3.11 + the 0.31 ms h^T pass,
@@ -168,8 +168,8 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
 
 def _fused(y, row: bool) -> bool:
     """Whether this call quantizes h^T and dz' in their GEMMs: ``FUSED_QUANT``, the block recipe and
-    M a multiple of 16 (the transposed FP8 rows)."""
-    return FUSED_QUANT and not row and y.shape[0] % 16 == 0
+    M a positive multiple of 16 (the transposed FP8 rows; no tokens: no rows to quantize)."""
+    return FUSED_QUANT and not row and y.shape[0] % 16 == 0 and y.shape[0] > 0
 
 
 def _no_h_t(y):
