@@ -179,13 +179,17 @@ def coda_fp8_specs(model: str = "llama3-8b", sms: int = 132, row: bool = False,
            ("fp8.norm_backward.lm_head", rmsnorm.norm_backward_tree(False, True), (m, c.d, c.vocab), False),
            ("fp8.lm_head.dw", lm.accumulate_tree("float32"), (c.vocab, c.d, m), True))
     if row:
-        # the row-wise recipe's down dgrad leaves h to the forward's FP8 rows (ops.mlp_fp8)
-        row_trees = {"fp8.swiglu_backward": swiglu.swiglu_backward_tree(recompute_h=False)}
-        return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
-                              choose_config(row_scaled(t), *mnk, 1, True, fast, sms), row_scaled(t), ARCH,
-                              sms, label=op.replace("fp8.", "fp8_row_fast." if fast else "fp8_row."))
-                for op, tree, mnk, b_rows in ops if not b_rows and "lm_head" not in op and "quantize" not in op
-                for t in (row_trees.get(op, tree),)]
+        specs = []
+        for op, tree, mnk, b_rows in ops:
+            if b_rows or "lm_head" in op or "quantize" in op:
+                continue
+            if op == "fp8.swiglu_backward":  # the row-wise recipe keeps h from its forward (ops.mlp_fp8)
+                tree = swiglu.swiglu_backward_tree(recompute_h=False)
+            t = row_scaled(tree)
+            specs.append(KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
+                                       choose_config(t, *mnk, 1, True, fast, sms), t, ARCH, sms,
+                                       label=op.replace("fp8.", "fp8_row_fast." if fast else "fp8_row.")))
+        return specs
     return [KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
                           choose_config(tree, *mnk, 1, True, False, sms, True, b_rows), tree, ARCH, sms,
                           label=op, block_scaled=True, b_rows=b_rows)

@@ -20,10 +20,10 @@ scale per feature over all the tokens) (:func:`wgrad`). G is read once for both 
 where scales per column of G need G's column amaxes first, a second read of the (M, 2f) gate/up
 gradient. Where X is the wider operand and its rows were quantized for a forward GEMM (the MLP's
 h, f wide, against dy2's d), the fold goes the other way (:func:`wgrad_kept`): X's kept FP8 bytes
-transposed, X's token scales folded into G, G's columns quantized. The GEMMs run on the plain FP8 kernel with the scales in the epilogue,
-``acc * scale_b[n] * scale_a[m]`` read wherever the tree reads acc (``E.scale_acc``). A weight's
-two scale vectors travel as one (N + K, 1) tensor, its row scales then its column scales, where
-the block recipe has its 128 x 128 grid.
+transposed, X's token scales folded into G, G's columns quantized. The GEMMs run on the plain
+FP8 kernel with the scales in the epilogue, ``acc * scale_b[n] * scale_a[m]`` read wherever the
+tree reads acc (``E.scale_acc``). A weight's two scale vectors travel as one (N + K, 1) tensor,
+its row scales then its column scales, where the block recipe has its 128 x 128 grid.
 
 ``fast_accum`` (row-wise only, ``Fp8Recipe.fast_accum``): which GEMMs keep their FP8 products in
 the tensor core's accumulator for the whole k-loop instead of promoting each k-tile's partial sum
