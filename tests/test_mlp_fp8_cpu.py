@@ -166,6 +166,20 @@ def test_kernels_of_the_trees_build_without_spills(tree, n, k, row, fast):
     assert cfg.fp8_fast_accum is fast and not spills(tree, cfg, True, 132, block_scaled=not row)
 
 
+def test_row_wise_swiglu_backward_without_h_keeps_its_tile():
+    """Without the h store (the row-wise recipe keeps h from its forward) the double-width dz'
+    store takes one store buffer, claimed after the math, where two fit the same A/B ring: with
+    two, both claims spilled on ping-pong 128 x 128 and sent the fast-accumulation down dgrad to
+    64 x 128."""
+    from coda_cute.kernels.sm90.epilogue import Sm90TreeEpilogue
+
+    tree = row_scaled(swiglu_backward_tree(recompute_h=False))
+    cfg = choose_config(tree, 16384, 14336, 4096, 1, True, True, 132)
+    assert (cfg.schedule, cfg.tile_m, cfg.tile_n) == ("pingpong", 128, 128)
+    epi = Sm90TreeEpilogue(tree, cfg, 1)
+    assert epi.stages == 1 and epi.late_claim
+
+
 def test_fp8_ops_pass_opcheck():
     """Schema, autograd registration and fake tensors of the FP8 sublayer ops and the dual
     quantizer (``test_aot_dispatch_dynamic`` too for the quantizer: it sums every output to make a

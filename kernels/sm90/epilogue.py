@@ -189,15 +189,20 @@ class Sm90TreeEpilogue(SinkFolds):
         SwiGLU backward's dz' + h + zdz tree on ping-pong 128 x 128, five A/B stages -> six, in
         turns with cuBLAS's plain product, outputs bit-identical): 1.069 -> 1.019 at 16384 x
         8192 x 2048 and 1.039 -> 1.013 at 16384 x 14336 x 4096 (claimed before the math, the
-        build spilled 120 bytes and ran at 1.067 / 1.012)."""
+        build spilled 120 bytes and ran at 1.067 / 1.012). A double-width store (dz') takes one
+        buffer wherever that costs no stage, deep ring or not: without the h store (the row-wise
+        FP8 recipe keeps h from its forward) FP8's ring was six deep with two buffers, and both
+        claims of two spilled on ping-pong 128 x 128 where one buffer builds spill-free."""
         if not self.pingpong or cfg.stages or tuple(self.epi_tile) == tuple(self.tile_mn):
             return
+        wide = any(s.wide for s in self.full_stores)
         two = pipeline_stages(cfg, ab_bytes, self.smem_bytes())
-        if two >= ONE_STORE_BUFFER_BELOW_STAGES:
+        if two >= ONE_STORE_BUFFER_BELOW_STAGES and not wide:
             return
         self.store_buffers = 1
         ring = self._load_ring_depth(cfg, ab_bytes)
-        if pipeline_stages(cfg, ab_bytes, self.smem_bytes(ring)) > two:
+        one = pipeline_stages(cfg, ab_bytes, self.smem_bytes(ring))
+        if one > two or (wide and one == two):
             self.load_stages = ring
         else:
             self.store_buffers = None
