@@ -19,7 +19,13 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_backward.py [--rounds 10] [--configs 6]
+        [--fp8-row-fast]
 
+``--fp8-row-fast``: the row-wise FP8 recipe's tree with fast accumulation instead, without h
+(the recipe keeps the forward's h, ``ops.mlp_fp8``), against ``torch._scaled_mm`` with
+``use_fast_accum`` of the plain product (row scales), on FP8 operands: each spill-free ranked
+config, and the pick's with two store buffers (which spilled on ping-pong 128 x 128 and sent the
+pick to 64 x 128 before the one-buffer rule for double-width stores).
 The FP8 form, on the block-scaled configs: ``scripts/exp_block_scaled_trees.py``.
 """
 
@@ -39,6 +45,7 @@ from coda_cute import epilogue as E  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import pipeline_stages  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
+from coda_cute.ops.fp8_gemms import FP8, row_scaled  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
@@ -48,13 +55,29 @@ from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
 
 
-def _operands(m, d, f):
+def _operands(m, d, f, fp8: bool = False):
+    """(dy, W_down, the tree's inputs); ``fp8``: dy and W_down's K-major copy in E4M3 (W as its
+    transpose's view) with the row-wise recipe's scales among the inputs."""
     g = torch.Generator(device="cuda").manual_seed(m + d + f)
     dy = torch.randn(m, d, device="cuda", generator=g).bfloat16()
     w = (torch.randn(d, f, device="cuda", generator=g) / d ** 0.5).bfloat16()
     z = torch.randn(m, 2 * f, device="cuda", generator=g).bfloat16()
     ss = torch.rand(m, 4, device="cuda", generator=g) * d
-    return dy, w, dict(norm_inputs(d, ss, 1e-5), z=z)
+    inputs = dict(norm_inputs(d, ss, 1e-5), z=z)
+    if not fp8:
+        return dy, w, inputs
+    scales = dict(scale_a=torch.rand(m, device="cuda", generator=g) + 0.5,
+                  scale_b=torch.rand(f, device="cuda", generator=g) / d ** 0.5)
+    return dy.to(FP8), w.t().contiguous().to(FP8).t(), dict(inputs, **scales)
+
+
+def _baseline(dy, w, inputs, fp8: bool):
+    """cuBLAS's plain product: torch.mm, or ``_scaled_mm`` with the row scales and fast
+    accumulation."""
+    if not fp8:
+        return lambda: torch.mm(dy, w)
+    sa, sb = inputs["scale_a"][:, None], inputs["scale_b"][None, :]
+    return lambda: torch._scaled_mm(dy, w, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
 def subtrees(tree) -> dict:
@@ -64,15 +87,16 @@ def subtrees(tree) -> dict:
     return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
-def forced_buffers_plan(tree, dy, w, inputs, config, buffers: int):
+def forced_buffers_plan(tree, dy, w, inputs, config, buffers: int, fp8: bool = False):
     """(plan of ``tree`` on ``config`` with ``buffers`` store buffers per output, compiled
     afresh, its A/B stages)."""
     EPI.SUBTILE_BUFFERS = buffers
+    ab = 1 if fp8 else 2
     try:
         compiler._cache.clear()
         runner._plans.clear()
-        plan = runner._make_plan(tree, dy, w, inputs, config, False, "exp")
-        stages = pipeline_stages(config, 2, EPI.Sm90TreeEpilogue(tree, config, 2).smem_bytes())
+        plan = runner._make_plan(tree, dy, w, inputs, config, fp8, "exp")
+        stages = pipeline_stages(config, ab, EPI.Sm90TreeEpilogue(tree, config, ab).smem_bytes())
     finally:
         EPI.SUBTILE_BUFFERS = None
         compiler._cache.clear()
@@ -84,30 +108,36 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--configs", type=int, default=6, help="how many of the ranked configs to time")
+    ap.add_argument("--fp8-row-fast", action="store_true",
+                    help="the row-wise FP8 tree without h, fast accumulation, against _scaled_mm")
     args = ap.parse_args()
     console = Console(width=150)
     sms = dispatch.num_sms(torch.device("cuda"))
-    tree = swiglu_backward_tree()
+    fp8 = args.fp8_row_fast
+    tree = row_scaled(swiglu_backward_tree(recompute_h=False)) if fp8 else swiglu_backward_tree()
     table = Table(title="SwiGLU backward (dgrad + epilogue): time / cuBLAS plain dy @ W_down")
     for col in ("shape", "variant", "ms", "/ cuBLAS"):
         table.add_column(col, justify="right")
     for label, m, d, f in SHAPES:
-        dy, w, inputs = _operands(m, d, f)
-        pick = runner.choose_config(tree, m, f, d, 1, False, False, sms)
-        ranked = [c for c in runner.ranked_configs(tree, m, f, d, 1, False, False, sms)
-                  if not runner.spills(tree, c, False, sms)][: args.configs]
-        fns = {"cublas": lambda: torch.mm(dy, w), "plain": lambda: gemm_impl(dy, w)}
+        dy, w, inputs = _operands(m, d, f, fp8)
+        run = lambda t, c: E.run(t, dy, w, inputs, config=c, use_fast_accum=fp8)  # noqa: E731
+        pick = runner.choose_config(tree, m, f, d, 1, fp8, fp8, sms)
+        ranked = [c for c in runner.ranked_configs(tree, m, f, d, 1, fp8, fp8, sms)
+                  if not runner.spills(tree, c, fp8, sms)][: args.configs]
+        fns = {"cublas": _baseline(dy, w, inputs, fp8)}
+        if not fp8:
+            fns["plain"] = lambda: gemm_impl(dy, w)
         for c in ranked:
-            fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: E.run(tree, dy, w, inputs, config=c)
-        plan, stages = forced_buffers_plan(tree, dy, w, inputs, pick, 2)
+            fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: run(tree, c)
+        plan, stages = forced_buffers_plan(tree, dy, w, inputs, pick, 2, fp8)
         fns[f"two store buffers, {stages} stages ({pick.name})"] = lambda p=plan: p.launch(dy, w, inputs)
-        got, want = plan.launch(dy, w, inputs), E.run(tree, dy, w, inputs, config=pick)
+        got, want = plan.launch(dy, w, inputs), run(tree, pick)
         same = all(torch.equal(got[name], want[name]) for name in want)
         console.log(f"{label} two store buffers: outputs {'bit-identical to' if same else 'DIFFER from'} the op's")
-        for name, variant in subtrees(tree).items():
+        for name, variant in ({} if fp8 else subtrees(tree)).items():
             own = runner.choose_config(variant, m, f, d, 1, False, False, sms)
             for c in dict.fromkeys([own, pick]):  # its own pick, and the full tree's
-                fns[f"{name} ({c.name})"] = lambda v=variant, c=c: E.run(v, dy, w, inputs, config=c)
+                fns[f"{name} ({c.name})"] = lambda v=variant, c=c: run(v, c)
         t = interleaved_medians(fns, rounds=args.rounds, settle_ms=300)
         for name, ms in t.items():
             table.add_row(f"{label} {m}x{f}x{d}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")

@@ -26,6 +26,8 @@
 #   mlp-fp8   the FP8 MLP's GPU tests, compute-sanitizer memcheck of sanitize_fp8.py, then
 #             bench_fp8.py --fast-accum all --profile (the MLP sublayer against its shadows, in
 #             turns, and one step's kernels of each)
+#   swiglu-fp8  exp_swiglu_backward.py --fp8-row-fast: the row-wise FP8 down dgrad without h on
+#             each spill-free config and with two store buffers, against _scaled_mm
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
@@ -109,6 +111,10 @@ stage_mlp_fp8() {
         --json "$OUT/mlp-fp8.json"
 }
 
+stage_swiglu_fp8() {
+    step swiglu-fp8 300 python3 scripts/exp_swiglu_backward.py --fp8-row-fast --rounds 10
+}
+
 stage_train() {
     step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
 }
@@ -150,12 +156,13 @@ for s in "$@"; do
         fp8) stage_fp8 ;;
         quant) stage_quant ;;
         mlp-fp8) stage_mlp_fp8 ;;
+        swiglu-fp8) stage_swiglu_fp8 ;;
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
