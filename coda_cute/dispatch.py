@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from .kernels.common.config import MAX_ACC_REGISTERS, TAIL_PARTIAL_K_TILES, GemmConfig
+from .kernels.common.config import TAIL_PARTIAL_K_TILES, GemmConfig
 
 _BLACKWELL_MSG = (
     "coda_cute has no Blackwell (sm_100) GEMM yet; the tcgen05 kernels arrive in a later release. "
@@ -120,7 +120,9 @@ def config_space(fp8: bool) -> list[GemmConfig]:
     """Every config the kernels are built and checked with (report, CI compile tests, tuner).
 
     FP8 configs use 128-element k-tiles. Each FP8 tile comes with two-level accumulation where
-    the doubled accumulator fits the registers, and with fast accumulation always. Cooperative
+    its temporary fits the registers next to the accumulator (``GemmConfig.promotion_waves``: a
+    whole second accumulator, or one 64-row wave of cooperative 256 x 128), and with fast
+    accumulation always. Cooperative
     two-level configs split a nearly empty last round's tiles along K (``split_tail``): their
     long k-loops gain most from it (16384 x 4096 x 14336: 0.968 -> 0.996 of _scaled_mm).
     """
@@ -132,7 +134,7 @@ def config_space(fp8: bool) -> list[GemmConfig]:
             continue
         if cfg.acc_registers > 128:
             continue
-        if 2 * cfg.acc_registers <= MAX_ACC_REGISTERS:
+        if cfg.promotion_waves:
             out.append(cfg.with_(split_tail=sched == "cooperative"))
         out.append(cfg.with_(fp8_fast_accum=True))
     return out

@@ -36,6 +36,9 @@
 #             accumulation: bench_fp8.py --once)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
+#   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
+#             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
+#             sublayer's promoted recipes with and without it, in turns)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -135,6 +138,12 @@ stage_fp8_ncu() {
         python3 scripts/bench_fp8.py --once --fast-accum all
 }
 
+stage_waves() {
+    step waves-tests 250 python3 -m pytest -q -m gpu -n 6 tests/test_gemm_gpu.py tests/test_block_scaled_gpu.py \
+        -k "256x128 or waves"
+    step waves-exp 330 python3 scripts/exp_wave_promotion.py --rounds 10 --mlp --mlp-rounds 8
+}
+
 stage_rope_ncu() {
     # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
     local skip
@@ -162,7 +171,8 @@ for s in "$@"; do
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
+        waves) stage_waves ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do

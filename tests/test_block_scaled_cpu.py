@@ -45,7 +45,8 @@ def stage_tx(cfg, b_rows: bool) -> int:
     (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2), E4M3, E4M3),  # fprop
     (GemmConfig(tile_m=128, tile_n=64, tile_k=128), E5M2, E4M3),  # dgrad with E5M2 gradients
     (GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong"), E4M3, E4M3),
-], ids=["coop-128x128-c2x1", "coop-128x64-e5m2", "pingpong-64x128"])
+    (GemmConfig(tile_m=256, tile_n=128, tile_k=128, cluster_m=2), E4M3, E4M3),  # promoted in waves
+], ids=["coop-128x128-c2x1", "coop-128x64-e5m2", "pingpong-64x128", "coop-256x128-waves"])
 def test_block_scaled_kernel_builds(cfg, a, b):
     k = compile_gemm(spec(cfg, a, b), keep_artifacts=True)
     assert spill_bytes(k) == 0 and not k.stats["wgmma_serialized"], k.stats
@@ -134,7 +135,8 @@ def test_op_outside_the_reference_path_names_it():
     GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
     GemmConfig(tile_m=128, tile_n=64, tile_k=128),
     GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong"),
-], ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128"])
+    GemmConfig(tile_m=256, tile_n=128, tile_k=128),
+], ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128", "coop-256x128-waves"])
 def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
     """Per k-tile the factor is the thread's row scales times its column scales: one more fp32
     shared-memory load per column it holds and one multiply per register next to the FFMA,

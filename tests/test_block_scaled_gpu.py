@@ -24,13 +24,13 @@ def spread(rows, cols):
     return x * mag.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
 
 
-def launch(cfg, a_q, sa, b_q, sb):
+def launch(cfg, a_q, sa, b_q, sb, b_rows=False, out_dtype=torch.bfloat16):
     (m, k), n = a_q.shape, b_q.shape[0]
     spec = KernelSpec.of(str(a_q.dtype)[6:], str(b_q.dtype)[6:], "k", "k", cfg,
-                         gemm_tree("none", "none", "bfloat16"), block_scaled=True)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    # M-major activation scales, K-major weight scales, as the kernel's TMA reads them
-    scales = (_scale_view(tma_block_scales(sa, True), True), _scale_view(tma_block_scales(sb, False), False))
+                         gemm_tree("none", "none", str(out_dtype)[6:]), block_scaled=True, b_rows=b_rows)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    # M-major activation scales, K-major weight scales (N-major 1 x 128 ones), as the kernel's TMA reads them
+    scales = (_scale_view(tma_block_scales(sa, True), True), _scale_view(tma_block_scales(sb, b_rows), b_rows))
     get_gemm(spec).fn(a_q.as_strided((m, k, 1), (k, 1, m * k)), b_q.as_strided((n, k, 1), (k, 1, n * k)),
                       None, (out.as_strided((m, n, 1), (n, 1, m * n)),), None, None, scales)
     return out
@@ -38,8 +38,9 @@ def launch(cfg, a_q, sa, b_q, sb):
 
 @pytest.mark.parametrize("cfg", [GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2),
                                  GemmConfig(tile_m=128, tile_n=64, tile_k=128),
-                                 GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong")],
-                         ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128"])
+                                 GemmConfig(tile_m=64, tile_n=128, tile_k=128, schedule="pingpong"),
+                                 GemmConfig(tile_m=256, tile_n=128, tile_k=128, cluster_m=2)],
+                         ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128", "coop-256x128-waves"])
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (4096, 4096, 4096), (200, 136, 128)])
 @pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_block_scaled_gemm_is_the_dequantized_product(cfg, m, n, k, a_dtype):
@@ -85,6 +86,25 @@ def test_wgrad_form_is_the_dequantized_product(m, n, k, out_dtype, a_dtype):
     rounding = want.abs() * (2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23)
     assert bool((err <= 2.0 ** -11 * mag + rounding).all()), float((err - rounding).div(mag).max())
     assert rel_err(out.double(), want) < (4e-3 if out_dtype == torch.bfloat16 else 5e-4)
+
+
+@pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (4096, 1024, 4096)])
+def test_wgrad_form_in_waves_is_the_dequantized_product(m, n, k):
+    """The weight-gradient form on cooperative 256 x 128, which promotes each k-tile one 64-row
+    wave at a time (``GemmConfig.promotion_waves``), launched directly: the same bound as the
+    op's test above, fp32 out."""
+    cfg = GemmConfig(tile_m=256, tile_n=128, tile_k=128)
+    assert cfg.promotion_waves == 2
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128))
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (1, 128))
+    out = launch(cfg, a_q, sa, b_q, sb, b_rows=True, out_dtype=torch.float32)
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (1, 128), out_dtype=torch.float64)
+    mag = R.block_scaled_gemm_ref(a_q.float().abs(), sa, (1, 128), b_q.float().abs(), sb, (1, 128),
+                                  out_dtype=torch.float64)
+    assert bool(out.isfinite().all())
+    err = (out.double() - want).abs()
+    assert bool((err <= 2.0 ** -11 * mag + want.abs() * 2.0 ** -23).all()), float(err.div(mag).max())
+    assert rel_err(out.double(), want) < 5e-4
 
 
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (136, 200, 4112)])

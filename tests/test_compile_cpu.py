@@ -311,6 +311,40 @@ def test_fp8_two_level_register_budget_rejected():
     assert cfg not in dispatch.config_space(True)
 
 
+@pytest.mark.parametrize("cfg, waves", [
+    (GemmConfig(128, 128, 128, "cooperative"), 1),  # 64 + 64 registers: a whole temporary
+    (GemmConfig(128, 192, 128, "cooperative"), 1),  # 96 + 96
+    (GemmConfig(256, 128, 128, "cooperative"), 2),  # 128 + one 64-row wave's 64
+    (GemmConfig(128, 128, 128, "pingpong"), 0),  # waves would idle the tensor cores at each promotion
+    (GemmConfig(128, 256, 128, "cooperative"), 0),  # one 64-row atom per warpgroup: nothing to split
+    (GemmConfig(256, 192, 128, "cooperative"), 0),  # 192 + 96
+])
+def test_promotion_waves(cfg, waves):
+    assert cfg.promotion_waves == waves
+
+
+def test_config_space_has_two_level_in_waves():
+    waves = [c for c in dispatch.config_space(True) if not c.fp8_fast_accum and c.promotion_waves > 1]
+    assert waves == [GemmConfig(256, 128, 128, "cooperative", 2, 1, split_tail=True)]
+    assert GemmConfig(256, 128, 128, "cooperative", 2, 1) in dispatch.block_scaled_config_space()
+
+
+def test_two_level_in_waves_builds():
+    """Cooperative 256 x 128 two-level: each warpgroup's k-tile is two 64-row waves of four
+    m64n128k32 WGMMAs, each into a temporary one wave tall that is drained (``wait_group 0``) and
+    added to its rows of the accumulator (64 FADDs per wave and thread) before the next wave; no
+    k-tile is issued ahead of the epilogue; no spills, no serialized WGMMAs."""
+    cfg = GemmConfig(256, 128, 128, "cooperative", 2, 1)
+    k = compile_gemm(GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", cfg,
+                              scale_a="row", scale_b="row"), keep_artifacts=True)
+    stats = k.stats
+    assert stats["spill_stores"] == stats["spill_loads"] == 0 and not stats["wgmma_serialized"], stats
+    ptx = k.ptx
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 8
+    assert re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx) == ["0", "0"]
+    assert ptx.count("add.f32") + ptx.count("add.rn.f32") >= 128
+
+
 def test_fp8_needs_k_major_in_the_kernel():
     import cutlass
 

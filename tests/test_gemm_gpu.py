@@ -36,6 +36,10 @@ FP8_CONFIGS = [
     # two-level with paired k-tiles (three accumulators fit): both schedules, odd and even k-tiles
     GemmConfig(128, 128, 128, "cooperative", 1, 1),
     GemmConfig(64, 128, 128, "pingpong", 2, 1),
+    # two-level in 64-row waves (a whole second accumulator does not fit), with and without the
+    # split tail's fixup
+    GemmConfig(256, 128, 128, "cooperative", 2, 1),
+    GemmConfig(256, 128, 128, "cooperative", 1, 1, split_tail=True),
 ]
 
 

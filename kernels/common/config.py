@@ -22,6 +22,8 @@ SMEM_RESERVED = 1024
 #: accumulator registers a consumer thread can hold next to the epilogue's working set
 #: (consumer warpgroups run with 232-240 registers per thread).
 MAX_ACC_REGISTERS = 192
+#: rows of one WGMMA atom (``m64nNk``): a warpgroup's accumulator is a stack of such waves
+WAVE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -103,14 +105,36 @@ class GemmConfig:
             return 0, 1
         return tail_split(self.cluster_tiles(m, n, batch), self.slots(m, n, batch, sms), _ceil_div(k, self.tile_k))
 
+    @property
+    def promotion_waves(self) -> int:
+        """How FP8 two-level accumulation's temporary covers a warpgroup's accumulator: 1 where a
+        whole second accumulator fits next to it in ``MAX_ACC_REGISTERS``; else, on a cooperative
+        tile with several 64-row WGMMA atoms per warpgroup, that number of waves, each k-tile's
+        atoms issued one wave at a time into a temporary one atom tall and promoted before the
+        next wave (256 x 128: 128 + 64 registers, DeepGEMM's scheme; ping-pong would leave the
+        tensor cores idle through each promotion, its other warpgroup being in its epilogue);
+        0 where neither fits."""
+        acc = self.acc_registers
+        if 2 * acc <= MAX_ACC_REGISTERS:
+            return 1
+        waves = self.wg_tile_m // WAVE_ROWS
+        if self.schedule == "cooperative" and waves > 1 and acc + acc // waves <= MAX_ACC_REGISTERS:
+            return waves
+        return 0
+
     def check_registers(self, two_level_accumulation: bool) -> None:
         """Reject tiles whose accumulators cannot live in a consumer thread's registers."""
-        need = self.acc_registers * (2 if two_level_accumulation else 1)
-        if need > MAX_ACC_REGISTERS:
-            what = "two fp32 accumulators (FP8 two-level accumulation)" if two_level_accumulation else "the fp32 accumulator"
+        if two_level_accumulation and not self.promotion_waves:
             raise ValueError(
-                f"config {self.name}: {what} need {need} registers per thread, "
-                f"more than the {MAX_ACC_REGISTERS} a consumer warpgroup can spare"
+                f"config {self.name}: FP8 two-level accumulation needs the fp32 accumulator "
+                f"({self.acc_registers} registers per thread) and a temporary for a whole one or for "
+                f"one {WAVE_ROWS}-row wave of a cooperative tile within the {MAX_ACC_REGISTERS} a "
+                f"consumer warpgroup can spare"
+            )
+        if self.acc_registers > MAX_ACC_REGISTERS:
+            raise ValueError(
+                f"config {self.name}: the fp32 accumulator needs {self.acc_registers} registers per "
+                f"thread, more than the {MAX_ACC_REGISTERS} a consumer warpgroup can spare"
             )
 
     @property

@@ -123,8 +123,9 @@ class RowFactor:
     modes) and ``b`` (one-element tensor: the weight block's scale), multiplied at the
     promotion."""
 
-    def __init__(self, rows, b):
+    def __init__(self, rows, b, in_turn: bool = False):
         self.rows, self.b = rows, b
+        self.in_turn = in_turn
 
     def _flat(self, t):
         return cute.make_tensor(t.iterator, cute.make_layout(cute.cosize(self.rows.layout)))
@@ -135,7 +136,10 @@ class RowFactor:
         return out.load()
 
     def scaled(self, t):
-        """``t * factor``."""
+        """``t * factor``; ``in_turn``: ``t * rows * b`` (an FMUL more per register), which
+        the 256 x 128 build promoting in waves needs: ``t * factor`` spilled 600 bytes there."""
+        if const_expr(self.in_turn):
+            return t.load() * self.rows.load() * self.b[0]
         return t.load() * self.load()
 
 
@@ -152,31 +156,47 @@ class BlockScales:
         (self.pairs, _, self.groups), self.mma_m, self.mma_n = tile_coords.shape
 
     @cute.jit
-    def factors(self, k, stage):
+    def factors(self, k, stage, wave=None):
         """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register from stage ``stage``, a
         :class:`RowFactor` (only the thread's rows and one value occupy registers); ``b_rows``:
-        the :class:`OuterFactor` of sa[m, k] and sb[n, k]."""
-        rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
-        for mm in cutlass.range_constexpr(self.mma_m):
+        the :class:`OuterFactor` of sa[m, k] and sb[n, k]. ``wave``: laid out like the
+        accumulator's 64-row atom ``wave`` alone (promotion in waves); slicing the whole
+        factor instead spilled the 256 x 128 build."""
+        if const_expr(wave is None):
+            rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
+            for mm in cutlass.range_constexpr(self.mma_m):
+                for half in cutlass.range_constexpr(2):
+                    crd = ((0, half, 0), mm, 0)
+                    rows[crd] = self.sSA[(self.coords[crd][0], 0, stage)]
+        else:
+            # the wave's two rows; every atom's coordinates name them (zero strides), so the
+            # slice is laid out like the accumulator's slice
+            rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 0, 0)), Float32)
             for half in cutlass.range_constexpr(2):
-                crd = ((0, half, 0), mm, 0)
-                rows[crd] = self.sSA[(self.coords[crd][0], 0, stage)]
+                rows[((0, half, 0), 0, 0)] = self.sSA[(self.coords[((0, half, 0), wave, 0)][0], 0, stage)]
+            rows = rows[(None, 0, 0)]
         if const_expr(not self.b_rows):
             b = cute.make_rmem_tensor(cute.make_layout(1), Float32)
             b[0] = self.sSB[(0, k % SB_BOX, stage)]
-            return RowFactor(rows, b)
-        return OuterFactor(rows, lambda: self._columns(stage))
+            return RowFactor(rows, b, in_turn=wave is not None)
+        return OuterFactor(rows, lambda: self._columns(stage, wave))
 
     @cute.jit
-    def _columns(self, stage):
+    def _columns(self, stage, wave=None):
         """The thread's columns of sb: (pairs, groups, MMA_N) values, zero strides on the row
-        modes."""
+        modes (``wave``: laid out like one 64-row atom, whose N is the tile's)."""
         p, g = self.pairs, self.groups
-        cols = cute.make_rmem_tensor(
-            cute.make_layout(self.coords.shape, stride=((1, 0, p), 0, p * g)), Float32)
-        for nn in cutlass.range_constexpr(self.mma_n):
+        if const_expr(wave is None):
+            cols = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((1, 0, p), 0, p * g)), Float32)
+            for nn in cutlass.range_constexpr(self.mma_n):
+                for v in cutlass.range_constexpr(g):
+                    for c in cutlass.range_constexpr(p):
+                        crd = ((c, 0, v), 0, nn)
+                        cols[crd] = self.sSB[(self.coords[crd][1], 0, stage)]
+        else:
+            cols = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((1, 0, p), 0, 0)), Float32)
             for v in cutlass.range_constexpr(g):
                 for c in cutlass.range_constexpr(p):
-                    crd = ((c, 0, v), 0, nn)
-                    cols[crd] = self.sSB[(self.coords[crd][1], 0, stage)]
+                    cols[((c, 0, v), 0, 0)] = self.sSB[(self.coords[((c, 0, v), wave, 0)][1], 0, stage)]
+            cols = cols[(None, 0, 0)]
         return cols

@@ -18,7 +18,8 @@ Tiles come from the static persistent scheduler (``kernels.common.tile_scheduler
 consumers walk the same sequence. Cooperative FP8 two-level kernels keep the tensor cores busy
 while both warpgroups store: each warpgroup issues the next tile's first k-tile into a temporary
 before its epilogue and takes it as the new accumulator after (the producer loads one extra
-stage after the last tile, so every epilogue has a k-tile to overlap).
+stage after the last tile, so every epilogue has a k-tile to overlap); those promoting in waves
+(256 x 128, ``GemmConfig.promotion_waves``) have no room for that temporary.
 
 With ``split_tail`` (cooperative) the last round's tiles are cut along K: the consumers of a
 slice other than the last publish their fp32 accumulators to a global workspace; the last
@@ -98,8 +99,10 @@ class Sm90Gemm:
         self.block_scaled, self.b_rows = block_scaled, b_rows
         cfg.check_registers(self.two_level)
         self.pingpong = cfg.schedule == "pingpong"
+        waves = cfg.promotion_waves if self.two_level else 1
         # cooperative two-level: each next tile's first k-tile is issued before the epilogue
-        self.overlap = self.two_level and not self.pingpong
+        # (not in waves: a whole temporary next to the accumulator is what does not fit there)
+        self.overlap = self.two_level and not self.pingpong and waves == 1
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
@@ -119,6 +122,7 @@ class Sm90Gemm:
             # ping-pong's wgrad form spills with a second temporary next to its column scales
             paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not (b_rows and self.pingpong),
             group=PROMOTION_GROUP["wgrad" if b_rows else "block" if block_scaled else "row"],
+            waves=waves,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ Accumulation modes:
     Rolling the two temporaries across loop iterations instead of pairing k-tiles (never
     draining a warpgroup's WGMMAs) compiles without serialization when nothing is in flight at
     loop entry, but measured 0.3 % slower than pairs on the H200.
+  * two-level in waves (cooperative 256 x 128, ``waves`` > 1): a second whole accumulator does
+    not fit next to the 128-register one, so each k-tile is issued one 64-row wave (WGMMA atom)
+    at a time into a temporary one wave tall, which is promoted into its rows of the accumulator
+    before the next wave is issued. A warpgroup's tensor-core work then stops at every
+    promotion; the other warpgroup's wave runs meanwhile (the stagger offsets them by a wave).
+    Nothing is in flight across the epilogue (no ``issue_first``: its temporary would not fit).
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ class Sm90Mainloop:
     """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
 
     def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
-                 two_level: bool, paired: bool = False, group: int = 2):
+                 two_level: bool, paired: bool = False, group: int = 2, waves: int = 1):
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
         self.atom_layout_mnk = atom_layout_mnk
@@ -119,6 +125,7 @@ class Sm90Mainloop:
         self.two_level = two_level
         self.paired = paired
         self.group = group
+        self.waves = waves
 
     def tiled_mma(self, tile_n: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -128,13 +135,15 @@ class Sm90Mainloop:
 
     @cute.jit
     def fragments(self, tiled_mma, sA, sB, tidx):
-        """(thr_mma, (A, B) operand fragments, accumulator, two-level temporary or None)."""
+        """(thr_mma, (A, B) operand fragments, accumulator, two-level temporary or None; in
+        waves, a temporary one atom (64 rows) tall, whose layout :meth:`run` copies)."""
         thr_mma = tiled_mma.get_slice(tidx)
         acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
         acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         tmp = None
         if const_expr(self.two_level):
-            tmp = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            tmp = cute.make_rmem_tensor(acc_shape if const_expr(self.waves == 1) else (acc_shape[0], 1, 1),
+                                        cutlass.Float32)
         # The smem operand descriptors depend on the thread only through its warpgroup: sliced by
         # a warp-uniform index they live in uniform registers, computed on the uniform datapath,
         # instead of being rebuilt from the thread index in vector registers every k-tile.
@@ -144,15 +153,22 @@ class Sm90Mainloop:
         return thr_mma, frags, acc, tmp
 
     @cute.jit
-    def _issue(self, op, target, frags, stage, accumulate):
-        """One k-tile of WGMMAs from smem stage ``stage`` into ``target`` as one commit group."""
+    def _issue(self, op, target, frags, stage, accumulate, wave=None):
+        """One k-tile of WGMMAs from smem stage ``stage`` into ``target`` as one commit group;
+        ``wave``: only that 64-row atom of the warpgroup's rows (``target`` one atom tall; an
+        atom spans the tile's N, so B's fragment has one)."""
         tCrA, tCrB = frags
         # A fresh atom per issue: its ACCUMULATE flag is per-k-tile state.
         atom = cute.make_mma_atom(op)
         atom.set(warpgroup.Field.ACCUMULATE, accumulate)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            cute.gemm(atom, target, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], target)
+            if const_expr(wave is None):
+                cute.gemm(atom, target, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], target)
+            else:
+                # (V, 1) x (V, 1) => (V, 1, 1): the wave's atom as an M mode of one
+                cute.gemm(atom, target, cute.append_ones(tCrA[(None, wave, kb, stage)], up_to_rank=2),
+                          tCrB[(None, None, kb, stage)], target)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -187,37 +203,75 @@ class Sm90Mainloop:
                 acc.fill(0.0)
             if const_expr(stagger is not None):
                 stagger.wait_turn()
-            release_state = read_state.clone()
-            singles = k_tiles
-            first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
-            if const_expr(self.paired):
-                groups = k_tiles // self.group
-                for j in cutlass.range(groups, unroll=1):
-                    read_state, release_state = self._group(
-                        tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, release_state,
-                        self.group, j * self.group, stagger, scale, first_k)
-                singles = k_tiles - groups * self.group
-                first_k = first_k + groups * self.group
-            for k in cutlass.range(singles, unroll=1):
-                ab_pipe.consumer_wait(read_state)
-                self._issue(tiled_mma.op, tmp, frags, read_state.index, False)
-                factor = None
-                if const_expr(scale is not None):
-                    factor = scale(first_k + k, read_state.index)  # read under the WGMMAs
-                read_state.advance()
-                if const_expr(stagger is not None):
-                    # once per tile, after its first issue (a grouped loop has passed it already)
-                    if k == 0 and (k_tiles < self.group or not self.paired):
-                        stagger.pass_turn()
-                warpgroup.wait_group(0)
-                _promote(acc, tmp, factor)
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
+            if const_expr(self.waves > 1):
+                read_state = self._in_waves(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
+                                            stagger, scale)
+            else:
+                read_state = self._whole(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
+                                         stagger, scale, preloaded)
             if const_expr(stagger is not None and preloaded):
                 if k_tiles == 0:  # nothing issued: the other warpgroup must not wait for it
                     stagger.pass_turn()
             extra = on_last_issue()
         return read_state, extra
+
+    @cute.jit
+    def _whole(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale, preloaded: cutlass.Constexpr):
+        """``k_tiles`` k-tiles, each into a temporary as large as ``acc``: in software-pipelined
+        groups (``paired``), then one promotion per k-tile. Returns the advanced read state."""
+        release_state = read_state.clone()
+        singles = k_tiles
+        first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
+        if const_expr(self.paired):
+            groups = k_tiles // self.group
+            for j in cutlass.range(groups, unroll=1):
+                read_state, release_state = self._group(
+                    op, frags, acc, tmp, ab_pipe, read_state, release_state,
+                    self.group, j * self.group, stagger, scale, first_k)
+            singles = k_tiles - groups * self.group
+            first_k = first_k + groups * self.group
+        for k in cutlass.range(singles, unroll=1):
+            ab_pipe.consumer_wait(read_state)
+            self._issue(op, tmp, frags, read_state.index, False)
+            factor = None
+            if const_expr(scale is not None):
+                factor = scale(first_k + k, read_state.index)  # read under the WGMMAs
+            read_state.advance()
+            if const_expr(stagger is not None):
+                # once per tile, after its first issue (a grouped loop has passed it already)
+                if k == 0 and (k_tiles < self.group or not self.paired):
+                    stagger.pass_turn()
+            warpgroup.wait_group(0)
+            _promote(acc, tmp, factor)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+        return read_state
+
+    @cute.jit
+    def _in_waves(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale):
+        """``k_tiles`` k-tiles, each issued one wave at a time into a temporary shaped like
+        ``tmp`` (created here, in the loop body: see the module docstring) and promoted into the
+        wave's rows of ``acc`` before the next wave; the stage is released once its last wave's
+        WGMMAs are done, before that wave's promotion. Returns the advanced read state."""
+        for k in cutlass.range(k_tiles, unroll=1):
+            ab_pipe.consumer_wait(read_state)
+            for w in cutlass.range_constexpr(self.waves):
+                factor = None
+                part = cute.make_rmem_tensor(tmp.layout, cutlass.Float32)
+                self._issue(op, part, frags, read_state.index, False, w)
+                if const_expr(scale is not None):
+                    factor = scale(k, read_state.index, w)  # read under the wave's WGMMAs
+                if const_expr(w == 0):
+                    if const_expr(stagger is not None):
+                        if k == 0:  # once per tile: the other warpgroup's first wave may start
+                            stagger.pass_turn()
+                warpgroup.wait_group(0)
+                if const_expr(w == self.waves - 1):
+                    ab_pipe.consumer_release(read_state)
+                rows = acc[(None, w, 0)]
+                _promote(rows, cute.make_tensor(part.iterator, rows.layout), factor)  # part seen as those rows
+            read_state.advance()
+        return read_state
 
     @cute.jit
     def issue_first(self, op, frags, acc, ab_pipe, read_state):
