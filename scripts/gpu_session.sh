@@ -34,6 +34,8 @@
 #             accumulation: bench_fp8.py --once)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
+#   sinks     the epilogue quantize sinks' GPU tests and the FP8 MLP's with FUSED_QUANT, then
+#             bench_fp8.py --profile (the block recipe with and without its quantization fused)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -129,6 +131,11 @@ stage_fp8_ncu() {
         python3 scripts/bench_fp8.py --once --fast-accum all
 }
 
+stage_sinks() {
+    step sinks-tests 300 python3 -m pytest -q -m gpu -n 6 tests/test_epilogue_quantize_gpu.py tests/test_mlp_fp8_gpu.py
+    step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
+}
+
 stage_rope_ncu() {
     # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
     local skip
@@ -155,7 +162,8 @@ for s in "$@"; do
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu)"; exit 2 ;;
+        sinks) stage_sinks ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
