@@ -39,6 +39,8 @@
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
 #             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
 #             sublayer's promoted recipes with and without it, in turns)
+#   sinks     the epilogue quantize sinks' GPU tests and the FP8 MLP's with FUSED_QUANT, then
+#             bench_fp8.py --profile (the block recipe with and without its quantization fused)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -144,6 +146,11 @@ stage_waves() {
     step waves-exp 330 python3 scripts/exp_wave_promotion.py --rounds 10 --mlp --mlp-rounds 8
 }
 
+stage_sinks() {
+    step sinks-tests 300 python3 -m pytest -q -m gpu -n 6 tests/test_epilogue_quantize_gpu.py tests/test_mlp_fp8_gpu.py
+    step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
+}
+
 stage_rope_ncu() {
     # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
     local skip
@@ -172,7 +179,8 @@ for s in "$@"; do
         fp8-ncu) stage_fp8_ncu ;;
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves)"; exit 2 ;;
+        sinks) stage_sinks ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do

@@ -181,11 +181,15 @@ def test_transposed_rows_need_m_a_multiple_of_16(path):
 def test_transposed_builds_are_spill_free_with_one_byte_store_per_value(cfg, tree, subtiles):
     k = compile_gemm(KernelSpec.of("bfloat16", "bfloat16", "k", "k", cfg, tree()), keep_artifacts=True)
     ops = Counter(re.findall(r"\b(cvt\.rn\.satfinite\.e4m3x2\.f32|st\.shared\.b8|st\.shared\.b32|st\.global\.b32|"
-                             r"bar\.sync)\b", k.ptx))
+                             r"bar\.sync|xor\.b32)\b", k.ptx))
     assert spill_bytes(k) == 0
     both = subtiles == 1
     per_thread = 128 * cfg.tile_n // 256  # the tile's values per epilogue thread
     assert ops["st.shared.b8"] == per_thread  # each value at its transposed place
+    # ... in 128B-swizzled rows of x^T (the address's 16-byte chunk XORed with its row), where
+    # unswizzled rows put each store's 4 rows in the same two banks: without the swizzle the
+    # kernel has a handful of XORs, with it about one per byte store
+    assert ops["xor.b32"] >= per_thread // 2, ops
     assert ops["cvt.rn.satfinite.e4m3x2.f32"] == per_thread // 2 * (2 if both else 1)
     # per sub-tile: one column scale (threads < its width), plus two row scales with both layouts
     assert ops["st.global.b32"] == subtiles * (3 if both else 1)

@@ -254,8 +254,13 @@ class Sm90TreeEpilogue(SinkFolds):
                              stride=(_quant_words(q, en), 1, em * _quant_words(q, en)))
             for q in self.quants
         ]
-        quant_t_layouts = [cute.make_layout((_t_rows(q, en), em, self.stages), stride=(em, 1, em * _t_rows(q, en)))
-                           for q in self.quants_t]
+        # x^T's 128-byte rows 128B-swizzled: a byte store of the transposed staging writes, per
+        # register, 8 consecutive bytes of 4 rows two apart, which unswizzled rows put in the
+        # same two banks (a 4-way conflict on every store); swizzled, in 4 different 16-byte chunks
+        quant_t_layouts = [
+            sm90_utils.make_smem_layout_epi(FP8_TYPES[q.dtype], LayoutEnum.ROW_MAJOR, (_t_rows(q, en), em), self.stages)
+            for q in self.quants_t
+        ]
         store_atoms = []
         for s, lay in zip(self.full_stores, full_layouts):
             store_atoms.append(cpasync.make_tiled_tma_atom(
@@ -292,7 +297,7 @@ class Sm90TreeEpilogue(SinkFolds):
         for lay in quant_layouts:
             bufs.append(smem.allocate_tensor(cutlass.Int16, lay, 1024))
         for s, lay in zip(self.quants_t, quant_t_layouts):
-            bufs.append(smem.allocate_tensor(FP8_TYPES[s.dtype], lay, 1024))
+            bufs.append(smem.allocate_tensor(FP8_TYPES[s.dtype], lay.outer, 1024, swizzle=lay.inner))
         tiles = [smem.allocate_tensor(DSL_TYPES[_kdt(t)], lay.outer, 1024, swizzle=lay.inner)
                  for t, lay in zip(self.tile_inputs, tile_layouts)]
         scratch = [smem.allocate_tensor(Float32, cute.make_layout((self.epi_warps, self.tile_mn[1])), 1024)
