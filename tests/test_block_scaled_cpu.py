@@ -153,6 +153,22 @@ def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
     assert expected_tx(ptx) == {stage_tx(cfg, True)}, expected_tx(ptx)
 
 
+def test_waves_release_each_stage_after_reading_its_column_scales():
+    """In waves (cooperative 256 x 128), the weight-gradient form's factor reads the stage's
+    column scales at the last wave's promotion: the stage is released after those reads, never
+    before (the producer would refill the scales under them). In the k-loop's PTX every column
+    read (``ld.shared.v2.b32``) comes before the stage's release (the first ``mbarrier.arrive``
+    after the loop's last ``wgmma.wait_group``)."""
+    k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", GemmConfig(tile_m=256, tile_n=128, tile_k=128),
+                                   gemm_tree("none", "none", "float32"), block_scaled=True, b_rows=True),
+                     keep_artifacts=True)
+    lines = k.ptx.splitlines()
+    last_wait = max(i for i, line in enumerate(lines) if "wgmma.wait_group" in line)
+    release = next(i for i, line in enumerate(lines) if i > last_wait and "mbarrier.arrive" in line)
+    reads = [i for i, line in enumerate(lines) if "ld.shared.v2.b32" in line]
+    assert reads and max(reads) < release, (reads[-3:], release)
+
+
 @pytest.mark.parametrize("group", [3, 4])
 @pytest.mark.parametrize("b_rows", [False, True], ids=["forward", "wgrad"])
 def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch):

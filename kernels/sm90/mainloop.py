@@ -209,7 +209,7 @@ class Sm90Mainloop:
             else:
                 read_state = self._whole(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
                                          stagger, scale, preloaded)
-            if const_expr(stagger is not None and preloaded):
+            if const_expr(stagger is not None and (preloaded or self.waves > 1)):
                 if k_tiles == 0:  # nothing issued: the other warpgroup must not wait for it
                     stagger.pass_turn()
             extra = on_last_issue()
@@ -251,8 +251,8 @@ class Sm90Mainloop:
     def _in_waves(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale):
         """``k_tiles`` k-tiles, each issued one wave at a time into a temporary shaped like
         ``tmp`` (created here, in the loop body: see the module docstring) and promoted into the
-        wave's rows of ``acc`` before the next wave; the stage is released once its last wave's
-        WGMMAs are done, before that wave's promotion. Returns the advanced read state."""
+        wave's rows of ``acc`` before the next wave; the stage is released after the last
+        wave's promotion. Returns the advanced read state."""
         for k in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(read_state)
             for w in cutlass.range_constexpr(self.waves):
@@ -266,10 +266,11 @@ class Sm90Mainloop:
                         if k == 0:  # once per tile: the other warpgroup's first wave may start
                             stagger.pass_turn()
                 warpgroup.wait_group(0)
-                if const_expr(w == self.waves - 1):
-                    ab_pipe.consumer_release(read_state)
                 rows = acc[(None, w, 0)]
                 _promote(rows, cute.make_tensor(part.iterator, rows.layout), factor)  # part seen as those rows
+            # after the last promotion: the weight-gradient form's factor reads the stage's column
+            # scales there (a release before it let the producer refill them under the reads)
+            ab_pipe.consumer_release(read_state)
             read_state.advance()
         return read_state
 
