@@ -255,8 +255,10 @@ class Sm90TreeEpilogue(SinkFolds):
             for q in self.quants
         ]
         # x^T's 128-byte rows 128B-swizzled: a byte store of the transposed staging writes, per
-        # register, 8 consecutive bytes of 4 rows two apart, which unswizzled rows put in the
-        # same two banks (a 4-way conflict on every store); swizzled, in 4 different 16-byte chunks
+        # register, 8 consecutive bytes of 4 rows two apart (one apart half-width, four apart
+        # double-width), which unswizzled rows put in the same two banks (a 4-way conflict on
+        # every store); swizzled, 4 different 16-byte chunks take them (double-width: 2, rows r
+        # and r + 8 sharing their chunk: a 2-way conflict)
         quant_t_layouts = [
             sm90_utils.make_smem_layout_epi(FP8_TYPES[q.dtype], LayoutEnum.ROW_MAJOR, (_t_rows(q, en), em), self.stages)
             for q in self.quants_t
