@@ -216,7 +216,8 @@ class Sm90Mainloop:
         return read_state, extra
 
     @cute.jit
-    def _whole(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale, preloaded: cutlass.Constexpr):
+    def _whole(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale,
+               preloaded: cutlass.Constexpr):
         """``k_tiles`` k-tiles, each into a temporary as large as ``acc``: in software-pipelined
         groups (``paired``), then one promotion per k-tile. Returns the advanced read state."""
         release_state = read_state.clone()
