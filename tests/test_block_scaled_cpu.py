@@ -153,12 +153,12 @@ def test_wgrad_form_builds_with_an_outer_product_factor(cfg):
     assert expected_tx(ptx) == {stage_tx(cfg, True)}, expected_tx(ptx)
 
 
-def test_waves_release_each_stage_after_reading_its_column_scales():
-    """In waves (cooperative 256 x 128), the weight-gradient form's factor reads the stage's
-    column scales at the last wave's promotion: the stage is released after those reads, never
-    before (the producer would refill the scales under them). In the k-loop's PTX every column
-    read (``ld.shared.v2.b32``) comes before the stage's release (the first ``mbarrier.arrive``
-    after the loop's last ``wgmma.wait_group``)."""
+def test_waves_read_column_scales_once_per_k_tile_before_the_release():
+    """In waves (cooperative 256 x 128), the weight-gradient form reads a k-tile's column scales
+    once, under its first wave's WGMMAs, and both waves' promotions use them: the thread's 32
+    columns as 16 ``ld.shared.v2.b32``, all before the stage's release (the first
+    ``mbarrier.arrive`` after the loop's last ``wgmma.wait_group``; a release before a read
+    would let the producer refill the scales under it)."""
     k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", GemmConfig(tile_m=256, tile_n=128, tile_k=128),
                                    gemm_tree("none", "none", "float32"), block_scaled=True, b_rows=True),
                      keep_artifacts=True)
@@ -166,7 +166,7 @@ def test_waves_release_each_stage_after_reading_its_column_scales():
     last_wait = max(i for i, line in enumerate(lines) if "wgmma.wait_group" in line)
     release = next(i for i, line in enumerate(lines) if i > last_wait and "mbarrier.arrive" in line)
     reads = [i for i, line in enumerate(lines) if "ld.shared.v2.b32" in line]
-    assert reads and max(reads) < release, (reads[-3:], release)
+    assert len(reads) == 16 and max(reads) < release, (len(reads), reads[-3:], release)
 
 
 @pytest.mark.parametrize("group", [3, 4])

@@ -103,10 +103,12 @@ class ScaleLoads:
 
 class OuterFactor:
     """A promotion factor laid out like the accumulator, as the product of a row part (loaded)
-    and a column part (zero strides on the row modes), which ``columns()`` reads from shared
-    memory at the promotion: its values held from the k-tile's issue on (a temporary's worth
-    of registers per thread next to two temporaries in flight) made the paired 128 x 128 build
-    spill."""
+    and a column part (zero strides on the row modes). Whole-accumulator forms pass ``columns``
+    as a function that reads the column part from shared memory at the promotion: its values
+    held from the k-tile's issue on (a temporary's worth of registers per thread next to two
+    temporaries in flight) made the paired 128 x 128 build spill. Promotion in waves passes the
+    loaded column part, read once per k-tile under its first wave's WGMMAs and shared by its
+    waves (spill-free there)."""
 
     def __init__(self, rows, columns):
         self.rows, self.columns = rows, columns
@@ -114,7 +116,8 @@ class OuterFactor:
     def scaled(self, t):
         """``t * rows * cols`` (one FMUL and, in ``acc + scaled``, one FFMA per register), in
         that order: see the module docstring."""
-        return t.load() * self.rows.load() * self.columns().load()
+        scaled = t.load() * self.rows.load()  # before the columns are read: see the class docstring
+        return scaled * (self.columns() if callable(self.columns) else self.columns).load()
 
 
 class RowFactor:
@@ -156,12 +159,13 @@ class BlockScales:
         (self.pairs, _, self.groups), self.mma_m, self.mma_n = tile_coords.shape
 
     @cute.jit
-    def factors(self, k, stage, wave=None):
+    def factors(self, k, stage, wave=None, prev=None):
         """k-tile ``k``'s sa[m, k] * sb[nb, k] per accumulator register from stage ``stage``, a
         :class:`RowFactor` (only the thread's rows and one value occupy registers); ``b_rows``:
         the :class:`OuterFactor` of sa[m, k] and sb[n, k]. ``wave``: laid out like the
-        accumulator's 64-row atom ``wave`` alone (promotion in waves); slicing the whole
-        factor instead spilled the 256 x 128 build."""
+        accumulator's 64-row atom ``wave`` alone (promotion in waves; slicing the whole
+        factor instead spilled the 256 x 128 build); ``prev``: the same k-tile's factor of an
+        earlier wave, whose B part (the same for every wave) is taken instead of read again."""
         if const_expr(wave is None):
             rows = cute.make_rmem_tensor(cute.make_layout(self.coords.shape, stride=((0, 1, 0), 2, 0)), Float32)
             for mm in cutlass.range_constexpr(self.mma_m):
@@ -176,10 +180,14 @@ class BlockScales:
                 rows[((0, half, 0), 0, 0)] = self.sSA[(self.coords[((0, half, 0), wave, 0)][0], 0, stage)]
             rows = rows[(None, 0, 0)]
         if const_expr(not self.b_rows):
+            if const_expr(prev is not None):
+                return RowFactor(rows, prev.b, in_turn=True)
             b = cute.make_rmem_tensor(cute.make_layout(1), Float32)
             b[0] = self.sSB[(0, k % SB_BOX, stage)]
             return RowFactor(rows, b, in_turn=wave is not None)
-        return OuterFactor(rows, lambda: self._columns(stage, wave))
+        if const_expr(wave is None):
+            return OuterFactor(rows, lambda: self._columns(stage))
+        return OuterFactor(rows, self._columns(stage, wave) if const_expr(prev is None) else prev.columns)
 
     @cute.jit
     def _columns(self, stage, wave=None):

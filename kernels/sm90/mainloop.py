@@ -256,12 +256,13 @@ class Sm90Mainloop:
         wave's promotion. Returns the advanced read state."""
         for k in cutlass.range(k_tiles, unroll=1):
             ab_pipe.consumer_wait(read_state)
+            factor = None
             for w in cutlass.range_constexpr(self.waves):
-                factor = None
                 part = cute.make_rmem_tensor(tmp.layout, cutlass.Float32)
                 self._issue(op, part, frags, read_state.index, False, w)
                 if const_expr(scale is not None):
-                    factor = scale(k, read_state.index, w)  # read under the wave's WGMMAs
+                    # read under the wave's WGMMAs; the B part once per k-tile, shared by its waves
+                    factor = scale(k, read_state.index, w, factor)
                 if const_expr(w == 0):
                     if const_expr(stagger is not None):
                         if k == 0:  # once per tile: the other warpgroup's first wave may start
@@ -269,8 +270,8 @@ class Sm90Mainloop:
                 warpgroup.wait_group(0)
                 rows = acc[(None, w, 0)]
                 _promote(rows, cute.make_tensor(part.iterator, rows.layout), factor)  # part seen as those rows
-            # after the last promotion: the weight-gradient form's factor reads the stage's column
-            # scales there (a release before it let the producer refill them under the reads)
+            # after the last promotion, whatever a factor may still read from the stage (a
+            # release before it once let the producer refill column scales under their reads)
             ab_pipe.consumer_release(read_state)
             read_state.advance()
         return read_state
