@@ -73,11 +73,14 @@ class Fp8Recipe:
         if self.fast_accum != "none" and self.scaling != "row":
             raise ValueError(f"Fp8Recipe: fast_accum must be 'none' with scaling='block' (block scales are "
                              f"promoted per k-block), got {self.fast_accum!r}")
-        if self.grad_format not in FORMATS:
+        if not isinstance(self.grad_format, str) or self.grad_format not in FORMATS:
             raise ValueError(f"Fp8Recipe: grad_format must be one of {tuple(FORMATS)}, got {self.grad_format!r}")
         for name in ("pow2_scales", "lm_head_fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Recipe: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.lm_head_fp8 and self.scaling == "row":
+            raise ValueError("Fp8Recipe: the FP8 LM head runs the block recipe: with scaling='row' it stays "
+                             "bf16 (lm_head_fp8=False)")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -87,6 +90,8 @@ class Fp8Recipe:
         """The (rows, cols) scale block of an operand of ``shape`` (as stored) by role:
         "activation" and "grad" (M x K: along K), "weight" (N x K), "wgrad" (an activation or
         gradient M x K read along the token dimension M by the weight-gradient GEMM)."""
+        if not (isinstance(shape, tuple) and len(shape) == 2):
+            raise ValueError(f"Fp8Recipe.blocks: shape must be (rows, cols) as stored, got {shape!r}")
         rows, cols = shape
         block = {"activation": (1, BLOCK), "grad": (1, BLOCK), "weight": (BLOCK, BLOCK), "wgrad": (BLOCK, 1)}
         whole = {"activation": (1, cols), "grad": (1, cols), "weight": (1, cols), "wgrad": (rows, 1)}

@@ -100,6 +100,27 @@ def test_bad_input_is_refused_on_every_path(path, over, match):
         torch.ops.coda.attention_block_fp8(*args)
 
 
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("batch, seq", [(0, 48), (2, 0)])
+def test_no_tokens_are_refused_on_every_path(path, batch, seq):
+    """An empty batch or sequence: a clear error (a raw reshape error before; with no sequence,
+    in the backward only)."""
+    args = list(_args(4))
+    args[0] = args[0][:batch, :seq]
+    args[1], args[4] = args[1][:batch * seq], args[4][:batch * seq]
+    with on_path(path), pytest.raises(ValueError, match="x must hold at least one token"):
+        torch.ops.coda.attention_block_fp8(*args)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_errors_name_w_qkv_and_x(path):
+    """The QKV rules it shares speak of its own arguments (they said ``w`` and ``y``)."""
+    args = list(_args(4))
+    args[2] = args[2][:, :64].contiguous()  # w_qkv with half of x's columns
+    with on_path(path), pytest.raises(ValueError, match=r"w_qkv is \(\d+, 64\) but x has 128 columns"):
+        torch.ops.coda.attention_block_fp8(*args)
+
+
 @RECIPES
 @pytest.mark.parametrize("head_dim, qk_norm", [(64, False), (128, True)], ids=["hd64", "hd128-qk_norm"])
 def test_qkv_kernels_build_without_spills(head_dim, qk_norm, row):

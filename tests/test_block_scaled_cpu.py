@@ -115,6 +115,14 @@ def bad_calls():
     yield "b scales per row", (a_q, sa, b_q, torch.ones(256, 2)), r"b_scales must be \(2, 2\)"
     yield "scales dtype", (a_q, sa.double(), b_q, sb), "float32"
     yield "out dtype", (a_q, sa, b_q, sb, torch.int32), "out_dtype"
+    # the launch's layout rules, which the fake path checks too
+    yield "b column-major", (a_q, sa, b_q.t().contiguous().t(), sb), r"b must be stored \(N, K\) with K contiguous"
+    a200, s200, b200, t200 = quantized(64, 256, 200)
+    yield "K no multiple of 16", (a200, s200, b200, t200), "a's strides must be multiples of 16 bytes"
+    a_n, sa_n, b_n, sb_n = quantized(64, 100, 256)
+    yield "bf16 rows of N=100", (a_n, sa_n, b_n, sb_n), "out's strides must be multiples of 16 bytes"
+    shifted = torch.zeros(64 * 256 + 8, dtype=torch.float8_e4m3fn)[8:].view(64, 256).copy_(a_q)
+    yield "a misaligned", (shifted, sa, b_q, sb), "a's data pointer must be 16-byte aligned"
 
 
 @pytest.mark.parametrize("case", list(bad_calls()), ids=lambda c: c[0])
@@ -123,6 +131,16 @@ def test_bad_input_raises_on_every_path(case, path):
     _, args, match = case
     with pytest.raises(ValueError, match=match), on_path(path):
         torch.ops.coda.gemm_blockwise(*args)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_no_columns_give_an_empty_output(path):
+    """N = 0: nothing to store, so no rule on the output's row width applies (it raised that
+    N must be a multiple of 8 on every path)."""
+    a_q, sa, b_q, sb = quantized(64, 0, 256)
+    with on_path(path):
+        out = torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb)
+    assert tuple(out.shape) == (64, 0) and out.dtype == torch.bfloat16
 
 
 def test_op_outside_the_reference_path_names_it():

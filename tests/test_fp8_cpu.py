@@ -141,13 +141,17 @@ def test_recipe_defaults_blocks_and_validation():
         [(1, 1024), (1, 1024), (4096, 1)]
     for kw, match in [({"scaling": "tensor"}, "scaling"), ({"grad_format": "e4m3fnuz"}, "grad_format"),
                       ({"pow2_scales": 1}, "pow2_scales"), ({"scaling": "row", "fast_accum": "dgrad"}, "fast_accum"),
-                      ({"fast_accum": "forward"}, "fast_accum must be 'none' with scaling='block'")]:
+                      ({"fast_accum": "forward"}, "fast_accum must be 'none' with scaling='block'"),
+                      ({"grad_format": ["e4m3"]}, "grad_format must be one of"),
+                      ({"scaling": "row", "lm_head_fp8": True}, "the FP8 LM head runs the block recipe")]:
         with pytest.raises(ValueError, match=match):
             Fp8Recipe(**kw)
     with pytest.raises(ValueError, match="precision must be one of"):
         recipe_for("fp16")
     with pytest.raises(ValueError, match="role"):
         r.blocks("bias", (4, 4))
+    with pytest.raises(ValueError, match=r"shape must be \(rows, cols\)"):
+        r.blocks("weight", (4, 4, 4))
 
 
 @pytest.mark.parametrize("out_dtype", ["float8_e4m3fn", "float8_e5m2"])
@@ -256,6 +260,9 @@ def bad_quantize_calls():
     yield "dtype", (x, "1x128", None, torch.bfloat16), "float8_e4m3fn or"
     yield "gamma on activations", (x, "1x128", torch.ones(256)), "applies to weights"
     yield "gamma length", (x, "128x128", torch.ones(255)), r"gamma must be a contiguous \(256,\)"
+    # the kernels assume 16-byte aligned rows: one element in, the rows still 512 bytes apart
+    shifted = torch.zeros(64 * 256 + 1, dtype=torch.bfloat16)[1:].view(64, 256).copy_(x)
+    yield "misaligned", (shifted,), "x's data pointer must be 16-byte aligned"
 
 
 @pytest.mark.parametrize("case", list(bad_quantize_calls()), ids=lambda c: c[0])
@@ -264,6 +271,19 @@ def test_quantize_op_bad_input_raises_on_every_path(case, path):
     _, args, match = case
     with pytest.raises(ValueError, match=match), on_path(path):
         torch.ops.coda.quantize_fp8(*args)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_an_empty_x_takes_any_strides(path):
+    """No values, nothing read: an expanded empty gradient's (0, 0) strides pass (they raised
+    that x's rows must be contiguous), while K must still be a multiple of 8."""
+    x = torch.ones((), dtype=torch.bfloat16).expand(0, 256)  # as a .sum() loss hands an empty gradient
+    assert x.stride() == (0, 0)
+    with on_path(path):
+        q, s = torch.ops.coda.quantize_fp8(x)
+        assert tuple(q.shape) == (0, 256) and tuple(s.shape) == (0, 2)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            torch.ops.coda.quantize_fp8(torch.zeros(0, 12, dtype=torch.bfloat16))
 
 
 # -- both 1 x 128 quantizations in one pass: coda.quantize_fp8_dual -----------------------------------

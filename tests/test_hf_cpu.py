@@ -247,7 +247,6 @@ def test_power_of_two_scales_run_and_stay_near_the_fp32_scales_run():
     ("fp8", {"intermediate_size": 136}, r"ffn_dim = 136: must be a multiple of 16 with FP8"),
     # recipes the kernels do not run are refused, not run as the default one
     (Fp8Recipe(lm_head_fp8=True), {"vocab_size": 100}, r"vocab_size = 100: must be a multiple of 16 with the LM head in FP8"),
-    (Fp8Recipe(scaling="row", lm_head_fp8=True), {}, r"the FP8 LM head runs the block recipe"),
 ])
 def test_bad_precision_is_refused_before_any_change(precision, over, match):
     cls, cfg = family("mistral", **over)

@@ -105,6 +105,22 @@ def test_bad_input_raises_on_every_path(case, match, path):
         torch.ops.coda.lm_head_ce_train_fp8(y, w, ss, EPS, t, -100, reduction, gamma)
 
 
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("op", ["lm_head_ce_train_fp8", "lm_head_ce"])
+def test_no_tokens_are_refused_on_every_path(path, op):
+    """The FP8 and bf16 ops alike (a raw division by zero and a zero range step before)."""
+    y, w, ss, t, gamma = _inputs(32, 128, 256, 4)
+    with on_path(path), pytest.raises(ValueError, match="y has no rows: the loss needs at least one token"):
+        getattr(torch.ops.coda, op)(y[:0], w, ss[:0], EPS, t[:0], -100, "mean", gamma)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_errors_name_the_weight_w_lm(path):
+    y, w, ss, t, gamma = _inputs(32, 128, 256, 4)
+    with on_path(path), pytest.raises(TypeError, match=r"coda\.lm_head_ce_train_fp8: w_lm must be torch\.bfloat16"):
+        torch.ops.coda.lm_head_ce_train_fp8(y, w.float(), ss, EPS, t, -100, "mean", gamma)
+
+
 def test_evaluation_takes_the_bf16_op():
     """Without a gradient the loss is ``coda.lm_head_ce``'s (bf16), bit for bit."""
     y, w, ss, t, gamma = _inputs(64, 128, 256, 5)

@@ -132,6 +132,21 @@ def test_bad_input_is_refused_on_every_path(path, d, f, e5m2_grads, match):
 
 
 @pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("arg, match", [
+    ("y", r"coda\.mlp_block_fp8: y must be torch\.bfloat16"),
+    ("w_gu", r"coda\.mlp_block_fp8: w_gu must be torch\.bfloat16"),
+])
+def test_errors_name_this_op_and_its_argument(path, arg, match):
+    """The rules it shares with the bf16 sublayers speak of ``coda.mlp_block_fp8`` and of its
+    own argument names (they said ``coda.norm_swiglu`` and ``w``)."""
+    y, ss, w_gu, w_down, _ = _inputs(64, 128, 128, 4)
+    args = {"y": y, "w_gu": w_gu}
+    args[arg] = args[arg].float()
+    with on_path(path), pytest.raises(TypeError, match=match):
+        torch.ops.coda.mlp_block_fp8(args["y"], ss, args["w_gu"], w_down, EPS)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
 @pytest.mark.parametrize("kw, match", [
     ({"fast_accum": "dgrad", "row_scaling": True}, "fast_accum must be one of"),
     ({"fast_accum": "forward"}, "fast_accum must be 'none' with block scaling"),
@@ -342,6 +357,20 @@ def test_an_empty_batch_runs_forward_and_backward(row, fused, monkeypatch):
                                       row_scaling=row)
     assert y2.shape == (0, 128) and dy.shape == (0, 128)
     assert dw_gu.shape == w_gu.shape and not dw_gu.any() and dw_down.shape == w_down.shape and not dw_down.any()
+
+
+@RECIPES
+def test_an_empty_batch_takes_a_sum_loss_and_any_empty_strides(row):
+    """No tokens under a ``.sum()`` loss, whose gradient is an expanded (0, d) tensor of strides
+    (0, 0), and statistics of strides (1, 0): nothing is read, so no layout rule applies (both
+    raised before, in the quantizer and in the runner's row-sum rule)."""
+    y, ss, w_gu, w_down, _ = _inputs(16, 128, 128, 6)
+    ss0 = (ss[:0] * 2).as_strided((0, 1), (1, 0))
+    leaves = [t.clone().requires_grad_() for t in (y[:0], w_gu, w_down)]
+    with coda_cute.reference_on_cpu():
+        torch.ops.coda.mlp_block_fp8(leaves[0], ss0, leaves[1], leaves[2], EPS, row_scaling=row)[0].sum().backward()
+    assert leaves[0].grad.shape == (0, 128)
+    assert not leaves[1].grad.any() and not leaves[2].grad.any()
 
 
 @pytest.mark.parametrize("m", [96, 77])  # M a multiple of 16 (the FP8 transpose), ragged (bf16 wgrad)

@@ -428,18 +428,18 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
     return plan
 
 
-def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b_rows=False) -> dict:
-    """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules (the
-    outputs' layouts included, given or allocated), then the torch evaluator on the fp32 product
-    (block-scaled: of the dequantized operands; no kernel); preallocated outputs are filled."""
+def check_launch(tree, a, b, inputs, op, config=None, block_scales=None, b_rows=False, outputs=None):
+    """The argument rules a launch of ``tree`` on ``a @ b`` checks while it builds its plan
+    (operands and their TMA layouts, inputs, block scales, quantize and half-width rules, the
+    outputs' layouts, given or allocated), without running anything: the CPU reference path and
+    the fake (tracing) path of an op raise what its GPU path raises. Returns (M, N, K, batch,
+    is_fp8, the config the outputs are sized for: ``config``, else the first of
+    :func:`ranked_configs`, no build compiled)."""
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
-    product = None
     if block_scales is not None:
         _check_block_scaled(a, b, block_scales, fp8, False, config, op, b_rows)
-        product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
-                   @ dequantize_blocks_ref(b.t(), block_scales[1], (1, BLOCK) if b_rows else (BLOCK, BLOCK)).t())
     _check_half_width(tree, n, op)
     check_quantize(tree, m, n, config, op)
     if not _check_extents(m, n, k, batch, op):
@@ -459,10 +459,21 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
             _given_output(given[name], name, shape, dtype, view, kind, op)
         elif isinstance(view, ValueError):  # what the launch raises without a padded output
             raise view
-    if product is None:
+    return m, n, k, batch, fp8, config
+
+
+def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b_rows=False) -> dict:
+    """:func:`run` on CPU tensors inside ``reference_on_cpu()``: the launch's argument rules
+    (:func:`check_launch`), then the torch evaluator on the fp32 product (block-scaled: of the
+    dequantized operands; no kernel); preallocated outputs are filled."""
+    m, n, k, batch, fp8, config = check_launch(tree, a, b, inputs, op, config, block_scales, b_rows, outputs)
+    if block_scales is None:
         product = torch.matmul(a.float(), b.float())
+    else:
+        product = (dequantize_blocks_ref(a, block_scales[0], (1, BLOCK))
+                   @ dequantize_blocks_ref(b.t(), block_scales[1], (1, BLOCK) if b_rows else (BLOCK, BLOCK)).t())
     out = _flat_outputs(evaluate(tree, product, inputs, (config.tile_m, config.tile_n)), tree)
-    for name, t in given.items():
+    for name, t in (_flat_outputs(outputs, tree) or {}).items():
         out[name] = t.copy_(out[name])
     return _group(out, tree)
 
@@ -619,7 +630,7 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: in
         if t.dim() not in (2, 3) or tuple(t.shape) not in ok:
             raise ValueError(f"{op}: row_sum {spec.name!r} must be (M, T)" + (" or (L, M, T)" if batched else "")
                              + f" with M = {m}, got {tuple(t.shape)}")
-        if t.stride(-1) != 1:
+        if t.numel() and t.stride(-1) != 1:  # an empty one is never read: any strides
             raise ValueError(f"{op}: row_sum {spec.name!r} must be contiguous along T, got strides {tuple(t.stride())}")
         v = t.unsqueeze(0).permute(1, 2, 0) if t.dim() == 2 else t.permute(1, 2, 0)
         return (tuple(v.shape), v.stride())
@@ -635,7 +646,7 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: in
         if tuple(t.shape) not in ok:
             raise ValueError(f"{op}: {spec.kind} {spec.name!r} must have shape "
                              f"{' or '.join(map(str, ok))} (one per {what}), got {tuple(t.shape)}")
-        if extent > 1 and t.stride(-1) != 1:
+        if extent > 1 and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{op}: {spec.name!r} must be contiguous, got strides {tuple(t.stride())}")
         l_stride = t.stride(0) if t.dim() == 2 else 0
         if spec.kind == "col_vec" and n_tiles != n:
@@ -648,10 +659,13 @@ def _input_view(spec: N.InputSpec, inputs, m, n, batch, batched, op, n_tiles: in
         raise ValueError(f"{op}: {what} {spec.name!r} must have shape {' or '.join(map(str, ok))}"
                          + (" (two columns per output column)" if spec.wide else "")
                          + f", got {tuple(t.shape)}")
+    v = mn_view(_words(t, spec.wide))
+    if not t.numel():  # never read
+        return (tuple(v.shape), v.stride())
     if cols > 1 and t.stride(-1) != 1:
         raise ValueError(f"{op}: {what} {spec.name!r} must be row-major (stride 1 along N), "
                          f"got strides {tuple(t.stride())}")
-    v = tma_view(mn_view(_words(t, spec.wide)), spec.name, True, ("M", "N", "batch"), op)
+    v = tma_view(v, spec.name, True, ("M", "N", "batch"), op)
     return (tuple(v.shape), v.stride())
 
 
@@ -674,10 +688,12 @@ def _out_view(name, shape, dtype, kind, op):
     densely, the ValueError saying why (raised at launch unless a padded output is given)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
     if kind in ("store", "wide", "quantize", "quantize_t"):
-        try:
-            v = tma_view(mn_view(_words(meta, kind)), name, True, _dims(kind), op)
-        except ValueError as e:
-            return e
+        v = mn_view(_words(meta, kind))
+        if meta.numel():  # an empty output is never stored: TMA's rules do not apply to it
+            try:
+                v = tma_view(v, name, True, _dims(kind), op)
+            except ValueError as e:
+                return e
     elif kind == "gather":
         v = (meta.unsqueeze(0) if meta.dim() == 1 else meta).t()
     else:  # partials (L?, rows, tiles) -> (rows, tiles, L)

@@ -106,9 +106,6 @@ class LlamaConfig:
         except ValueError as e:
             bad("precision", str(e))
         if recipe is not None:
-            if recipe.scaling == "row" and recipe.lm_head_fp8:
-                bad("precision", f"the FP8 LM head runs the block recipe: with scaling='row' it stays bf16 "
-                                 f"(lm_head_fp8=False); got {recipe}")
             if recipe.lm_head_fp8 and self.vocab_size % 16:
                 bad("vocab_size", "must be a multiple of 16 with the LM head in FP8 (lm_head_fp8)")
             for field in ("dim", "ffn_dim"):

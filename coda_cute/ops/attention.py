@@ -212,9 +212,11 @@ def check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, 
                           head_dim, q_norm_w, k_norm_w, qk_eps, op: str = OP):
     check_tensor(op, "x", x, 3, (BF16,), aligned=True)
     b, s, d = x.shape
+    if b * s == 0:  # its heads' reshapes and the RoPE backward need a token
+        raise ValueError(f"{op}: x must hold at least one token, got shape {tuple(x.shape)}")
     x2 = x.view(b * s, d)
     check_qkv(x2, w_qkv, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
-              k_norm_w, qk_eps, op=op)
+              k_norm_w, qk_eps, op=op, y_name="x")
     check_tensor(op, "w_o", w_o, 2, (BF16,), aligned=True)
     if tuple(w_o.shape) != (d, n_heads * head_dim):
         raise ValueError(f"{op}: w_o must be (d, n_heads * head_dim) = {(d, n_heads * head_dim)} "

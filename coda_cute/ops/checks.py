@@ -96,14 +96,16 @@ def check_stats(op: str, name: str, ss, m: int):
                          f"{tuple(ss.shape)}")
 
 
-def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True):
-    """Rules shared by the ops that consume y with its norm statistics. Returns (M, N, d)."""
-    m, n, d = check_linear(op, "y", y, w)
+def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True, w_name: str = "w",
+                     y_name: str = "y"):
+    """Rules shared by the ops that consume y with its norm statistics (``w_name``, ``y_name``:
+    what the op calls its weight and its input). Returns (M, N, d)."""
+    m, n, d = check_linear(op, y_name, y, w, w_name)
     check_stats(op, "ss", ss, m)
     if store_cols:
-        check_aligned(op, "the output width (rows of w)", n)
+        check_aligned(op, f"the output width (rows of {w_name})", n)
     check_eps(op, "eps", eps)
-    check_same_device(op, y=y, w=w, ss=ss)
+    check_same_device(op, **{y_name: y, w_name: w, "ss": ss})
     return m, n, d
 
 

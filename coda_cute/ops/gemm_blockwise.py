@@ -23,7 +23,7 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..epilogue.runner import B_BLOCKS, check_block_scales
+from ..epilogue.runner import B_BLOCKS, check_block_scales, check_launch
 from ..kernels.epilogue.plain import gemm_tree
 from ..operands import FP8, dtype_name
 from .checks import check_same_device
@@ -48,6 +48,11 @@ def check_blockwise(a, a_scales, b, b_scales, out_dtype, b_block="128x128"):
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"{OP}: a is {tuple(a.shape)} and b {tuple(b.shape)}: b is stored like an "
                          "nn.Linear weight (N x K) and must share a's K")
+    for name, t, rows in (("a", a, "M"), ("b", b, "N")):
+        if t.stride(1) != 1 and t.shape[1] > 1:  # FP8 WGMMA reads K-contiguous tiles
+            raise ValueError(f"{OP}: {name} must be stored ({rows}, K) with K contiguous (stride (K, 1), "
+                             f"{'an nn.Linear weight' if name == 'b' else 'row-major'}); got strides "
+                             f"{tuple(t.stride())}: call .contiguous() first")
     od = torch.bfloat16 if out_dtype is None else out_dtype
     if od not in OUT_DTYPES:
         raise ValueError(f"{OP}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -76,6 +81,9 @@ def _run(a, a_scales, b, b_scales, out_dtype, b_block):
 @gemm_blockwise.register_fake
 def _fake(a, a_scales, b, b_scales, out_dtype=None, b_block="128x128"):
     m, n, od = check_blockwise(a, a_scales, b, b_scales, out_dtype, b_block)
+    # the launch's own rules (K, TMA alignment, the output's row width), as on the other paths
+    check_launch(_tree(dtype_name(od)), a, b.t(), {}, OP, block_scales=(a_scales, b_scales),
+                 b_rows=b_block == "1x128")
     return a.new_empty((m, n), dtype=od)
 
 

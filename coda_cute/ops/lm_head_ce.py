@@ -186,7 +186,9 @@ def accumulate_tree(dtype: str) -> E.Epilogue:
 # -- checks ---------------------------------------------------------------------------------------
 def check_lm_head(y, w_lm, ss, eps, targets, reduction, gamma, op=OP):
     # The logits are never stored whole, so the vocabulary size has no alignment rule.
-    m, _, d = check_norm_input(op, y, w_lm, ss, eps, store_cols=False)
+    m, _, d = check_norm_input(op, y, w_lm, ss, eps, store_cols=False, w_name="w_lm")
+    if m == 0:  # the row chunks of its GEMMs, and a mean, need a token
+        raise ValueError(f"{op}: y has no rows: the loss needs at least one token")
     check_tensor(op, "targets", targets, 1, INDEX_DTYPES)
     if targets.shape[0] != m:
         raise ValueError(f"{op}: targets must have one entry per row of y ({m}), got {targets.shape[0]}")

@@ -37,7 +37,7 @@ OP = "coda.mlp_block"
 
 
 def check_mlp(y, ss, w_gu, w_down, eps, op=OP):
-    m, n = check_swiglu(y, w_gu, ss, eps)  # y and w_gu: bf16, contiguous, 16-byte aligned
+    m, n = check_swiglu(y, w_gu, ss, eps, op)  # y and w_gu: bf16, contiguous, 16-byte aligned
     f = n // 2
     # w_down as the down-proj's B operand here and swiglu_backward's dgrad operand takes it (TMA)
     check_tensor(op, "w_down", w_down, 2, (BF16,), aligned=True)

@@ -119,15 +119,15 @@ def check_qk_norm(op: str, q_norm_w, k_norm_w, head_dim: int, qk_eps: float):
 
 
 def check_qkv(y, w_qkv, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim,
-              q_norm_w, k_norm_w, qk_eps, op: str = OP):
-    m, n, _ = check_norm_input(op, y, w_qkv, ss, eps)
+              q_norm_w, k_norm_w, qk_eps, op: str = OP, y_name: str = "y"):
+    m, n, _ = check_norm_input(op, y, w_qkv, ss, eps, w_name="w_qkv", y_name=y_name)
     check_heads(op, n_heads, n_kv_heads, head_dim)
     if n != (n_heads + 2 * n_kv_heads) * head_dim:
         raise ValueError(f"{op}: w_qkv must have (n_heads + 2 n_kv_heads) * head_dim = "
                          f"{(n_heads + 2 * n_kv_heads) * head_dim} rows, got {n}")
     check_rope(op, m, positions, inv_freq, head_dim)
     check_qk_norm(op, q_norm_w, k_norm_w, head_dim, qk_eps)
-    check_same_device(op, y=y, positions=positions, inv_freq=inv_freq, q_norm_w=q_norm_w,
+    check_same_device(op, **{y_name: y}, positions=positions, inv_freq=inv_freq, q_norm_w=q_norm_w,
                       k_norm_w=k_norm_w)
     return m, n
 

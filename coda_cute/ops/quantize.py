@@ -29,6 +29,7 @@ import torch
 from .. import dispatch
 from ..elementwise import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise,
                            quantize_weight, transpose_fp8)
+from ..operands import check_pointer_aligned
 from ..precision import block_scales_m_major
 from ..reference import fold_factors_ref, quantize_blocks_ref
 from .checks import BF16, F32, check_same_device
@@ -50,10 +51,13 @@ def check_quantize(x, block, gamma, dtype, op=OP):
                          f"block {block}, got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{tuple(getattr(x, 'shape', ()))}")
     rows, cols = x.shape
-    if cols % 8 or x.stride(1) != 1 or (rows > 1 and x.stride(0) * x.element_size() % 16):
+    # an empty x reads nothing: its strides (an expanded gradient's (0, 0)) and pointer are free
+    if cols % 8 or (x.numel() and (x.stride(1) != 1 or (rows > 1 and x.stride(0) * x.element_size() % 16))):
         raise ValueError(f"{op}: x's rows must be contiguous and start on 16-byte boundaries with K a "
                          f"multiple of 8 (16-byte loads, 8-byte FP8 stores); got shape {tuple(x.shape)}, "
                          f"strides {tuple(x.stride())}")
+    if x.numel():
+        check_pointer_aligned(x, "x", op)
     if dtype not in FP8_OUT:
         raise ValueError(f"{op}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if gamma is not None:

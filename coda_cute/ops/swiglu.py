@@ -47,9 +47,10 @@ def norm_swiglu_tree() -> E.Epilogue:
                       E.store(E.pairwise(lambda g, u: E.silu(g) * u, z), "h", "bfloat16"))
 
 
-def check_swiglu(y, w_gu, ss, eps):
-    m, n, d = check_norm_input(OP, y, w_gu, ss, eps)
-    check_aligned(OP, "the SwiGLU width f (rows of w_gu / 2)", n // 2)
+def check_swiglu(y, w_gu, ss, eps, op=OP):
+    """``op``: the op whose arguments these are (errors name it)."""
+    m, n, d = check_norm_input(op, y, w_gu, ss, eps, w_name="w_gu")
+    check_aligned(op, "the SwiGLU width f (rows of w_gu / 2)", n // 2)
     return m, n
 
 
