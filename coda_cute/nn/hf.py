@@ -230,10 +230,15 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
                              "KV cache, generation or intermediate outputs)")
     if kwargs:
         raise ValueError(f"apply_coda forward: unsupported arguments {sorted(kwargs)}")
-    if input_ids is None or input_ids.dim() != 2:
-        raise ValueError("apply_coda forward: input_ids (batch, seq) is required")
+    if input_ids is None or input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError("apply_coda forward: input_ids (batch, seq), neither of them 0, is required, got "
+                         f"{None if input_ids is None else tuple(input_ids.shape)}")
     state, c = self._coda, self._coda.cfg
     b, s = input_ids.shape
+    for name, t in (("labels", labels), ("shift_labels", shift_labels)):
+        if t is not None and tuple(t.shape) != (b, s):  # reshaped alike they would train on other tokens
+            raise ValueError(f"apply_coda forward: {name} must be (batch, seq) = ({b}, {s}) like input_ids, "
+                             f"got {tuple(t.shape)}")
     mask_check = None
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (b, s):

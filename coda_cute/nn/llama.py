@@ -317,6 +317,12 @@ class CodaLlama(nn.Module):
         """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V).
         The ids and targets are checked on the GPU and read back once, at the end
         (``ops.checks.deferred_checks``)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or 0 in tokens.shape:
+            raise ValueError(f"CodaLlama: tokens must be a (B, S) tensor, neither of them 0, got "
+                             f"{tuple(getattr(tokens, 'shape', ())) or type(tokens).__name__}")
+        if targets is not None and tuple(targets.shape) != tuple(tokens.shape):  # one per token
+            raise ValueError(f"CodaLlama: targets must have the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(targets.shape)}")
         b, s = tokens.shape
         if self.cache_folds:
             self._follow_fsdp()
