@@ -246,6 +246,8 @@ def test_power_of_two_scales_run_and_stay_near_the_fp32_scales_run():
     e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
     e2 = rel_err(flat_grads(got2, want), flat_grads(want, want))
     assert e2 < 0.15 and rel_err(flat_grads(got2, want), flat_grads(got8, want)) < 0.15, (e2, e8)
+    # ... and the scales are rounded: a patch that ignored the flag would give the same gradients
+    assert not torch.equal(flat_grads(got2, want), flat_grads(got8, want))
     print(f"pow2 scales: gradient error {e2:.3f} (fp32 scales {e8:.3f})")
 
 
