@@ -526,6 +526,37 @@ def test_from_hf_names_the_missing_or_unknown_key():
     CodaLlama.from_hf(c, buffers)  # HF's old rotary buffers carry no weight
 
 
+def test_logits_of_a_ragged_vocabulary():
+    """A vocabulary of no multiple of 8 (the logits' rows would miss TMA's 16-byte alignment):
+    the head pads its weight's rows and slices the logits, which give the loss path's loss (the
+    logits path raised that the output width must be a multiple of 8)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=90, head_dim=16)
+    model = CodaLlama(cfg)
+    tokens = torch.randint(0, 90, (2, 8))
+    targets = torch.roll(tokens, -1, 1)
+    with coda_cute.reference_on_cpu(), torch.no_grad():
+        logits = model(tokens)
+        loss = model(tokens, targets)
+    assert logits.shape == (2, 8, 90)
+    want = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 90), targets.reshape(-1))
+    assert abs(float(loss) - float(want)) < 1e-2 * float(want)
+
+
+def test_model_inputs_are_checked():
+    """Targets of another shape but the same count would be flattened onto other tokens; tokens
+    must be (B, S) with a token."""
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16)
+    model = CodaLlama(cfg)
+    tokens = torch.randint(0, 96, (2, 8))
+    with coda_cute.reference_on_cpu():
+        with pytest.raises(ValueError, match=r"targets must have the tokens' shape \(2, 8\), got \(8, 2\)"):
+            model(tokens, tokens.t().contiguous())
+        for bad in (tokens[0], tokens[:, :0]):
+            with pytest.raises(ValueError, match=r"tokens must be a \(B, S\) tensor, neither of them 0"):
+                model(bad)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8", Fp8Recipe(scaling="row")], ids=["bf16", "fp8", "fp8-row"])
 def test_compiled_training_step_traces_every_op_and_matches_eager(precision):
     """torch.compile(fullgraph=True) of a whole CodaLlama step (forward + loss.backward(), the

@@ -2,7 +2,7 @@
 arithmetic (the idle board's share taken off the idle spans between the reads) on a simulated
 counter: 100 W idle, 700 W while a call runs."""
 
-import time
+import types
 
 import pytest
 import torch
@@ -13,28 +13,25 @@ IDLE_W, BUSY_W, CALL_S = 100.0, 700.0, 0.02
 
 
 class SimulatedBoard:
-    """An energy counter integrating ``BUSY_W`` while ``busy`` and ``IDLE_W`` otherwise."""
+    """An energy counter integrating ``BUSY_W`` while ``busy`` and ``IDLE_W`` otherwise, on a
+    simulated clock that only sleeps advance (the module's ``time`` is swapped for it): on a
+    real clock a loaded machine's oversleeping moved the per-call figures past their bounds."""
 
     def __init__(self):
-        self.t, self.mj, self.busy = time.perf_counter(), 0.0, False
-        self.busy_s = []  # each call's busy time as slept (a loaded machine oversleeps)
+        self.now, self.mj, self.busy = 0.0, 0.0, False
+        self.time = types.SimpleNamespace(perf_counter=lambda: self.now, sleep=self._sleep)
 
-    def _advance(self):
-        now = time.perf_counter()
-        self.mj += (BUSY_W if self.busy else IDLE_W) * (now - self.t) * 1e3
-        self.t = now
+    def _sleep(self, s):
+        self.mj += (BUSY_W if self.busy else IDLE_W) * s * 1e3
+        self.now += s
 
     def millijoules(self):
-        self._advance()
         return int(self.mj)
 
     def call(self):
-        self._advance()
-        start, self.busy = self.t, True
-        time.sleep(CALL_S)
-        self._advance()
+        self.busy = True
+        self._sleep(CALL_S)
         self.busy = False
-        self.busy_s.append(self.t - start)
 
 
 def test_no_counter_without_a_gpu():
@@ -52,17 +49,19 @@ def test_calls_must_be_positive():
 def test_joules_per_call_takes_the_idle_share_off(monkeypatch):
     board = SimulatedBoard()
     monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: board))
+    monkeypatch.setattr(energy, "time", board.time)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(energy, "SETTLE_S", 0.1)
     monkeypatch.setattr(energy, "IDLE_S", 0.1)
     out = energy.joules_per_call(board.call, 5)
     assert out["calls"] == 5
-    assert out["idle_watts"] == pytest.approx(IDLE_W, rel=0.05)
-    # the 0.1 s idle span before the last read holds 10 J, 2 J per call: 14 % of a call's 14 J
-    busy_s = sum(board.busy_s[-5:]) / 5
-    assert out["j_per_call"] == pytest.approx(BUSY_W * busy_s, rel=0.03)
-    assert out["watts"] == pytest.approx(BUSY_W, rel=0.05)
-    assert out["ms_per_call"] == pytest.approx(1e3 * CALL_S, rel=0.2)
+    # the counter reads whole millijoules: the figures hold to that
+    assert out["idle_watts"] == pytest.approx(IDLE_W, rel=1e-4)
+    # the 0.1 s idle span before the last read holds 10 J, 2 J per call, 14 % of a call's 14 J:
+    # taken off, a call is its busy joules alone
+    assert out["j_per_call"] == pytest.approx(BUSY_W * CALL_S, rel=1e-4)
+    assert out["watts"] == pytest.approx(BUSY_W, rel=1e-4)
+    assert out["ms_per_call"] == pytest.approx(1e3 * CALL_S, rel=1e-9)
 
 
 @pytest.mark.parametrize("ms, run_ms, calls", [(20.0, 2500, 125), (0.7, 1000, 1429), (900.0, 2500, 5), (None, 2500, 5),

@@ -20,6 +20,7 @@ from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner as run_mod
 from coda_cute.kernels.common.config import GemmConfig
+from helpers import on_path
 
 BF16, F16, F32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
 COOP = GemmConfig(128, 256, 64, "cooperative", 2, 1)
@@ -252,6 +253,24 @@ def test_register_rejects_bad_names_and_duplicates():
         E.register_op(name, tree)
     with pytest.raises(E.EpilogueError, match=r"op name must be an identifier, got 'bias gelu'"):
         E.register_op("bias gelu", tree)
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("bad, exc, match", [
+    ("bias", ValueError, r"col_vec 'bias' must have shape \(32,\)"),
+    ("residual", TypeError, r"epilogue input 'residual' \(tile\) must be torch.bfloat16"),
+], ids=["bias-length", "residual-dtype"])
+def test_a_registered_op_checks_its_inputs_on_every_path(path, bad, exc, match):
+    """The launch's input rules on the fake and reference paths too (the fake path returned a
+    result for both, the reference path a raw reshape error for the first)."""
+    _, _, op = registered("single")
+    a, b, bias, residual, s, alpha = _op_args("single", 64, 32, 64, "cpu")
+    if bad == "bias":
+        bias = torch.randn(33)
+    else:
+        residual = residual.float()
+    with on_path(path), pytest.raises(exc, match=match):
+        op(a, b, bias, residual, s, alpha)
 
 
 def _op_args(which, m, n, k, device, batch=()):

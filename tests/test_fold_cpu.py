@@ -359,3 +359,28 @@ def test_fp8_model_with_cached_weights_trains_like_the_uncached_one(scaling):
     assert blk._quants[3].value is not kept[3] and blk._quants[0].value is kept[0]
     cached.clear_folds()
     assert all(c.value is None for c in blk._quants)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+@pytest.mark.parametrize("dw, match", [
+    (lambda dev: torch.ones(1, 64, device=dev), "dw must be a floating-point tensor shaped like w"),
+    (lambda dev: torch.ones(80, 64, dtype=torch.int32, device=dev), "dw must be a floating-point tensor"),
+], ids=["broadcasting-shape", "int"])
+def test_fold_backward_checks_dw(fake, dw, match):
+    """dw shaped like w and floating point on both paths (a (1, K) dw broadcast against gamma on
+    the CPU path while the fake path answered w's shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_cute.ops import fold
+
+    def call(dev):
+        w = torch.ones(80, 64, dtype=torch.bfloat16, device=dev)
+        gamma = torch.ones(64, dtype=torch.float32, device=dev)
+        return fold.fold_gamma_backward(dw(dev), w, gamma)
+
+    with pytest.raises(ValueError, match=match):
+        if fake:
+            with FakeTensorMode():
+                call("cuda")
+        else:
+            call("cpu")

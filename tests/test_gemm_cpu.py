@@ -19,7 +19,7 @@ from coda_cute.epilogue import runner as run_mod
 from coda_cute.kernels.common.config import MAX_TAIL_SPLIT, GemmConfig, tail_split
 from coda_cute.ops import gemm as gemm_mod
 from coda_cute.reference import gemm_ref
-from helpers import rel_err
+from helpers import on_path, rel_err
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -127,6 +127,8 @@ BAD_CALLS = {
                         TypeError, r"out_dtype must be bfloat16, float16 or float32, got torch.int32"),
     "out_dtype fp8": (lambda: (_fp8_args()[0], dict(_fp8_args()[1], out_dtype=E4M3)),
                       TypeError, r"out_dtype must be"),
+    "fast accumulation on bf16": (lambda: ((_cuda(64, 48), _cuda(48, 32)), dict(use_fast_accum=True)),
+                                  ValueError, r"use_fast_accum applies to FP8 inputs only"),
 }
 
 
@@ -289,6 +291,21 @@ def test_extent_one_dims_get_legal_strides(hopper_host):
     assert s1.a_major == "k" and a1.stride(0) % 8 == 0
     assert (s2.a_major, s2.b_major) == ("m", "n")
     assert a2.stride(0) == 1 and b2.stride(0) == 1
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+def test_empty_products_on_the_other_paths_are_the_launch_path_s(path):
+    """K = 0 gives zeros and N = 0 an empty result, as torch.mm and the CUDA path do (the fake
+    and CPU paths raised that K and N must be multiples of 8, which 0 is); fast accumulation on
+    16-bit inputs is refused there too."""
+    with on_path(path):
+        zeros = coda_cute.gemm(_bf16(64, 0), _bf16(0, 32))
+        assert tuple(zeros.shape) == (64, 32)
+        if path == "cpu":
+            assert not zeros.any()
+        assert tuple(coda_cute.gemm(_bf16(64, 64), _bf16(64, 0)).shape) == (64, 0)
+        with pytest.raises(ValueError, match="use_fast_accum applies to FP8 inputs only"):
+            coda_cute.gemm(_bf16(64, 48), _bf16(48, 32), use_fast_accum=True)
 
 
 def test_empty_problems_skip_the_launch(hopper_host):

@@ -135,13 +135,20 @@ def test_unsupported_model_class_is_refused():
     (dict(inputs_embeds=torch.zeros(2, 24, 64)), "inputs_embeds is not supported"),
     (dict(output_attentions=True), "output_attentions is not supported"),
     (dict(position_ids=torch.arange(23)[None]), r"position_ids must be \(batch, seq\)"),
+    # labels of another shape, the same count: reshaped, they would train on other tokens
+    (dict(labels="transposed"), r"labels must be \(batch, seq\) = \(2, 24\) like input_ids, got \(24, 2\)"),
+    (dict(input_ids="no tokens"), r"input_ids \(batch, seq\), neither of them 0, is required"),
 ])
 def test_unsupported_forward_arguments_are_refused(kw, match):
     _, _, coda = models("llama")
     apply_coda(coda)
     ids, labels = batch()
+    if kw.get("labels") == "transposed":
+        kw = dict(labels=labels.t().contiguous())
+    elif kw.get("input_ids") == "no tokens":
+        ids, kw = ids[:, :0], {}
     with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match=match):
-        coda(input_ids=ids, labels=labels, **kw)
+        coda(**{"input_ids": ids, "labels": labels, **kw})
 
 
 def test_forward_contract_mask_positions_and_token_normalization():
@@ -239,6 +246,8 @@ def test_power_of_two_scales_run_and_stay_near_the_fp32_scales_run():
     e8 = rel_err(flat_grads(got8, want), flat_grads(want, want))
     e2 = rel_err(flat_grads(got2, want), flat_grads(want, want))
     assert e2 < 0.15 and rel_err(flat_grads(got2, want), flat_grads(got8, want)) < 0.15, (e2, e8)
+    # ... and the scales are rounded: a patch that ignored the flag would give the same gradients
+    assert not torch.equal(flat_grads(got2, want), flat_grads(got8, want))
     print(f"pow2 scales: gradient error {e2:.3f} (fp32 scales {e8:.3f})")
 
 

@@ -131,8 +131,11 @@ def test_fp8_precision_adds_an_fp8_coda_run_next_to_the_bf16_one(tmp_path, flags
     assert log["config"]["pow2_scales"] is ("--pow2-scales" in flags)
     assert log["config"]["row_scaling"] is ("--row-scaling" in flags)
     assert log["config"]["fast_accum"] == ("all" if "--fast-accum" in flags else "none")
-    for a, b in zip(runs["coda"]["steps"], runs["coda_fp8"]["steps"]):  # same weights and data
+    pairs = list(zip(runs["coda"]["steps"], runs["coda_fp8"]["steps"]))  # same weights and data
+    for a, b in pairs:
         assert abs(a["loss"] - b["loss"]) < 2e-2 * a["loss"]
+    # ... but in FP8: a run that fell back to bf16 would log the bf16 run's losses
+    assert any(a["loss"] != b["loss"] for a, b in pairs)
 
 
 @pytest.mark.parametrize("flag", ["--fp8-lm-head", "--pow2-scales", "--row-scaling"])

@@ -14,9 +14,7 @@ import torch
 
 from .. import dispatch
 from ..kernels.epilogue.nodes import Epilogue, EpilogueError
-from ..operands import check_operands
-from .reference import evaluate
-from .runner import check_quantize, config_on, output_shapes, run
+from .runner import check_launch, config_on, output_shapes, run
 
 _libs: dict[str, torch.library.Library] = {}
 
@@ -50,23 +48,18 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
     def cuda_impl(a, b, *rest):
         return flat(run(tree, a, b, bind(rest), op=qual))
 
-    def config_for(a, b):
-        m, n, k, batch, fp8 = check_operands(a, b, qual)
-        check_quantize(tree, m, n, None, qual)
-        sms = dispatch.num_sms_or_default(a.device)
-        return m, n, batch, config_on(a.device, tree, m, n, k, batch, fp8, False, sms)
-
     def fake_impl(a, b, *rest):
-        m, n, batch, cfg = config_for(a, b)
+        # the launch's argument rules (inputs' shapes, dtypes and layouts too), then the outputs
+        # of the config the launch will take (tracing must size per-tile partials as it does)
+        m, n, k, batch, fp8, _ = check_launch(tree, a, b, bind(rest), qual)
+        cfg = config_on(a.device, tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device))
         res = [a.new_empty(shape, dtype=dtype)
                for _, shape, dtype, _ in output_shapes(tree, m, n, batch, a.dim() == 3, cfg)]
         return res[0] if n_out == 1 else tuple(res)
 
     def cpu_impl(a, b, *rest):
         dispatch.require_reference(qual)
-        _, _, _, cfg = config_for(a, b)
-        acc = torch.matmul(a.float(), b.float())
-        return flat(evaluate(tree, acc, bind(rest), (cfg.tile_m, cfg.tile_n)))
+        return flat(run(tree, a, b, bind(rest), op=qual))  # the reference path: the same rules
 
     lib.impl(name, cuda_impl, "CUDA")
     lib.impl(name, cpu_impl, "CPU")

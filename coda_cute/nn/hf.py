@@ -46,7 +46,7 @@ from ..ops.fold import fold_gamma
 from ..ops.proj import norm_proj
 from .convert import fuse_qkv, head_norm_weight, interleave_gate_up
 from .fsdp import check_layer_inputs
-from .llama import LlamaConfig, block_forward, embedding_norm_stats, head_loss
+from .llama import LlamaConfig, block_forward, embedding_norm_stats, head_loss, rows_to_multiple_of_8
 
 BF16 = torch.bfloat16
 IGNORE_INDEX = -100
@@ -190,13 +190,6 @@ def qk_norm_weights(layer, c: LlamaConfig):
                  for n in (att.q_norm, att.k_norm))
 
 
-def _rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:
-    """The LM head with zero rows up to a multiple of 8: the logits' rows must start on 16-byte
-    boundaries (TMA), so a ragged vocabulary (e.g. 32003) computes padded logits and slices them."""
-    pad = -w.shape[0] % 8
-    return torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
-
-
 def _positions(position_ids: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
     if position_ids is None:
         return torch.arange(s, device=device, dtype=torch.int32).repeat(b)
@@ -230,10 +223,15 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
                              "KV cache, generation or intermediate outputs)")
     if kwargs:
         raise ValueError(f"apply_coda forward: unsupported arguments {sorted(kwargs)}")
-    if input_ids is None or input_ids.dim() != 2:
-        raise ValueError("apply_coda forward: input_ids (batch, seq) is required")
+    if input_ids is None or input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError("apply_coda forward: input_ids (batch, seq), neither of them 0, is required, got "
+                         f"{None if input_ids is None else tuple(input_ids.shape)}")
     state, c = self._coda, self._coda.cfg
     b, s = input_ids.shape
+    for name, t in (("labels", labels), ("shift_labels", shift_labels)):
+        if t is not None and tuple(t.shape) != (b, s):  # reshaped alike they would train on other tokens
+            raise ValueError(f"apply_coda forward: {name} must be (batch, seq) = ({b}, {s}) like input_ids, "
+                             f"got {tuple(t.shape)}")
     mask_check = None
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (b, s):
@@ -262,7 +260,7 @@ def coda_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
             loss = loss / num_items_in_batch
     else:
         v = self.lm_head.weight.shape[0]
-        w = _bf16(fold_gamma(_rows_to_multiple_of_8(self.lm_head.weight), m.norm.weight))
+        w = _bf16(fold_gamma(rows_to_multiple_of_8(self.lm_head.weight), m.norm.weight))
         logits = norm_proj(y, w, ss, c.norm_eps)[:, :v].view(b, s, v)
     if mask_check is not None:
         mask_check.wait()

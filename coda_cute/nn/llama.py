@@ -268,8 +268,18 @@ class CodaLlamaHead(nn.Module):
                          ignore_index, reduction, self.norm)
 
     def logits(self, y, ss):
-        out = norm_proj(y.reshape(-1, self.cfg.dim), self._fold(self.weight, self.norm), ss, self.cfg.norm_eps)
-        return out.view(*y.shape[:-1], -1)
+        v = self.cfg.vocab_size
+        w = rows_to_multiple_of_8(self._fold(self.weight, self.norm))
+        out = norm_proj(y.reshape(-1, self.cfg.dim), w, ss, self.cfg.norm_eps)[:, :v]
+        return out.view(*y.shape[:-1], v)
+
+
+def rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:
+    """The LM head with zero rows up to a multiple of 8: the logits' rows must start on 16-byte
+    boundaries (TMA), so a ragged vocabulary (e.g. 32003 or 50257) computes padded logits and
+    slices them."""
+    pad = -w.shape[0] % 8
+    return torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
 
 
 class CodaLlama(nn.Module):
@@ -317,6 +327,12 @@ class CodaLlama(nn.Module):
         """tokens: (B, S). With targets (B, S): the cross-entropy loss; without: logits (B, S, V).
         The ids and targets are checked on the GPU and read back once, at the end
         (``ops.checks.deferred_checks``)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or 0 in tokens.shape:
+            raise ValueError(f"CodaLlama: tokens must be a (B, S) tensor, neither of them 0, got "
+                             f"{tuple(getattr(tokens, 'shape', ())) or type(tokens).__name__}")
+        if targets is not None and tuple(targets.shape) != tuple(tokens.shape):  # one per token
+            raise ValueError(f"CodaLlama: targets must have the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(targets.shape)}")
         b, s = tokens.shape
         if self.cache_folds:
             self._follow_fsdp()

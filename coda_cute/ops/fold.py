@@ -47,6 +47,17 @@ def check_fold(w: torch.Tensor, gamma: torch.Tensor) -> None:
         raise ValueError(f"{OP}: w is on {w.device} but gamma is on {gamma.device}")
 
 
+def check_fold_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> None:
+    """:func:`check_fold`, and dw: the gradient of W' = W * gamma, shaped like w (it would
+    broadcast against gamma otherwise), floating point, on w's device."""
+    check_fold(w, gamma)
+    if not isinstance(dw, torch.Tensor) or tuple(dw.shape) != tuple(w.shape) or not dw.is_floating_point():
+        raise ValueError(f"{OP}_backward: dw must be a floating-point tensor shaped like w {tuple(w.shape)}, got "
+                         f"{getattr(dw, 'dtype', type(dw).__name__)} {tuple(getattr(dw, 'shape', ()))}")
+    if dw.device != w.device:
+        raise ValueError(f"{OP}_backward: dw is on {dw.device} but w is on {w.device}")
+
+
 def _kernel_applies(w: torch.Tensor, gamma: torch.Tensor) -> bool:
     """Our kernel's rules: one 16-bit dtype, 16-byte vectors along K, a Hopper GPU."""
     if not (w.is_cuda and w.dtype == gamma.dtype and w.dtype in KERNEL_DTYPES and w.numel()):
@@ -94,7 +105,7 @@ def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) 
     """(dW, d gamma) of W' = W * gamma[None, :], in the dtypes of W and gamma, d gamma's products
     summed in fp32: one pass of our kernel (``kernels.elementwise.fold_backward``) where it
     applies, else torch. An op of its own so that a compiled backward calls it, not its parts."""
-    check_fold(w, gamma)
+    check_fold_backward(dw, w, gamma)
     if dw.dtype == w.dtype and dw.is_contiguous() and _kernel_applies(w, gamma) and dw.data_ptr() % 16 == 0:
         return fold_backward(dw, w, gamma)
     # contiguous whatever the gradient's strides (a transposed one too): the fake's layout
@@ -104,7 +115,7 @@ def fold_gamma_backward(dw: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) 
 
 @fold_gamma_backward.register_fake
 def _(dw, w, gamma):
-    check_fold(w, gamma)
+    check_fold_backward(dw, w, gamma)
     return w.new_empty(w.shape), gamma.new_empty(gamma.shape)
 
 

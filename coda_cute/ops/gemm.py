@@ -37,9 +37,10 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # -- validation -----------------------------------------------------------------------------------
-def check_shapes(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype):
+def check_shapes(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype, use_fast_accum: bool = False):
     """Dtype and shape rules (also run on fake tensors). Returns (M, N, K, L, out_dtype)."""
     m, n, k, batch, fp8 = check_operands(a, b, "coda.gemm")
+    check_fast_accum(a, use_fast_accum)
     if not fp8:
         if scale_a is not None or scale_b is not None:
             raise ValueError("coda.gemm: scale_a / scale_b apply to FP8 inputs only")
@@ -56,6 +57,12 @@ def check_shapes(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype):
     if out_dtype not in _OUT:
         raise TypeError(f"coda.gemm: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     return m, n, k, batch, out_dtype
+
+
+def check_fast_accum(a, use_fast_accum) -> None:
+    """Fast accumulation is an FP8 mode: asked of 16-bit inputs it would be silently ignored."""
+    if use_fast_accum and a.dtype not in FP8:
+        raise ValueError(f"coda.gemm: use_fast_accum applies to FP8 inputs only, got {a.dtype}")
 
 
 def _check_scale(name, s, batch, extent, row: bool):
@@ -108,7 +115,10 @@ def check_device(a, b, scale_a, scale_b):
 def check_layouts(a, b, m: int, n: int, batch: int, out_dtype, op: str = "coda.gemm"):
     """The kernel's layout rules on metadata alone (also for fake and CPU tensors): each operand
     has a contiguous last or second-to-last dim, TMA-aligned strides and a 16-byte aligned data
-    pointer; FP8 operands are K-major; the result's rows are 16-byte aligned."""
+    pointer; FP8 operands are K-major; the result's rows are 16-byte aligned. An empty product
+    (no rows, columns or K: zeros or an empty result, no launch) reads and writes nothing."""
+    if a.numel() == 0 or b.numel() == 0:
+        return
     _, a_major = operand_view(a, "a", False, "m", op)
     _, b_major = operand_view(b, "b", True, "n", op)
     if a.dtype in FP8 and (a_major != "k" or b_major != "k"):
@@ -132,6 +142,7 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
     """The op's CUDA implementation: :func:`gemm_tree` on the epilogue-tree runner. ``config``
     overrides the heuristic (benchmarks, tuner); ``out`` is a preallocated contiguous result
     (tests poison it to catch unwritten tiles); ``split_k`` > 1 splits K (:func:`split_k_gemm`)."""
+    check_fast_accum(a, use_fast_accum)  # the prepared key does not hold it
     key = (_meta(a), _meta(b), _meta(scale_a), _meta(scale_b), out_dtype)
     prep = _prepared.get(key)
     if prep is None:
@@ -226,7 +237,7 @@ def _gemm_op(
 
 @_gemm_op.register_fake
 def _gemm_fake(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False):
-    m, n, _, batch, out_dtype = check_shapes(a, b, scale_a, scale_b, out_dtype)
+    m, n, _, batch, out_dtype = check_shapes(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
     check_same_devices(a, b, scale_a, scale_b)
     check_layouts(a, b, m, n, batch, out_dtype)
     shape = (batch, m, n) if a.dim() == 3 else (m, n)
@@ -260,7 +271,7 @@ def _gemm_cpu(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
     dispatch.require_reference("coda.gemm")
     from ..reference import gemm_ref
 
-    m, n, _, batch, od = check_shapes(a, b, scale_a, scale_b, out_dtype)
+    m, n, _, batch, od = check_shapes(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
     check_same_devices(a, b, scale_a, scale_b)
     check_layouts(a, b, m, n, batch, od)
     return gemm_ref(a, b, scale_a, scale_b, out_dtype)
