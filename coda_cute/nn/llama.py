@@ -248,6 +248,14 @@ class CodaLlamaBlock(nn.Module):
         return block_to_hf(params, c.n_heads, c.n_kv_heads, c.head_dim, rope)
 
 
+def rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:
+    """The LM head with zero rows up to a multiple of 8: the logits' rows must start on 16-byte
+    boundaries (TMA), so a ragged vocabulary (e.g. 32003 or 50257) computes padded logits and
+    slices them."""
+    pad = -w.shape[0] % 8
+    return torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
+
+
 class CodaLlamaHead(nn.Module):
     """Final RMSNorm + LM head: the loss through ``coda.lm_head_ce`` (logits never stored), or
     the logits through ``coda.norm_proj``. Parameters: norm (d), weight (V, d)."""
@@ -272,14 +280,6 @@ class CodaLlamaHead(nn.Module):
         w = rows_to_multiple_of_8(self._fold(self.weight, self.norm))
         out = norm_proj(y.reshape(-1, self.cfg.dim), w, ss, self.cfg.norm_eps)[:, :v]
         return out.view(*y.shape[:-1], v)
-
-
-def rows_to_multiple_of_8(w: torch.Tensor) -> torch.Tensor:
-    """The LM head with zero rows up to a multiple of 8: the logits' rows must start on 16-byte
-    boundaries (TMA), so a ragged vocabulary (e.g. 32003 or 50257) computes padded logits and
-    slices them."""
-    pad = -w.shape[0] % 8
-    return torch.nn.functional.pad(w, (0, 0, 0, pad)) if pad else w
 
 
 class CodaLlama(nn.Module):
