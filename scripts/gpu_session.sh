@@ -34,6 +34,7 @@
 #             clocks against its shadow's
 #   fp8-ncu   ncu of the quantize, amax and transpose kernels of one FP8 MLP step (row-wise, fast
 #             accumulation: bench_fp8.py --once)
+#   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
@@ -151,6 +152,10 @@ stage_sinks() {
     step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
 }
 
+stage_gemm() {
+    step gemm-tests 300 python3 -m pytest -q -m gpu -n 6 tests/test_gemm_gpu.py
+}
+
 stage_rope_ncu() {
     # the first shape's warm-up launches 2 ops and the swept kernels once each: skip those
     local skip
@@ -180,7 +185,8 @@ for s in "$@"; do
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks)"; exit 2 ;;
+        gemm) stage_gemm ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks gemm)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
