@@ -206,6 +206,19 @@ def test_op_in_reference_mode_is_the_reference(case):
         assert rel_err(g, w) < 1e-6
 
 
+@pytest.mark.parametrize("bad", [V, -1])
+def test_lm_head_backward_targets_outside_the_vocabulary_are_refused(bad):
+    """As the forward's: a target outside [0, V) that is not the ignore_index (the GPU path reads
+    the same check back; its kernels would silently drop the target's -1 in dlogits)."""
+    name, args, _ = next(c for c in cases() if c[0] == "lm_head_ce_backward")
+    args = list(args)
+    args[4] = args[4].clone()
+    args[4][7] = bad
+    with pytest.raises(ValueError, match=rf"coda.lm_head_ce_backward: targets must lie in \[0, {V}\) "
+                                         rf"\(or -100, the ignore_index\); found {bad}"), coda_cute.reference_on_cpu():
+        torch.ops.coda.lm_head_ce_backward(*args)
+
+
 def test_attention_block_reference_is_the_plain_composition():
     name, args, _ = next(c for c in cases() if c[0] == "attention_block+qk_norm")
     x, ss, w_qkv, w_o, pos, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps = args

@@ -547,6 +547,20 @@ def test_lm_head_recompute_backward(m):
     assert rel_err(got[2].float(), want[2].float()) < 2e-2
 
 
+def test_lm_head_backward_refuses_targets_outside_the_vocabulary():
+    """Its kernels never index with a target: one outside [0, V) would lose its -1 silently.
+    The check is read back after the launches; the context stays usable."""
+    y, w, ss, eps, t, ig, _, g = ce_args(300, "none")
+    m = y.shape[0]
+    lse = R.lm_head_ce_ref(y, w, ss, eps, t, ig, "none", g)[1]
+    bad = t.clone()
+    bad[m // 2] = w.shape[0]
+    with pytest.raises(ValueError, match=rf"targets must lie in \[0, {w.shape[0]}\)"):
+        torch.ops.coda.lm_head_ce_backward(y, w, ss, eps, bad, lse, torch.randn(m, device="cuda"),
+                                           torch.zeros(m, device="cuda"), ig, "none", g)
+    torch.cuda.synchronize()
+
+
 def test_lm_head_loss_only_op_backward_through_autograd(monkeypatch):
     """The loss-only op under autograd with gradients on both outputs: a backward of
     loss.sum() + c * lse.sum() hands the op expanded (stride-0) dloss and dlse, in several chunks."""

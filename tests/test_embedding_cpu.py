@@ -99,6 +99,16 @@ def test_ids_outside_the_table_are_refused_on_the_reference_path():
         torch.ops.coda.embedding(torch.randn(10, 8), torch.tensor([[1, 10]]))
 
 
+@pytest.mark.parametrize("bad", [10, -1])
+def test_backward_ids_outside_the_table_are_refused_on_the_reference_path(bad):
+    """The GPU path reads the same check back (``PendingIndexCheck``): its kernel would drop the row."""
+    ids = torch.randint(0, 10, (2, 5))
+    ids[1, 3] = bad
+    with pytest.raises(ValueError, match=rf"coda.embedding_backward: ids must lie in \[0, 10\); found {bad}"), \
+            coda_cute.reference_on_cpu():
+        torch.ops.coda.embedding_backward(torch.randn(2, 5, 8), ids, 10)
+
+
 def test_cpu_tensors_need_the_reference_mode():
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         torch.ops.coda.embedding(torch.randn(10, 8), torch.tensor([1]))

@@ -58,6 +58,17 @@ def test_ids_outside_the_table_raise_before_any_device_assert():
     assert torch.ops.coda.embedding(w, torch.tensor([[1]], device="cuda")).shape == (1, 1, 64)
 
 
+@pytest.mark.parametrize("d", [64, 60])  # our kernel; torch's (rows of no 16-byte multiple)
+def test_backward_ids_outside_the_table_raise(d):
+    """The kernel's sorted row ranges never reach an id outside the table: its gradient row
+    would be dropped silently. The check is read back after the launch."""
+    ids = torch.randint(0, 100, (3, 77), device="cuda")
+    ids[2, 5] = -3
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 100\); found -3"):
+        torch.ops.coda.embedding_backward(torch.randn(3, 77, d, device="cuda", dtype=torch.bfloat16), ids, 100)
+    torch.cuda.synchronize()
+
+
 def test_model_forward_raises_for_bad_tokens_and_targets_at_its_end(monkeypatch):
     """CodaLlama's forward defers its device-data checks to its end (``deferred_checks``): the
     first host read-back comes after every kernel of the forward is queued, a bad token id or

@@ -84,15 +84,20 @@ def _kernel_applies(grad: torch.Tensor) -> bool:
 def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int = -1) -> torch.Tensor:
     """dE (num_rows, d) in grad's dtype of ``weight[ids]`` (module docstring); grad ids.shape + (d,)."""
     _check_backward(grad, ids, num_rows, padding_idx)
+    # an id outside the table would drop its gradient row silently (the kernel's row ranges
+    # never reach it): read back while the backward runs, as the forward does
+    check = PendingIndexCheck(OP_BWD, "ids", ids, num_rows)
     if grad.device.type == "cpu":
         dispatch.require_reference(OP_BWD)
         return embedding_backward_ref(grad, ids, num_rows, padding_idx)
     d = grad.shape[-1]
     grad = grad.reshape(-1, d)
     if not _kernel_applies(grad):
+        check.wait()  # before torch's kernel, which does not bound its writes by the table
         return torch.ops.aten.embedding_dense_backward(grad, ids.reshape(-1), num_rows, padding_idx, False)
-    out = torch.empty((num_rows, d), dtype=grad.dtype, device=grad.device)
-    return backward_into(out, grad, ids, padding_idx)
+    out = backward_into(torch.empty((num_rows, d), dtype=grad.dtype, device=grad.device), grad, ids, padding_idx)
+    check.wait()
+    return out
 
 
 def backward_into(out: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:

@@ -336,8 +336,12 @@ def lm_head_ce_backward(y: torch.Tensor, w_lm: torch.Tensor, ss: torch.Tensor, e
     the forward's LSE (M,) fp32; dloss () or (M,) for "none", dlse (M,), both fp32. dgamma is
     empty without gamma."""
     check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma)
+    # the kernels compare columns with the targets and never index with them: one outside the
+    # vocabulary would silently lose its -1 in dlogits
+    target_check = PendingIndexCheck(OP_BWD, "targets", targets, w_lm.shape[0], ignore_index)
     dy, dw, dg, _, _, _, _ = _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
                                       dloss=dloss, lse=lse, dlse=dlse)
+    target_check.wait()
     return dy, dw, _gamma_grad(dg, gamma, y)
 
 
@@ -356,6 +360,7 @@ def _bwd_fake(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reducti
 def _bwd_cpu(y, w_lm, ss, eps, targets, lse, dloss, dlse, ignore_index, reduction, gamma=None):
     dispatch.require_reference(OP_BWD)
     check_lm_head_backward(y, w_lm, ss, eps, targets, lse, dloss, dlse, reduction, gamma)
+    check_index_range(OP_BWD, "targets", targets, w_lm.shape[0], ignore_index)
     dy, dw, dg = lm_head_ce_grad_ref(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma,
                                      dloss, dlse)
     return dy, dw, _gamma_grad(dg, gamma, y)
