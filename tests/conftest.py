@@ -25,3 +25,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         elif "timing" in item.keywords and shared:
             item.add_marker(busy)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(request):
+    """GPU tests allocate poisoned memory: every uninitialized allocation (``torch.empty`` and the
+    like, the ops' outputs and workspaces among them) is filled with NaN (floating point, FP8
+    included) or the dtype's largest value (integers), so a tile a kernel leaves unwritten, or
+    a read of memory nothing wrote, fails the comparison instead of passing on a stale zero.
+    This is torch's ``fill_uninitialized_memory`` under ``use_deterministic_algorithms`` (warn
+    only: torch's nondeterministic ops still run). Not for timing tests (the fills are extra
+    launches) nor for ``unpoisoned`` ones (they test the flag itself)."""
+    if "gpu" not in request.keywords or "timing" in request.keywords or "unpoisoned" in request.keywords:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -651,6 +651,7 @@ def test_model_gradients_vs_fp32_reference():
     assert not worse, worse
 
 
+@pytest.mark.unpoisoned
 def test_training_step_is_deterministic():
     """Two steps on the same model and batch give bitwise equal loss and gradients with
     torch.use_deterministic_algorithms(True) (the attention core is torch's; our own kernels,
@@ -671,6 +672,7 @@ def test_training_step_is_deterministic():
     assert all(a.equal(b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+@pytest.mark.unpoisoned
 def test_our_gradients_are_deterministic_without_the_flag():
     """Without torch.use_deterministic_algorithms, every gradient that torch's SDPA backward
     (atomics) does not feed is bitwise equal over two steps: the LM head's, the final norm's and
