@@ -494,6 +494,10 @@ BAD_CONFIGS = [
     (dict(vocab_size=2.5), "LlamaConfig.vocab_size = 2.5: must be a positive integer"),
     (dict(rope_theta=0.0), "LlamaConfig.rope_theta = 0.0: must be a finite number > 0"),
     (dict(qk_norm=True, head_dim=56), "LlamaConfig.head_dim = 56: with qk_norm must divide a GEMM tile width"),
+    (dict(qk_norm="no"), "LlamaConfig.qk_norm = 'no': must be True or False"),
+    (dict(qk_norm=1), "LlamaConfig.qk_norm = 1: must be True or False"),
+    (dict(norm_eps=True), "LlamaConfig.norm_eps = True: must be a finite number >= 0"),
+    (dict(rope_theta=True), "LlamaConfig.rope_theta = True: must be a finite number > 0"),
 ]
 
 

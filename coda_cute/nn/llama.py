@@ -93,13 +93,16 @@ class LlamaConfig:
         hd = self.head_dim
         if isinstance(hd, bool) or not isinstance(hd, int) or hd < 8 or hd > 256 or hd % 8:
             bad("head_dim", "must be a multiple of 8 in [8, 256] (the RoPE and attention kernels' rule)")
+        if not isinstance(self.qk_norm, bool):  # "no" or 1 would read as true
+            bad("qk_norm", "must be True or False")
         if self.qk_norm and hd not in qk_norm_head_dims():
             bad("head_dim", f"with qk_norm must divide a GEMM tile width: one of {sorted(qk_norm_head_dims())}")
         for field in ("norm_eps", "qk_norm_eps"):
             v = getattr(self, field)
-            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 bad(field, "must be a finite number >= 0")
-        if not isinstance(self.rope_theta, (int, float)) or not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (theta > 0 and math.isfinite(theta)):
             bad("rope_theta", "must be a finite number > 0")
         try:
             recipe = recipe_for(self.precision)
