@@ -219,6 +219,26 @@ def test_lm_head_backward_targets_outside_the_vocabulary_are_refused(bad):
         torch.ops.coda.lm_head_ce_backward(*args)
 
 
+def zero_width_norm_calls():
+    """Each norm op with d = 0 (the RMS norm's width): (op, arguments, what the message names)."""
+    y0, w0, ss = torch.zeros(M, 0, dtype=BF16), torch.zeros(2 * FF, 0, dtype=BF16), stats(rand(M, D))
+    yield "norm_swiglu", (y0, w0, ss, EPS), "columns of y"
+    yield "mlp_block", (y0, ss, w0, torch.zeros(0, FF, dtype=BF16), EPS), "columns of y"
+    yield "swiglu_backward", (y0, torch.zeros(0, FF, dtype=BF16), rand(M, 2 * FF).to(BF16), ss, EPS), "columns of dy"
+    yield "norm_backward", (rand(M, 2 * FF).to(BF16), w0, y0, ss, stats(rand(M, D)), EPS), "columns of w"
+    yield "lm_head_ce", (y0, torch.zeros(V, 0, dtype=BF16), ss, EPS, torch.randint(0, V, (M,))), "columns of y"
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake"])
+@pytest.mark.parametrize("op, args, what", list(zero_width_norm_calls()), ids=lambda c: c if isinstance(c, str) else "")
+def test_a_norm_of_no_columns_is_refused(path, op, args, what):
+    """The GPU path divided by d (a raw ZeroDivisionError) where these paths answered shapes."""
+    from helpers import on_path
+    with pytest.raises(ValueError, match=rf"coda.{op}: the RMS norm's width d \({what}\) must be >= 1, got 0"), \
+            on_path(path):
+        getattr(torch.ops.coda, op)(*args)
+
+
 def test_attention_block_reference_is_the_plain_composition():
     name, args, _ = next(c for c in cases() if c[0] == "attention_block+qk_norm")
     x, ss, w_qkv, w_o, pos, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps = args

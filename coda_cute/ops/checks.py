@@ -48,6 +48,12 @@ def check_aligned(op: str, what: str, n: int):
                          "start on 16-byte boundaries for TMA)")
 
 
+def check_norm_width(op: str, what: str, d: int):
+    """An RMS norm's width: its mean of squares over no values is undefined."""
+    if d < 1:
+        raise ValueError(f"{op}: the RMS norm's width d ({what}) must be >= 1, got {d}")
+
+
 def check_same_device(op: str, **tensors):
     devs = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devs.values())) > 1:
@@ -101,6 +107,7 @@ def check_norm_input(op: str, y, w, ss, eps: float, store_cols: bool = True, w_n
     """Rules shared by the ops that consume y with its norm statistics (``w_name``, ``y_name``:
     what the op calls its weight and its input). Returns (M, N, d)."""
     m, n, d = check_linear(op, y_name, y, w, w_name)
+    check_norm_width(op, f"columns of {y_name}", d)
     check_stats(op, "ss", ss, m)
     if store_cols:
         check_aligned(op, f"the output width (rows of {w_name})", n)

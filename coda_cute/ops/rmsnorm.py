@@ -34,7 +34,7 @@ from .. import epilogue as E
 from ..epilogue.runner import config_on
 from ..reference import norm_backward_ref
 from .eager import direct
-from .checks import (BF16, check_aligned, check_dgrad, check_eps, check_same_device, check_shape,
+from .checks import (BF16, check_aligned, check_dgrad, check_eps, check_norm_width, check_same_device, check_shape,
                      check_stats, check_tensor)
 
 OP = "coda.norm_backward"
@@ -84,6 +84,7 @@ def norm_backward_tree(residual: bool, gamma: bool = False) -> E.Epilogue:
 def check_norm_backward(g, w, y, ss, zdz, eps, residual_grad):
     op = OP
     m, _, d = check_dgrad(op, "g", g, "w", w, "the consumer's output width N")
+    check_norm_width(op, "columns of w", d)
     check_tensor(op, "y", y, 2, (BF16,), aligned=True)
     check_shape(op, "y", y, (m, d), "the consumer's input (M, d) = ")
     check_aligned(op, "the normalized width d (columns of w)", d)

@@ -32,7 +32,7 @@ from .eager import direct
 from .. import dispatch
 from .. import epilogue as E
 from ..reference import norm_swiglu_ref, rms_rstd_ref, swiglu_backward_ref, swiglu_grad_ref
-from .checks import (BF16, F32, check_aligned, check_dgrad, check_eps, check_norm_input,
+from .checks import (BF16, F32, check_aligned, check_dgrad, check_eps, check_norm_input, check_norm_width,
                      check_same_device, check_shape, check_stats, check_tensor)
 from .rmsnorm import norm_backward, norm_inputs, rstd_node, tile_n_of
 
@@ -143,6 +143,7 @@ def swiglu_backward_tree(recompute_h: bool = True) -> E.Epilogue:
 def check_swiglu_backward(dy, w_down, z, ss, eps):
     op = OP_BWD
     m, _, f = check_dgrad(op, "dy", dy, "w_down", w_down, "the model width d")
+    check_norm_width(op, "columns of dy", dy.shape[1])
     check_tensor(op, "z", z, 2, (BF16,), aligned=True)
     check_shape(op, "z", z, (m, 2 * f), "the saved pre-activation (M, 2f) = ")
     check_aligned(op, "the SwiGLU width f (columns of w_down)", f)
