@@ -159,7 +159,7 @@ stage_sinks() {
 stage_verify() {
     step verify-tests 380 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_gemm_gpu.py \
         tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_epilogue_quantize_gpu.py \
-        tests/test_fp8_gpu.py tests/test_embedding_gpu.py tests/test_lm_head_fp8_gpu.py
+        tests/test_fp8_gpu.py tests/test_embedding_gpu.py tests/test_lm_head_fp8_gpu.py tests/test_ce_grad_gpu.py
     step verify-lm-head 90 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py -k lm_head
     step verify-memcheck 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
