@@ -34,10 +34,12 @@
 #             clocks against its shadow's
 #   fp8-ncu   ncu of the quantize, amax and transpose kernels of one FP8 MLP step (row-wise, fast
 #             accumulation: bench_fp8.py --once)
-#   verify    one pass of the GPU tests of the GEMMs, the FP8 ops, the epilogue sinks and the
-#             embedding (12 workers), then the LM head's bf16 tests and memcheck of sanitize_fp8.py
-#   perf      train-fp8, then bench_fp8.py (no profile), waves-exp and swiglu-fp8: the
-#             numbers of a session short of device time, most wanted first
+#   verify    one pass of the GPU tests of the GEMMs, the FP8 ops, the epilogue sinks, the
+#             embedding and the CE gradient (12 workers)
+#   verify-more  the LM head's bf16 tests, memcheck of sanitize_fp8.py
+#   perf      the FP8 step (train-fp8), the wave experiment, bench_fp8.py (no profile): the
+#             numbers of a session short of device time, most wanted first (verify perf
+#             verify-more fits one call)
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
@@ -157,19 +159,22 @@ stage_sinks() {
 }
 
 stage_verify() {
-    step verify-tests 380 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_gemm_gpu.py \
+    step verify-tests 220 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_gemm_gpu.py \
         tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_epilogue_quantize_gpu.py \
         tests/test_fp8_gpu.py tests/test_embedding_gpu.py tests/test_lm_head_fp8_gpu.py tests/test_ce_grad_gpu.py
-    step verify-lm-head 90 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py -k lm_head
+}
+
+stage_verify_more() {
+    step verify-lm-head 60 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py -k lm_head
     step verify-memcheck 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
 }
 
 stage_perf() {
-    stage_train_fp8
-    step perf-mlp-fp8 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --json "$OUT/mlp-fp8.json"
-    step perf-waves 200 python3 scripts/exp_wave_promotion.py --rounds 8 --mlp --mlp-rounds 6
-    stage_swiglu_fp8
+    step train-fp8 180 python3 scripts/bench_train.py --configs 8b --no-compile --rounds 6 --fp8-row-fast all \
+        --json "$OUT/train-fp8.json"
+    step perf-waves 150 python3 scripts/exp_wave_promotion.py --rounds 6 --mlp --mlp-rounds 5
+    step perf-mlp-fp8 60 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --json "$OUT/mlp-fp8.json"
 }
 
 stage_gemm() {
@@ -207,8 +212,9 @@ for s in "$@"; do
         sinks) stage_sinks ;;
         gemm) stage_gemm ;;
         verify) stage_verify ;;
+        verify-more) stage_verify_more ;;
         perf) stage_perf ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks gemm verify perf)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks gemm verify verify-more perf)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
