@@ -1,4 +1,5 @@
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -48,3 +49,28 @@ def poisoned_allocations(request):
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+#: CODA_TEST_SEED=N reruns every test on the seed a failure reported
+_SEED = os.environ.get("CODA_TEST_SEED")
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Every test draws fresh random inputs: torch's and Python's global generators are seeded
+    from the OS before each test (``CODA_TEST_SEED`` pins it), and a failure's report names the
+    seed to rerun it with."""
+    seed = int(_SEED) if _SEED is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.coda_seed = seed
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "coda_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"rerun with CODA_TEST_SEED={seed}"))
+    return report

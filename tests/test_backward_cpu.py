@@ -44,7 +44,6 @@ def grads(fn, args, idx, cot=None):
 def test_mlp_backward_refs_equal_autograd():
     """swiglu_backward_ref + norm_backward_ref (+ the wgrads) = d/d(y, W_gu, W_down) of
     y2 = y + SwiGLU(RMSNorm(y) W_gu^T) W_down^T."""
-    torch.manual_seed(0)
     y, w_gu, w_down = rand(M, D, dtype=F64), rand(2 * FF, D, dtype=F64, scale=0.2), rand(D, FF, dtype=F64, scale=0.2)
 
     def mlp(y, w_gu, w_down):
@@ -62,7 +61,6 @@ def test_mlp_backward_refs_equal_autograd():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_backward_ref_equals_autograd(qk_norm):
-    torch.manual_seed(1)
     y, w = rand(M, D, dtype=F64), rand(NQKV, D, dtype=F64, scale=0.2)
     pos = torch.arange(S).repeat(B)
     qn = (torch.rand(HD, dtype=F64) + 0.5) if qk_norm else None
@@ -87,7 +85,6 @@ def test_rope_backward_ref_equals_autograd(qk_norm):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("gamma", [False, True])
 def test_lm_head_grad_ref_equals_autograd(reduction, gamma):
-    torch.manual_seed(2)
     y, w = rand(M, D, dtype=F64), rand(V, D, dtype=F64, scale=0.3)
     g = (1 + rand(D, dtype=F64, scale=0.1)) if gamma else None
     t = torch.randint(0, V, (M,))
@@ -109,7 +106,6 @@ def test_lm_head_grad_ref_equals_autograd(reduction, gamma):
 
 
 def test_attention_ref_is_causal_gqa_sdpa():
-    torch.manual_seed(3)
     q, k, v = qkv_heads(rand(M, NQKV, dtype=F64), B, H, HKV, HD)
     o, lse = R.attention_ref(q, k, v)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -121,7 +117,6 @@ def test_attention_ref_is_causal_gqa_sdpa():
 
 # -- the ops: reference mode, fake tensors, opcheck ----------------------------------------------------
 def cases():
-    torch.manual_seed(4)
     x = rand(B, S, D)
     ss = stats(x.reshape(M, D))
     w_qkv, w_o = rand(NQKV, D, scale=D ** -0.5), rand(D, H * HD, scale=(H * HD) ** -0.5)
@@ -302,7 +297,6 @@ def core_cases():
     """The ops the sublayers and the LM-head training op call inside: the attention core forward
     and backward, and the deferred last-chunk wgrad (with an fp32 and a bf16 accumulator of the
     other chunks, without one, without gamma)."""
-    torch.manual_seed(9)
     q, k, v = (rand(B, n, S, HD) for n in (H, HKV, HKV))
     with coda_cute.reference_on_cpu():
         o, lse, ra, rb = torch.ops.coda.attention_forward(q, k, v)
@@ -366,7 +360,6 @@ def test_lm_head_bf16_accumulator_refuses_a_second_backward(monkeypatch):
     """With a bf16 dW accumulator the last chunk's wgrad turns it into the gradient in place: a
     retained graph's second backward raises (autograd's version check) instead of adding to a
     changed sum."""
-    torch.manual_seed(2)
     m = 1000
     y, w = rand(m, D).requires_grad_(), rand(V, D, scale=D ** -0.5).requires_grad_()
     monkeypatch.setattr(LH, "CHUNK_BYTES", int(0.3 * m * 2 * 56))
@@ -600,7 +593,6 @@ def test_dw_ops_on_cpu_need_the_reference_switch(op):
 
 
 def test_attention_backward_ref_equals_autograd():
-    torch.manual_seed(5)
     q, k, v = (t.detach().requires_grad_() for t in qkv_heads(rand(M, NQKV, dtype=F64), B, H, HKV, HD))
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     do = torch.randn_like(o)
@@ -613,7 +605,6 @@ def test_attention_backward_ref_equals_autograd():
 def test_lm_head_train_gradients_through_autograd(fraction, acc, monkeypatch):
     """cross_entropy's training op, its deferred last-chunk wgrad and dloss: the gradients equal
     the reference's (times dloss) for one chunk and for several (fp32 / bf16 accumulation)."""
-    torch.manual_seed(6)
     m, d = 1000, 64
     y, w, g = rand(m, d), rand(V, d, scale=d ** -0.5), 1 + rand(d, scale=0.1)
     ss, t = stats(y), torch.randint(0, V, (m,))

@@ -91,7 +91,6 @@ def test_rope_inv_freq_and_angles():
 
 
 def test_residual_ref_equals_tree_evaluator():
-    torch.manual_seed(0)
     a, w, res = residual_args(m=45, n=200)
     tile_n = 64
     y, ss = R.residual_gemm_norm_stats_ref(a, w, res, tile_n)
@@ -103,7 +102,6 @@ def test_residual_ref_equals_tree_evaluator():
 
 def test_norm_ops_equal_unfused_math():
     """Folding gamma into the weight and scaling by r afterwards is RMSNorm(y; gamma) @ W.T."""
-    torch.manual_seed(0)
     y, w, ss = norm_args(dtype=F64, tile_n=24)
     gamma = 1 + rand(D, dtype=F64, scale=0.1)
     normed = R.rms_norm_ref(y, gamma, EPS)
@@ -117,7 +115,6 @@ def test_norm_ops_equal_unfused_math():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_ref_equals_rotate_half_on_hf_weights(qk_norm):
     """Adjacent-pair RoPE on converted weights = rotate-half RoPE on the HF weights, permuted."""
-    torch.manual_seed(0)
     m = 30
     p = hf_block(cfg(qk_norm), dtype=F64)
     y = rand(m, D, dtype=F64)
@@ -142,7 +139,6 @@ def test_qkv_ref_equals_rotate_half_on_hf_weights(qk_norm):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_lm_head_ref_equals_cross_entropy(reduction):
-    torch.manual_seed(0)
     y, w, ss, eps, t, ig, red = ce_args(dtype=F64, reduction=reduction)
     loss, lse = R.lm_head_ce_ref(y, w, ss, eps, t, ig, red)
     logits = R.rms_norm_ref(y, torch.ones(D, dtype=F64), EPS) @ w.t()
@@ -159,7 +155,6 @@ def test_lm_head_all_ignored_mean_is_nan_like_torch():
 
 # -- the ops on CPU: reference mode, fake tensors, opcheck ------------------------------------------
 def op_cases(dtype=BF16):
-    torch.manual_seed(0)
     a, w, res = residual_args(dtype=dtype)
     yield "residual_gemm_norm_stats", (a, w, res), {}
     y, w, ss = norm_args(dtype=dtype)
@@ -295,7 +290,6 @@ def test_op_autograd_bf16(case):
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rope", ["rotate_half", "pairs"])
 def test_block_conversion_round_trip_is_exact(qk_norm, rope):
-    torch.manual_seed(0)
     p = hf_block(cfg(qk_norm))
     c = C.block_from_hf(p, H, HKV, HD, rope)
     assert c["wqkv"].shape == (NQKV, D) and c["w_gu"].shape == (192, D)
@@ -324,7 +318,6 @@ def test_head_permutation():
 def test_rope_outputs_equal_after_conversion():
     """rotate-half RoPE of x @ Wq.T = adjacent-pair RoPE of x @ convert(Wq).T (permuted), and the
     attention scores q.k are the same in both layouts."""
-    torch.manual_seed(0)
     m = 20
     x = rand(m, D, dtype=F64)
     wq, wk = rand(H * HD, D, dtype=F64), rand(HKV * HD, D, dtype=F64)
@@ -455,7 +448,6 @@ needs_nodes = pytest.mark.skipif(not NEW_NODES, reason="E.row_sum / E.lookup / E
 @needs_nodes
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qkv_tree_evaluates_to_reference(qk_norm):
-    torch.manual_seed(0)
     args = qkv_args(qk_norm=qk_norm)
     y, w, ss, eps, pos, inv_freq, h, hkv, hd, qn, kn, qk_eps = args
     tree = QK.norm_rope_qkv_tree((h + hkv) * hd, hd, qk_norm)
@@ -466,7 +458,6 @@ def test_qkv_tree_evaluates_to_reference(qk_norm):
 
 @needs_nodes
 def test_norm_trees_evaluate_to_reference():
-    torch.manual_seed(0)
     y, w, ss = norm_args()
     acc = y.float() @ w.float().t()
     ins = norm_inputs(D, ss, EPS)
@@ -534,7 +525,6 @@ def test_logits_of_a_ragged_vocabulary():
     """A vocabulary of no multiple of 8 (the logits' rows would miss TMA's 16-byte alignment):
     the head pads its weight's rows and slices the logits, which give the loss path's loss (the
     logits path raised that the output width must be a multiple of 8)."""
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=90, head_dim=16)
     model = CodaLlama(cfg)
     tokens = torch.randint(0, 90, (2, 8))
@@ -568,7 +558,6 @@ def test_compiled_training_step_traces_every_op_and_matches_eager(precision):
     registered backward in one graph): the eager loss and gradients, bit for bit."""
     import torch._dynamo
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16,
                       qk_norm=True, precision=precision)
     model = CodaLlama(cfg)
@@ -612,7 +601,6 @@ def test_model_folds_each_sublayer_weight_just_before_it(monkeypatch):
     monkeypatch.setattr(NF, "fold_gamma", logged("fold", NF.fold_gamma))
     monkeypatch.setattr(NL, "attention_block", logged("attention", NL.attention_block))
     monkeypatch.setattr(NL, "mlp_block", logged("mlp", NL.mlp_block))
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16)
     model = CodaLlama(cfg)
     tokens = torch.randint(0, 96, (2, 16))
@@ -630,7 +618,6 @@ def test_model_folds_each_sublayer_weight_just_before_it(monkeypatch):
 def test_training_after_an_inference_mode_forward():
     """A validation pass under ``torch.inference_mode`` leaves nothing behind that a later
     training step saves for its backward (inference tensors cannot be saved)."""
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=16)
     model = CodaLlama(cfg)
     tokens = torch.randint(0, 96, (2, 16))

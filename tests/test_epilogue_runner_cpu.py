@@ -315,7 +315,6 @@ def test_run_on_cpu_in_reference_mode_is_evaluate(which, monkeypatch):
     inside, the torch evaluator of a @ b (no kernel), the launch's argument rules, and
     preallocated outputs filled in place."""
     monkeypatch.setattr(run_mod, "spills", lambda *a, **k: pytest.fail("a kernel build was asked"))
-    torch.manual_seed(5)
     m, n, k = 40, 48, 32
     _, tree, _ = registered(which)
     args = _op_args(which, m, n, k, "cpu")
@@ -372,7 +371,6 @@ def test_reference_on_cpu_compiles_no_kernel(monkeypatch):
 
 @pytest.mark.parametrize("which", ["single", "multi"])
 def test_reference_on_cpu_matches_evaluate(which):
-    torch.manual_seed(2)
     m, n, k = 40, 48, 32
     _, tree, op = registered(which)
     args = _op_args(which, m, n, k, "cpu")
@@ -389,7 +387,6 @@ def test_reference_on_cpu_matches_evaluate(which):
 @pytest.mark.parametrize("which", ["single", "multi"])
 def test_opcheck(which):
     _, _, op = registered(which)
-    torch.manual_seed(3)
     utils = ("test_schema", "test_faketensor")
     with coda_cute.reference_on_cpu():
         result = torch.library.opcheck(op.default, _op_args(which, 40, 48, 32, "cpu"), test_utils=utils)

@@ -334,7 +334,6 @@ def test_fp8_model_with_cached_weights_trains_like_the_uncached_one(scaling):
     import coda_cute
     from coda_cute.precision import Fp8Recipe
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, head_dim=32,
                       precision=Fp8Recipe(scaling=scaling))
     plain = CodaLlama(cfg, device="cpu")

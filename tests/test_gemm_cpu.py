@@ -61,7 +61,6 @@ def test_ref_batched_with_rowwise_scales():
 
 
 def test_ref_rounds_once_at_the_end():
-    torch.manual_seed(0)
     a, b = torch.randn(33, 70).to(BF16), torch.randn(70, 20).to(BF16)
     exact = gemm_ref(a, b, round_output=False)
     assert exact.dtype == F32
@@ -71,7 +70,6 @@ def test_ref_rounds_once_at_the_end():
 
 
 def test_ref_fp8_matches_scaled_mm():
-    torch.manual_seed(0)
     a, w = torch.randn(32, 64).to(E4M3), torch.randn(48, 64).to(E4M3)
     sa, sb = torch.tensor(0.5), torch.tensor(2.0)
     ours = gemm_ref(a, w.t(), sa, sb, out_dtype=F32)
@@ -349,7 +347,6 @@ ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", 
 
 
 def _opcheck_cases():
-    torch.manual_seed(0)
     yield "bf16 2-D", (_bf16(32, 48).requires_grad_(), _bf16(24, 48).t().requires_grad_()), {}, ALL_OPCHECKS
     yield "bf16 3-D", (_bf16(2, 32, 48).requires_grad_(), _bf16(2, 48, 24).requires_grad_()), {}, ALL_OPCHECKS
     yield "fp16 -> fp32", (torch.randn(16, 32).to(F16), torch.randn(32, 8).to(F16)), dict(out_dtype=F32), ALL_OPCHECKS
@@ -367,7 +364,6 @@ def test_opcheck(case):
 
 
 def test_torch_compile_fullgraph_aot_eager():
-    torch.manual_seed(0)
     a, w, g = _bf16(40, 64), _bf16(24, 64), _bf16(24)
 
     def f(a, w, g):
@@ -383,7 +379,6 @@ def test_torch_compile_fullgraph_aot_eager():
 
 @pytest.mark.parametrize("batch", [(), (3,)])
 def test_autograd_matches_torch(batch):
-    torch.manual_seed(0)
     x = _bf16(*batch, 48, 64).requires_grad_()
     w = _bf16(*batch, 32, 64).requires_grad_()
     g = _bf16(*batch, 48, 32)
