@@ -11,7 +11,8 @@ torch's backward fills the table with zeros and then runs two kernels over the s
 
 Bad ids (outside [0, V)) raise a ``ValueError`` naming the first one, read back without stalling
 the GPU (``checks.PendingIndexCheck``); the gather itself reads clamped ids, so no device-side
-assert poisons the CUDA context first.
+assert poisons the CUDA context first. ``coda.embedding_backward`` checks its ids the same way
+(its row ranges would silently drop a bad id's gradient).
 """
 
 from __future__ import annotations
