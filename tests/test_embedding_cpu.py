@@ -109,6 +109,22 @@ def test_backward_ids_outside_the_table_are_refused_on_the_reference_path(bad):
         torch.ops.coda.embedding_backward(torch.randn(2, 5, 8), ids, 10)
 
 
+def test_autograd_backward_does_not_check_the_ids_again(monkeypatch):
+    """The forward checked the saved ids; the backward's own check would read back again."""
+    from coda_cute.ops import embedding as emb
+    made = []
+    real = emb.PendingIndexCheck
+    monkeypatch.setattr(emb, "PendingIndexCheck", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+    w = torch.randn(10, 8, requires_grad=True)
+    ids = torch.randint(0, 10, (2, 5))
+    with coda_cute.reference_on_cpu():
+        torch.ops.coda.embedding(w, ids).sum().backward()
+    assert made == [] and w.grad is not None  # the CPU forward checks with check_index_range
+    with coda_cute.reference_on_cpu():
+        torch.ops.coda.embedding_backward(torch.randn(2, 5, 8), ids, 10)
+    assert made == ["coda.embedding_backward"]
+
+
 def test_cpu_tensors_need_the_reference_mode():
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         torch.ops.coda.embedding(torch.randn(10, 8), torch.tensor([1]))

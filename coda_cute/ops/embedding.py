@@ -82,22 +82,27 @@ def _kernel_applies(grad: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("coda::embedding_backward", mutates_args=())
-def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int = -1) -> torch.Tensor:
-    """dE (num_rows, d) in grad's dtype of ``weight[ids]`` (module docstring); grad ids.shape + (d,)."""
+def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int = -1,
+                       check_ids: bool = True) -> torch.Tensor:
+    """dE (num_rows, d) in grad's dtype of ``weight[ids]`` (module docstring); grad ids.shape + (d,).
+    ``check_ids=False``: the caller has range-checked ``ids`` already (the autograd backward: its
+    forward checked these saved ids, which cannot have changed since)."""
     _check_backward(grad, ids, num_rows, padding_idx)
     # an id outside the table would drop its gradient row silently (the kernel's row ranges
     # never reach it): read back while the backward runs, as the forward does
-    check = PendingIndexCheck(OP_BWD, "ids", ids, num_rows)
+    check = PendingIndexCheck(OP_BWD, "ids", ids, num_rows) if check_ids else None
     if grad.device.type == "cpu":
         dispatch.require_reference(OP_BWD)
         return embedding_backward_ref(grad, ids, num_rows, padding_idx)
     d = grad.shape[-1]
     grad = grad.reshape(-1, d)
     if not _kernel_applies(grad):
-        check.wait()  # before torch's kernel, which does not bound its writes by the table
+        if check is not None:
+            check.wait()  # before torch's kernel, which does not bound its writes by the table
         return torch.ops.aten.embedding_dense_backward(grad, ids.reshape(-1), num_rows, padding_idx, False)
     out = backward_into(torch.empty((num_rows, d), dtype=grad.dtype, device=grad.device), grad, ids, padding_idx)
-    check.wait()
+    if check is not None:
+        check.wait()
     return out
 
 
@@ -125,7 +130,7 @@ def _check_backward(grad, ids, num_rows, padding_idx):
 
 
 @embedding_backward.register_fake
-def _backward_fake(grad, ids, num_rows, padding_idx=-1):
+def _backward_fake(grad, ids, num_rows, padding_idx=-1, check_ids=True):
     _check_backward(grad, ids, num_rows, padding_idx)
     return grad.new_empty((num_rows, grad.shape[-1]))
 
@@ -139,7 +144,9 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     (ids,) = ctx.saved_tensors
     num_rows, padding_idx = ctx.args
-    dw = embedding_backward(grad.contiguous(), ids, num_rows, padding_idx) if ctx.needs_input_grad[0] else None
+    # the forward checked these ids: a second read-back would sync the step's end for nothing
+    dw = (embedding_backward(grad.contiguous(), ids, num_rows, padding_idx, check_ids=False)
+          if ctx.needs_input_grad[0] else None)
     return dw, None, None
 
 
