@@ -40,6 +40,10 @@
 #   perf      the FP8 step (train-fp8), the wave experiment, bench_fp8.py (no profile): the
 #             numbers of a session short of device time, most wanted first (verify perf
 #             verify-more fits one call)
+#   emb       the embedding GPU tests alone (-n 4)
+#   verify-rest  the other GPU tests: the block, training, fold, epilogue, FP8 attention and SoL
+#             ones (12 workers), then the HF integration's (4)
+#   mlp-profile  bench_fp8.py --fast-accum all --profile (the FP8 MLP's kernels against its shadow's)
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
@@ -177,6 +181,21 @@ stage_perf() {
     step perf-mlp-fp8 60 python3 scripts/bench_fp8.py --fast-accum all --rounds 10 --json "$OUT/mlp-fp8.json"
 }
 
+stage_emb() {
+    step emb-tests 120 python3 -m pytest -q -rfE --tb=long -m gpu -n 4 tests/test_embedding_gpu.py
+}
+
+stage_verify_rest() {
+    step verify-rest 300 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_coda_block_gpu.py \
+        tests/test_train_gpu.py tests/test_fold_gpu.py tests/test_epilogue_gpu.py tests/test_attention_fp8_gpu.py \
+        tests/test_sol_gpu.py
+    step verify-hf 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_hf_gpu.py
+}
+
+stage_mlp_profile() {
+    step mlp-profile 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --profile --json "$OUT/mlp-profile.json"
+}
+
 stage_gemm() {
     step gemm-tests 300 python3 -m pytest -q -m gpu -n 6 tests/test_gemm_gpu.py
 }
@@ -207,17 +226,22 @@ for s in "$@"; do
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
-        rope-ncu) stage_rope_ncu ;;
-        waves) stage_waves ;;
-        sinks) stage_sinks ;;
-        gemm) stage_gemm ;;
         verify) stage_verify ;;
         verify-more) stage_verify_more ;;
         perf) stage_perf ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu rope-ncu waves sinks gemm verify verify-more perf)"; exit 2 ;;
+        emb) stage_emb ;;
+        verify-rest) stage_verify_rest ;;
+        mlp-profile) stage_mlp_profile ;;
+        gemm) stage_gemm ;;
+        rope-ncu) stage_rope_ncu ;;
+        waves) stage_waves ;;
+        sinks) stage_sinks ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
     echo "---------------- $name"
     tail -n 25 "$OUT/$name.log"
 done
+# at most 8 files come back from a device call: the logs and JSON go back as one archive
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./*.log ./*.json 2>/dev/null && rm -f ./*.log ./*.json)
