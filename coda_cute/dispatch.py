@@ -195,6 +195,10 @@ _RATES_FP8 = {
     ("pingpong", 64, 128, 2, 1): 817, ("pingpong", 64, 128, 1, 1): 765,
     ("pingpong", 64, 192, 1, 1): 686, ("pingpong", 64, 64, 2, 1): 611,
     ("pingpong", 64, 64, 1, 1): 587,
+    # two-level in 64-row waves (``GemmConfig.promotion_waves``): 0.912 of the picks (median over
+    # the FP8 MLP's six GEMMs, row-wise and block-scaled, in turns; scripts/exp_wave_promotion.py,
+    # 2026-12-05): a wave's promotion waits on its own WGMMAs, so it is never picked here
+    ("cooperative", 256, 128, 2, 1): 1097,
 }
 # The block-scaled kernel's weight-gradient form (both operands 1 x 128 blocks along the tokens,
 # fp32 out): medians over six Llama wgrad shapes (6144, 28672, 4096 x 4096 / 14336 and the 1B-like
@@ -205,6 +209,9 @@ _RATES_FP8 = {
 _RATES_FP8_WGRAD = {
     ("cooperative", 128, 128, 1, 1): 860, ("cooperative", 128, 128, 2, 1): 845,
     ("pingpong", 64, 128, 2, 1): 610, ("pingpong", 64, 128, 1, 1): 589,
+    # in 64-row waves: 1.030-1.033 of the 1x1 pick on the 8B MLP's two weight gradients
+    # (exp_wave_promotion.py, 2026-12-05; the block MLP forward + backward 0.971 of its time)
+    ("cooperative", 256, 128, 2, 1): 887,
 }
 _WGRAD_UNTIMED_SCALE = 845 / 1204
 # FP8 with fast accumulation (the row-wise recipe's GEMMs): sustained throughput at the power cap,
