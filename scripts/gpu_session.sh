@@ -42,7 +42,10 @@
 #             verify-more fits one call)
 #   emb       the embedding GPU tests alone (-n 4)
 #   verify-rest  the other GPU tests: the block, training, fold, epilogue, FP8 attention and SoL
-#             ones (12 workers), then the HF integration's (4)
+#             ones (12 workers)
+#   verify-hf  the HF integration's GPU tests (4 workers)
+#   wgrad-rates  exp_block_scaled.py --wgrad: every block-scaled config on six weight-gradient
+#             shapes (8B- and 1B-like), the rates' check
 #   mlp-profile  bench_fp8.py --fast-accum all --profile (the FP8 MLP's kernels against its shadow's)
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
@@ -186,10 +189,17 @@ stage_emb() {
 }
 
 stage_verify_rest() {
-    step verify-rest 300 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_coda_block_gpu.py \
+    step verify-rest 280 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_coda_block_gpu.py \
         tests/test_train_gpu.py tests/test_fold_gpu.py tests/test_epilogue_gpu.py tests/test_attention_fp8_gpu.py \
         tests/test_sol_gpu.py
+}
+
+stage_verify_hf() {
     step verify-hf 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_hf_gpu.py
+}
+
+stage_wgrad_rates() {
+    step wgrad-rates 180 env CODA_CUTE_CACHE_DIR=0 python3 scripts/exp_block_scaled.py --wgrad --rounds 6
 }
 
 stage_mlp_profile() {
@@ -231,12 +241,14 @@ for s in "$@"; do
         perf) stage_perf ;;
         emb) stage_emb ;;
         verify-rest) stage_verify_rest ;;
+        verify-hf) stage_verify_hf ;;
+        wgrad-rates) stage_wgrad_rates ;;
         mlp-profile) stage_mlp_profile ;;
         gemm) stage_gemm ;;
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
