@@ -131,7 +131,7 @@ stage_mlp_fp8() {
 }
 
 stage_swiglu_fp8() {
-    step swiglu-fp8 300 python3 scripts/exp_swiglu_backward.py --fp8-row-fast --rounds 10
+    step swiglu-fp8 150 python3 scripts/exp_swiglu_backward.py --fp8-row-fast --rounds 6 --configs 4
 }
 
 stage_train() {
