@@ -82,7 +82,6 @@ def ce_args(m, reduction="mean", gamma=True):
 
 
 def cases(m):
-    torch.manual_seed(m)
     f = CFG.ffn_dim
     yield "residual", torch.ops.coda.residual_gemm_norm_stats, (cuda(m, f), cuda(CFG.dim, f, scale=f ** -0.5), cuda(m, CFG.dim))
     yield "swiglu", torch.ops.coda.norm_swiglu, norm_args(m, 2 * CFG.ffn_dim) + (EPS,)
@@ -171,7 +170,6 @@ def _close(got, want, tol, what):
 def test_swiglu_backward_op(m, f):
     """Also at f = 1352, a last column tile that straddles f (128- and 64-wide tiles alike): its
     zdz sums add the columns past f unmasked (``kernels.epilogue.edges``), which must add zero."""
-    torch.manual_seed(m)
     d = CFG.dim
     dy, w_down = cuda(m, d), cuda(d, f, scale=f ** -0.5)
     z = cuda(m, 2 * f)
@@ -186,7 +184,6 @@ def test_swiglu_backward_op(m, f):
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("residual", [False, True])
 def test_norm_backward_op(m, residual):
-    torch.manual_seed(m)
     d, n = CFG.dim, 2 * CFG.ffn_dim
     g, w, y = cuda(m, n, scale=0.1), cuda(n, d, scale=n ** -0.5), cuda(m, d)
     ss = R.norm_stats_partials_ref(y, 128)
@@ -214,7 +211,6 @@ def test_rope_backward_op(qk_norm, qk_eps, w_dtypes, hd):
     """GQA heads, ragged rows, the attention core's own gradient layouts; with QK-norm at a model's
     qk_eps and at one where the Q/K heads' share of zdz is 2 % of it (checked on its own), its
     weights in bf16, fp32 or one of each (their gradients in their dtypes)."""
-    torch.manual_seed(hd)
     b, s, h, hkv = 3, 333, 8, 2
     m, n = b * s, (h + 2 * hkv) * hd
     qkv = cuda(m, n)
@@ -289,7 +285,6 @@ def test_rope_backward_kernel_tunings(qk_norm, hd, tuning, heads, b, s, order):
     contiguous layout, bf16 on the others."""
     from coda_cute.elementwise import rope_backward_kernel
 
-    torch.manual_seed(hd + len(tuning) + s)
     h, hkv = heads
     m, n = b * s, (h + 2 * hkv) * hd
     qkv = cuda(m, n)
@@ -324,8 +319,6 @@ def test_rope_backward_qk_norm_grids(b, s):
     groups; four launches in a row on one stream and one on a second stream, each against
     float64 and its counter back at 0."""
     from coda_cute.elementwise import _arrival_counter, rope_backward_kernel
-
-    torch.manual_seed(s)
     h, hkv, hd = 32, 8, 64
     m, n = b * s, (h + 2 * hkv) * hd
     qkv, pre = cuda(m, n), cuda(m, n)
@@ -365,7 +358,6 @@ def test_rope_backward_without_rows(qk_norm):
 
 
 def test_attention_core_matches_reference():
-    torch.manual_seed(0)
     b, s, h, hkv, hd = 2, 300, 8, 2, 64
     q, k, v = qkv_heads(cuda(b * s, (h + 2 * hkv) * hd), b, h, hkv, hd)
     o, lse, ra, rb = attention_forward(q, k, v)
@@ -386,7 +378,6 @@ def test_attention_core_matches_reference():
 def test_lm_head_train_op(m, reduction, gamma, d, fraction, acc, monkeypatch):
     """The training op's gradients in one chunk and in several, dW accumulated in fp32 and in
     bf16 (the chunk budget set to a fraction of all the logits)."""
-    torch.manual_seed(m)
     v = CFG.vocab_size
     y = cuda(m, d)
     w, ss = cuda(v, d, scale=d ** -0.5), R.norm_stats_partials_ref(y, 128)
@@ -418,7 +409,6 @@ def test_lm_head_train_op_on_confident_and_far_rows():
     kept by the others' share at the target), and rows with a logit 70 or 150 nats above the
     target (past EXP_GUARD: their tiles rescale in the row step), next to ordinary and ignored
     rows; loss, LSE and gradients against float64."""
-    torch.manual_seed(5)
     m, d, v = 1000, 256, CFG.vocab_size
     y = cuda(m, d)
     w, ss = cuda(v, d, scale=d ** -0.5), R.norm_stats_partials_ref(y, 128)
@@ -450,8 +440,6 @@ def test_exp_combine_kernel_matches_the_reference():
     rescaled), confident rows, ignored rows, a target in the ragged last tile; nothing written
     past column V - 1 (NaN-poisoned padding)."""
     from coda_cute.elementwise_lm_head import exp_combine_
-
-    torch.manual_seed(11)
     m, v, d, tile, guard = 1003, 32003, 256, LH.EXP_TILE, LH.EXP_GUARD
     u, w = cuda(m, d), cuda(v, d, scale=3 * d ** -0.5)
     r = torch.rand(m, device="cuda") + 0.5
@@ -498,8 +486,6 @@ def test_target_logits_and_row_finish_kernels_match_their_references():
     """kernels.elementwise.target_logits (clamped targets, ragged M, d 4096) and lm_head_rows
     (dy in place, the wgrad operand) against float64; poisoned outputs."""
     from coda_cute.elementwise_lm_head import lm_head_rows_, target_logits
-
-    torch.manual_seed(12)
     m, d, v = 1003, 4096, 5000
     u, w = cuda(m, d), cuda(v, d, scale=d ** -0.5)
     t = torch.randint(0, v, (m,), device="cuda", dtype=torch.int32)
@@ -622,7 +608,6 @@ def _model_and_batch(cfg, seq=512, bsz=2):
 def test_model_gradients_vs_fp32_reference():
     """Loss and every gradient of the CODA model against the fp32 plain model on the same
     weights: no larger than the plain bf16 model's error (ratios printed with -s)."""
-    torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, n_layers=2, max_seq_len=512)
     sd, model, tokens, targets = _model_and_batch(cfg)
 

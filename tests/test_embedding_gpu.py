@@ -16,11 +16,10 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("padding_idx", [-1, 3])
 def test_backward_kernel_is_the_rounded_sum_and_deterministic(v, d, m, dtype, padding_idx):
-    g = torch.Generator(device="cuda").manual_seed(v + d + m)
-    ids = torch.randint(0, v, (m,), device="cuda", generator=g)
+    ids = torch.randint(0, v, (m,), device="cuda")
     ids[: m // 4] = ids[: m // 4] % 7  # frequent tokens: long ranges
     ids[5] = 3
-    grad = torch.randn(m, d, device="cuda", generator=g).to(dtype)
+    grad = torch.randn(m, d, device="cuda").to(dtype)
     out = backward_into(torch.full((v, d), float("nan"), dtype=dtype, device="cuda"), grad, ids, padding_idx)
     again = torch.ops.coda.embedding_backward(grad, ids, v, padding_idx)
     assert out.dtype == dtype and out.shape == (v, d) and torch.equal(out, again)
@@ -82,7 +81,6 @@ def test_model_forward_raises_for_bad_tokens_and_targets_at_its_end(monkeypatch)
     from coda_cute.nn.llama import CodaLlama, LlamaConfig
     from coda_cute.ops import checks
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=1000, head_dim=64)
     model = CodaLlama(cfg, device="cuda")
     tokens = torch.randint(0, 1000, (2, 128), device="cuda")
