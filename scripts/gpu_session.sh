@@ -43,6 +43,7 @@
 #   emb       the embedding GPU tests alone (-n 4)
 #   verify-rest  the other GPU tests: the block, training, fold, epilogue, FP8 attention and SoL
 #             ones (12 workers)
+#   verify-lm-head  the LM head's, the block's and the model's tests of test_coda_block_gpu (6 workers)
 #   verify-hf  the HF integration's GPU tests (4 workers)
 #   wgrad-rates  exp_block_scaled.py --wgrad: every block-scaled config on six weight-gradient
 #             shapes (8B- and 1B-like), the rates' check
@@ -194,6 +195,11 @@ stage_verify_rest() {
         tests/test_sol_gpu.py
 }
 
+stage_verify_lm_head() {
+    step verify-lm-head 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py \
+        -k "lm_head or model_gradients or plain_llama_block or lse_combine"
+}
+
 stage_verify_hf() {
     step verify-hf 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_hf_gpu.py
 }
@@ -241,6 +247,7 @@ for s in "$@"; do
         perf) stage_perf ;;
         emb) stage_emb ;;
         verify-rest) stage_verify_rest ;;
+        verify-lm-head) stage_verify_lm_head ;;
         verify-hf) stage_verify_hf ;;
         wgrad-rates) stage_wgrad_rates ;;
         mlp-profile) stage_mlp_profile ;;
@@ -248,7 +255,7 @@ for s in "$@"; do
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
@@ -256,4 +263,4 @@ for name in "${LOGS[@]}"; do
     tail -n 25 "$OUT/$name.log"
 done
 # at most 8 files come back from a device call: the logs and JSON go back as one archive
-(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./*.log ./*.json 2>/dev/null && rm -f ./*.log ./*.json)
+(cd "$OUT" && files=$(ls ./*.log ./*.json 2>/dev/null) && tar czf logs.tgz $files && rm -f $files)

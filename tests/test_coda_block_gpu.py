@@ -7,10 +7,10 @@ recomputed from y: the ops' convention); the LM head's memory; the block's and t
 gradients against an fp32 plain Llama, with the fused path's error no larger than the plain
 bf16 path's (run with -s to see the ratios); determinism; no fp32 GEMM operands in a step.
 
-Every test starts on a poisoned allocator (``poisoned_cache``): the CUDA caching allocator's free
-memory is filled with NaN, so an op output that a kernel leaves partly unwritten (a missed tile
-of a ragged edge, a skipped chunk) is NaN and fails its comparison, instead of holding a value a
-previous test left there.
+Every test but the two of the deterministic flag allocates poisoned memory (``conftest``'s
+``poisoned_allocations``: each uninitialized allocation is filled with NaN), so an op output
+that a kernel leaves partly unwritten (a missed tile of a ragged edge, a skipped chunk) is NaN
+and fails its comparison, instead of holding a value a previous test left there.
 """
 
 import dataclasses
@@ -36,22 +36,6 @@ CFG = LlamaConfig(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=2816, v
                   rope_theta=500000.0, max_seq_len=4096)
 MS = [1000, 4133]
 EPS = CFG.norm_eps
-
-
-#: bytes of NaN the allocator's cache holds at the start of each test: one large segment, and
-#: small-pool segments (allocations up to 1 MiB come from 2 MiB segments of their own)
-POISON_BYTES, POISON_SMALL = 6 << 30, 256
-
-
-@pytest.fixture(autouse=True)
-def poisoned_cache():
-    """Fill the caching allocator's free memory with NaN: outputs the ops allocate (torch.empty)
-    are carved out of it."""
-    torch.cuda.empty_cache()
-    torch.full((POISON_BYTES // 2,), float("nan"), dtype=BF16, device="cuda")
-    small = [torch.full(((1 << 20) // 2,), float("nan"), dtype=BF16, device="cuda") for _ in range(POISON_SMALL)]
-    del small
-    yield
 
 
 def cuda(*shape, dtype=BF16, scale=1.0):
