@@ -210,7 +210,9 @@ _RATES_FP8_WGRAD = {
     ("cooperative", 128, 128, 1, 1): 860, ("cooperative", 128, 128, 2, 1): 845,
     ("pingpong", 64, 128, 2, 1): 610, ("pingpong", 64, 128, 1, 1): 589,
     # in 64-row waves: 1.030-1.033 of the 1x1 pick on the 8B MLP's two weight gradients
-    # (exp_wave_promotion.py, 2026-12-05; the block MLP forward + backward 0.971 of its time)
+    # (exp_wave_promotion.py, 2026-12-05; the block MLP forward + backward 0.971 of its time).
+    # Checked on the six shapes above (exp_block_scaled.py --wgrad): with this rate the pick is
+    # the fastest config on each, in waves on five (1.006-1.029 of the 1x1), not on 3072 x 2048
     ("cooperative", 256, 128, 2, 1): 887,
 }
 _WGRAD_UNTIMED_SCALE = 845 / 1204
