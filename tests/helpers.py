@@ -19,6 +19,30 @@ def loss_and_grads(model, ids, labels, **kw):
     return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
+def autograd_tensors() -> dict:
+    """{id: description} of the tensors that hold an autograd graph (a ``grad_fn``), after a
+    garbage collection. A test compares the sets before and after a step: none should be new
+    after its backward. A graph kept alive keeps its saved activations and its parameters'
+    AccumulateGrad nodes, which keep the stream they were made on (torch >= 2.10 then syncs the
+    next backward with that stream: a CUDA-graph capture after an eager step on the default
+    stream fails)."""
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on deprecated torch module attributes warns
+        warnings.simplefilter("ignore")
+        return {id(o): f"{tuple(o.shape)} {o.dtype} {o.device} {type(o.grad_fn).__name__}"
+                for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+
+
+def graphs_left_by(step) -> list:
+    """The descriptions of the graph-holding tensors that ``step()`` left alive."""
+    before = autograd_tensors()
+    step()
+    return [d for i, d in autograd_tensors().items() if i not in before]
+
+
 def flat_grads(grads: dict, names) -> torch.Tensor:
     """All of ``names``' gradients as one vector (the error over every gradient together)."""
     return torch.cat([grads[n].flatten() for n in names])

@@ -17,7 +17,7 @@ import torch
 import coda_cute
 from coda_cute.nn import apply_coda
 from coda_cute.precision import Fp8Recipe
-from helpers import flat_grads, loss_and_grads, rel_err
+from helpers import flat_grads, graphs_left_by, loss_and_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,6 +86,18 @@ def test_patched_model_matches_fp32_hf_no_worse_than_bf16_hf(name):
     assert rel_err(flat_grads(got, want), flat_grads(want, want)) <= 1.1 * rel_err(flat_grads(base, want), flat_grads(want, want))
     print(f"{name}: gradient error / bf16 HF's: max {max(ratios.values()):.2f}, "
           f"median {sorted(ratios.values())[len(ratios) // 2]:.2f}")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_an_eager_step_leaves_no_graph_alive(name):
+    """After the patched model's forward + backward no tensor holds an autograd graph (nothing
+    the ops or the patch cache keeps one alive): the activations are freed, and a CUDA graph
+    captured after an eager step does not inherit its AccumulateGrad nodes' stream."""
+    _, _, coda = models(name)
+    apply_coda(coda)
+    ids, labels = batch()
+    with coda_cute.reference_on_cpu():
+        assert not graphs_left_by(lambda: loss_and_grads(coda, ids, labels))
 
 
 def test_rope_frequencies_stay_fp32_and_follow_llama3_scaling():

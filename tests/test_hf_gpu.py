@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coda_cute.nn import apply_coda
-from helpers import flat_grads, loss_and_grads, rel_err
+from helpers import flat_grads, graphs_left_by, loss_and_grads, rel_err
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
@@ -128,8 +128,11 @@ def test_training_step_replays_from_a_cuda_graph():
     ids_b = torch.randint(0, vocab, ids_a.shape, device="cuda")
     labels_b = ids_b.clone()
     labels_b[:, :5] = -100
-    want_loss, want = loss_and_grads(coda, ids_b, labels_b)
-    want = {n: g.clone() for n, g in want.items()}
+    eager = []
+    # a graph the eager step left alive would sync the captured backward with the default stream
+    live = graphs_left_by(lambda: eager.append(loss_and_grads(coda, ids_b, labels_b)))
+    assert not live, f"tensors holding an autograd graph after the eager step: {live[:8]}"
+    want_loss, want = eager[0][0], {n: g.clone() for n, g in eager[0][1].items()}
     static_ids, static_labels = ids_a.clone(), labels_a.clone()
 
     def step():
