@@ -36,7 +36,7 @@
 #             accumulation: bench_fp8.py --once)
 #   verify    one pass of the GPU tests of the GEMMs, the FP8 ops, the epilogue sinks, the
 #             embedding and the CE gradient (12 workers)
-#   verify-more  the LM head's bf16 tests, memcheck of sanitize_fp8.py
+#   verify-more  verify-lm-head's tests, memcheck of sanitize_fp8.py
 #   perf      the FP8 step (train-fp8), the wave experiment, bench_fp8.py (no profile): the
 #             numbers of a session short of device time, most wanted first (verify perf
 #             verify-more fits one call)
@@ -173,7 +173,7 @@ stage_verify() {
 }
 
 stage_verify_more() {
-    step verify-lm-head 60 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py -k lm_head
+    stage_verify_lm_head
     step verify-memcheck 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
 }

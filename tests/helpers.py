@@ -24,8 +24,8 @@ def autograd_tensors() -> dict:
     garbage collection. A test compares the sets before and after a step: none should be new
     after its backward. A graph kept alive keeps its saved activations and its parameters'
     AccumulateGrad nodes, which keep the stream they were made on (torch >= 2.10 then syncs the
-    next backward with that stream: a CUDA-graph capture after an eager step on the default
-    stream fails)."""
+    next backward with that stream, which torch warns can break a CUDA-graph capture after an
+    eager step on the default stream)."""
     import gc
     import warnings
 
