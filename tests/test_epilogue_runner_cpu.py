@@ -214,6 +214,31 @@ def test_preallocated_outputs(hopper):
         E.run(HOST_TREE, a, b, ins, outputs={"out": torch.empty(HM, HN + 3, dtype=BF16)[:, :HN]})
 
 
+
+def test_a_cached_plan_keeps_no_callers_frame_alive(hopper):
+    """A plan for an output TMA cannot write densely (its rows miss 16-byte boundaries) keeps
+    the reason as a message: an exception kept there held its traceback, whose frames held their
+    callers', so the first call's caller (a model's first forward, its activations and, through
+    them, its autograd graph) stayed alive as long as the plan (on the H200 that broke a CUDA-graph
+    capture after an eager step)."""
+    import gc
+    import weakref
+
+    tree, n = E.Epilogue(E.store(E.acc(), "out")), HN - 3  # 61 bf16 per row: no dense TMA store
+    a, b = _bf16(HM, HK), _bf16(n, HK).t()
+
+    def first_forward():
+        activations = torch.ones(4)
+        out = torch.empty(HM, n + 3, dtype=BF16)[:, :n]  # a padded output, so the launch runs
+        E.run(tree, a, b, {}, outputs={"out": out})
+        return weakref.ref(activations)
+
+    alive = first_forward()
+    gc.collect()
+    assert len(run_mod._plans) == 1 and len(hopper.launches) == 1 and alive() is None
+    with pytest.raises(ValueError, match=r"out's strides must be multiples of 16 bytes"):
+        E.run(tree, a, b, {})  # without the padded output: the plan's message
+
 # -- op registration ----------------------------------------------------------------------------------
 def unique(prefix):
     return f"{prefix}_{uuid.uuid4().hex[:8]}"

@@ -212,8 +212,8 @@ class Plan:
         for name, shape, dtype, fill, view, kind in self.out_allocs:
             t = outputs.get(name) if outputs else None
             if t is None:
-                if isinstance(view, ValueError):
-                    raise view
+                if isinstance(view, str):
+                    raise ValueError(view)
                 t = (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=self.device)
                 out_args.append(_words(t, kind).as_strided(*view))
             else:
@@ -271,7 +271,7 @@ def _given_output(t, name, shape, dtype, view, kind, op):
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise ValueError(f"{op}: {name} must be a {dtype} tensor of shape {shape}, got "
                          f"{t.dtype} {tuple(t.shape)}")
-    if t.is_contiguous() and not isinstance(view, ValueError):
+    if t.is_contiguous() and not isinstance(view, str):
         return _words(t, kind).as_strided(*view)
     if kind not in ("store", "wide", "quantize", "quantize_t") or t.stride(-1) != 1:
         raise ValueError(f"{op}: {name} must be contiguous" + ("" if kind not in ("store", "wide", "quantize", "quantize_t")
@@ -457,8 +457,8 @@ def check_launch(tree, a, b, inputs, op, config=None, block_scales=None, b_rows=
         view = _out_view(name, shape, dtype, kind, op)
         if name in given:
             _given_output(given[name], name, shape, dtype, view, kind, op)
-        elif isinstance(view, ValueError):  # what the launch raises without a padded output
-            raise view
+        elif isinstance(view, str):  # what the launch raises without a padded output
+            raise ValueError(view)
     return m, n, k, batch, fp8, config
 
 
@@ -685,7 +685,11 @@ def _dims(kind: str) -> tuple:
 
 def _out_view(name, shape, dtype, kind, op):
     """(shape, strides) of the kernel's view of a dense output; for a store TMA cannot write
-    densely, the ValueError saying why (raised at launch unless a padded output is given)."""
+    densely, the message of the ValueError saying why (raised at launch unless a padded output
+    is given). A message, not the exception: a cached plan holding the exception would hold its
+    traceback, whose frames hold their callers' (the first step's model forward and its
+    activations, and with them the parameters' AccumulateGrad nodes: a CUDA-graph capture after
+    an eager step then synced with the default stream and failed)."""
     meta = torch.empty(shape, dtype=dtype, device="meta")
     if kind in ("store", "wide", "quantize", "quantize_t"):
         v = mn_view(_words(meta, kind))
@@ -693,7 +697,7 @@ def _out_view(name, shape, dtype, kind, op):
             try:
                 v = tma_view(v, name, True, _dims(kind), op)
             except ValueError as e:
-                return e
+                return str(e)
     elif kind == "gather":
         v = (meta.unsqueeze(0) if meta.dim() == 1 else meta).t()
     else:  # partials (L?, rows, tiles) -> (rows, tiles, L)
