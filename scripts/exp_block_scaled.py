@@ -25,7 +25,8 @@ The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llam
 shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
 our quantizers lay them out (``precision.block_scales_m_major``, which its kernel reads in place), against cuBLAS
 bf16 on the same product, our row-wise FP8 GEMM and torch's block-wise 1x128 x 128x1 (the kernel
-torchao's block-wise training uses for dW; bf16 out) where torch takes it, and every other
+torchao's block-wise training uses for dW; bf16 out) where torch takes it, the pick with bf16 out
+(as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages]
@@ -110,12 +111,12 @@ def one_buffer_plan(tree, a, b, config, scales, b_rows=False):
 
 def wgrad(console, rounds, stages=False):
     """The weight-gradient form's variants (module docstring), TFLOP/s."""
-    tree = gemm_tree("none", "none", "float32")
+    tree, tree16 = gemm_tree("none", "none", "float32"), gemm_tree("none", "none", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     names = list(VARIANTS) + (["paired 64x1"] if stages else [])
     table = Table(title="block-scaled FP8 weight-gradient form (E4M3, 1x128 x 1x128 along the tokens, fp32 out), TFLOP/s")
     for col in ["N_out x N_in x tokens", "config", "cuBLAS bf16", "ours row", "torch block", *names, "best / bf16",
-                "best / torch block"]:
+                "best / torch block", "pick bf16 out", "bf16 out / torch block"]:
         table.add_column(col, justify="right")
     for m, n, k in WGRAD_SHAPES:
         dy, x = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
@@ -150,6 +151,13 @@ def wgrad(console, rounds, stages=False):
             fns[c.name] = lambda c=c: E.run(tree, a_q, b_q.t(), {}, config=c, block_scales=scales, b_block="1x128")
             err = (fns[c.name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {c.name}: rel err {float(err):.2e} (first 256 rows)")
+        # the pick with bf16 out, as the FP8 MLP's weight gradients and torch's block-wise kernel
+        # write them (fp32 out writes twice the bytes): the like-for-like comparison
+        base16 = runner.choose_config(tree16, m, n, k, 1, True, False, sms, True, True)
+        fns["pick bf16 out"] = lambda: E.run(tree16, a_q, b_q.t(), {}, config=base16, block_scales=scales,
+                                             b_block="1x128")
+        err = (fns["pick bf16 out"]()["out"][:256].double() - want).norm() / want.norm()
+        console.log(f"wgrad {m}x{n}x{k} pick bf16 out: config {base16.name}, rel err {float(err):.2e} (first 256 rows)")
         if stages:
             plan, n_stages = one_buffer_plan(tree, a_q, b_q.t(), base, scales, True)
             fns["paired 64x1"] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
@@ -163,7 +171,8 @@ def wgrad(console, rounds, stages=False):
             f"{c.name} {tf[c.name]:.0f}" for c in others if c.name in tf) + f"; {base.name} (pick) {tf['paired']:.0f}")
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['cuBLAS bf16']:.0f}", f"{tf['ours row']:.0f}",
                       "-" if tb_tf is None else f"{tb_tf:.0f}", *(f"{tf[name]:.0f}" for name in names),
-                      f"{best / tf['cuBLAS bf16']:.3f}", "-" if tb_tf is None else f"{best / tb_tf:.3f}")
+                      f"{best / tf['cuBLAS bf16']:.3f}", "-" if tb_tf is None else f"{best / tb_tf:.3f}",
+                      f"{tf['pick bf16 out']:.0f}", "-" if tb_tf is None else f"{tf['pick bf16 out'] / tb_tf:.3f}")
     console.print(table)
 
 

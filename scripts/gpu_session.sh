@@ -46,7 +46,8 @@
 #   verify-lm-head  the LM head's, the block's and the model's tests of test_coda_block_gpu (6 workers)
 #   verify-hf  the HF integration's GPU tests (4 workers)
 #   wgrad-rates  exp_block_scaled.py --wgrad: every block-scaled config on six weight-gradient
-#             shapes (8B- and 1B-like), the rates' check
+#             shapes (8B- and 1B-like), the rates' check, and the pick with bf16 out against
+#             torch's block-wise kernel (bf16 out too)
 #   mlp-profile  bench_fp8.py --fast-accum all --profile (the FP8 MLP's kernels against its shadow's)
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
@@ -205,7 +206,7 @@ stage_verify_hf() {
 }
 
 stage_wgrad_rates() {
-    step wgrad-rates 180 env CODA_CUTE_CACHE_DIR=0 python3 scripts/exp_block_scaled.py --wgrad --rounds 6
+    step wgrad-rates 230 env CODA_CUTE_CACHE_DIR=0 python3 scripts/exp_block_scaled.py --wgrad --rounds 6
 }
 
 stage_mlp_profile() {

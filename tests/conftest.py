@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import helpers
+
 # The repository's top-level kernels/ folder is installed as coda_cute.kernels, but with the root on
 # sys.path (`python -m pytest` run from it) it is importable as plain `kernels` and shadows Hugging
 # Face's `kernels` distribution, which transformers >= 5.25 depends on and imports. Keep the root off
@@ -57,12 +59,13 @@ _SEED = os.environ.get("CODA_TEST_SEED")
 
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
-    """Every test draws fresh random inputs: torch's and Python's global generators are seeded
-    from the OS before each test (``CODA_TEST_SEED`` pins it), and a failure's report names the
-    seed to rerun it with."""
+    """Every test draws fresh random inputs: torch's and Python's global generators, and the
+    tests' own (``helpers.generator``), are seeded from the OS before each test
+    (``CODA_TEST_SEED`` pins it), and a failure's report names the seed to rerun it with."""
     seed = int(_SEED) if _SEED is not None else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     random.seed(seed)
+    helpers.set_test_seed(seed)  # the tests' own generators (helpers.generator) derive from it
     request.node.coda_seed = seed
     yield
 

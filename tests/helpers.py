@@ -2,6 +2,20 @@
 
 import torch
 
+#: the running test's seed: conftest's ``fresh_seed`` draws it before each test (CODA_TEST_SEED pins it)
+_TEST_SEED = [0]
+
+
+def set_test_seed(seed: int) -> None:
+    _TEST_SEED[0] = seed
+
+
+def generator(stream: int = 0) -> torch.Generator:
+    """A CPU generator for a test's random inputs: fresh in every run (seeded from the test's
+    seed), and the same for the same ``stream`` within one test, so that two calls can draw
+    identical inputs (two paths fed the same data)."""
+    return torch.Generator().manual_seed((_TEST_SEED[0] * 1_000_003 + stream) % 2**63)
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN/Inf anywhere in ``out`` counts as failure."""

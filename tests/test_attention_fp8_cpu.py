@@ -13,14 +13,14 @@ from coda_cute.epilogue.runner import choose_config, spills
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.ops.fp8_gemms import row_scaled
 from coda_cute.ops.qkv import norm_rope_qkv_tree
-from helpers import on_path, rel_err
+from helpers import generator, on_path, rel_err
 
 B, S, D, H, HKV, HD = 2, 48, 128, 4, 2, 32
 EPS = 1e-5
 
 
 def _args(seed, qk_norm=False, d=D, h=H, hkv=HKV, hd=HD):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(B, S, d, generator=g).bfloat16()
     w_qkv = (torch.randn((h + 2 * hkv) * hd, d, generator=g) * d ** -0.5).bfloat16()
     w_o = (torch.randn(d, h * hd, generator=g) * (h * hd) ** -0.5).bfloat16()
@@ -64,7 +64,7 @@ RECIPES = pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 def test_output_and_gradients_next_to_the_bf16_op(qk_norm, row):
     args = _args(1, qk_norm)
-    dy = torch.randn(B, S, D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    dy = torch.randn(B, S, D, generator=generator(2)).bfloat16()
     exact = _exact(args, dy)
     fp8 = _run(torch.ops.coda.attention_block_fp8, args, dy, row_scaling=row)
     bf16 = _run(torch.ops.coda.attention_block, args, dy)

@@ -19,7 +19,7 @@ from coda_cute.ops import lm_head_ce as LH
 from coda_cute.ops.attention import qkv_heads
 from coda_cute.ops.swiglu import zdz_tile_n
 from coda_block_helpers import rand
-from helpers import rel_err
+from helpers import generator, rel_err
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 B, S, H, HKV, HD, D, FF, V, EPS = 2, 19, 4, 2, 16, 64, 48, 50, 1e-5
@@ -36,7 +36,7 @@ def stats(y):
 def grads(fn, args, idx, cot=None):
     args = [a.detach().clone().requires_grad_() if i in idx else a for i, a in enumerate(args)]
     out = fn(*args)
-    cot = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3)) if cot is None else cot
+    cot = torch.randn(out.shape, dtype=out.dtype, generator=generator(3)) if cot is None else cot
     return out.detach(), cot, torch.autograd.grad((out * cot).sum(), [args[i] for i in idx])
 
 

@@ -17,7 +17,7 @@ from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
-from helpers import on_path, rel_err
+from helpers import generator, on_path, rel_err
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -79,7 +79,7 @@ def test_block_scaled_refuses_configs_it_cannot_scale(cfg, why):
 
 # -- the op: coda.gemm_blockwise --------------------------------------------------------------------
 def quantized(m, n, k, a_dtype=torch.float8_e4m3fn, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=g).float())
     b = torch.randn(n, k, generator=g)
     a_q, sa = R.quantize_blocks_ref(a, (1, 128), a_dtype)
@@ -210,7 +210,7 @@ def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch
 
 
 def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():
-    g = torch.Generator().manual_seed(5)
+    g = generator(5)
     dy_t = torch.randn(136, 400, generator=g)  # (N_out, tokens): a gradient transposed
     x_t = torch.randn(200, 400, generator=g) * torch.exp2(torch.randint(-4, 4, (200, 1), generator=g).float())
     a_q, sa = R.quantize_blocks_ref(dy_t, (1, 128))
@@ -245,7 +245,7 @@ def _blockwise_opcheck_cases():
     yield pytest.param((a_q, sa.t().contiguous().t(), b_q, sb), dict(out_dtype=torch.float32), id="M-major scales fp32")
     a5, sa5, _, _ = quantized(100, 200, 400, torch.float8_e5m2, seed=1)
     yield pytest.param((a5, sa5, b_q, sb), dict(out_dtype=torch.float16), id="dgrad e5m2 fp16")
-    g = torch.Generator().manual_seed(6)
+    g = generator(6)
     a_w, sa_w = R.quantize_blocks_ref(torch.randn(136, 400, generator=g), (1, 128))
     b_w, sb_w = R.quantize_blocks_ref(torch.randn(200, 400, generator=g), (1, 128))
     yield pytest.param((a_w, sa_w, b_w, sb_w), dict(out_dtype=torch.float32, b_block="1x128"), id="wgrad 1x128")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from coda_cute.artifacts import disassemble, find_nvdisasm
 from coda_cute.elementwise import CrossEntropyGradSpec, compile_elementwise
 from coda_cute.kernels.elementwise import ce_grad
+from helpers import generator
 
 
 def ce_grad_reference(logits, lse, rstd, coef, targets, target_logit, chunk: int = ce_grad.CHUNK):
@@ -46,7 +47,7 @@ def _problem(m: int, v: int, seed: int, chunk: int):
     """Random fp32 logits stored in bf16 with their fp32 lse, ~1/4 of the rows ignored (target -100,
     coef 0, lse NaN), row 0's target the last column and row 1's the first column of the last
     chunk; each row's target logit in fp32 (the logits GEMM's gather, before the rounding)."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     exact = 3 * torch.randn(m, v, generator=g)
     logits = exact.to(torch.bfloat16)
     lse = torch.logsumexp(exact, dim=1)

@@ -30,7 +30,7 @@ from coda_cute.ops import swiglu as SW
 from coda_cute.ops.rmsnorm import norm_inputs
 from coda_cute.precision import Fp8Recipe
 from coda_block_helpers import block_errors, hf_block, model_state_dict, plain_model_loss, print_ratios, rand
-from helpers import rel_err
+from helpers import generator, rel_err
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 H, HKV, HD, D, EPS, QK_EPS = 4, 2, 16, 64, 1e-5, 1e-6
@@ -245,7 +245,7 @@ def autograd_of(ref, args, grad_idx, cots=None):
         args[i] = args[i].detach().clone().requires_grad_()
     out = ref(*args)
     out = out if isinstance(out, tuple) else (out,)
-    gen = torch.Generator().manual_seed(1)
+    gen = generator(1)
     if cots is None:
         cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in out]
     cots = [c.to(o.dtype) for c, o in zip(cots, out)]

@@ -12,15 +12,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import coda_cute
-from coda_cute.ops import eager, mlp
+from coda_cute.ops import attention, eager, mlp, mlp_fp8
 from coda_cute.ops.lm_head_ce import lm_head_ce_dw_
+from helpers import generator
 
 BF16, F32 = torch.bfloat16, torch.float32
 EPS = 1e-5
 
 
 def mlp_args(dtype=BF16, m=40, d=64, f=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     y = torch.randn(m, d, generator=g).to(dtype).requires_grad_()
     ss = y.detach().float().square().sum(-1, keepdim=True)
     w_gu = (0.1 * torch.randn(2 * f, d, generator=g)).to(dtype).requires_grad_()
@@ -32,7 +33,7 @@ def run(fn, args, autocast=False):
     with coda_cute.reference_on_cpu():
         with torch.autocast("cpu", dtype=BF16, enabled=autocast):
             y2, ss2, z = fn(*args, EPS)
-        g = torch.Generator().manual_seed(1)
+        g = generator(1)
         (y2.float() * torch.randn(y2.shape, generator=g)).sum().backward()
     grads = [a.grad.clone() for a in args if a.requires_grad]
     for a in args:
@@ -65,6 +66,28 @@ def test_keywords_defaults_and_bad_arguments():
         with pytest.raises(ValueError, match="eps"):  # the op's own checks still run
             mlp.mlp_block(y, ss, w_gu, w_down, -1.0)
 
+
+
+@pytest.mark.parametrize("path", ["cpu", "fake", "compile"])
+def test_a_bool_for_a_number_is_refused_on_every_path(path):
+    """torch's argument parser reads True as 1 for a float or int argument (eps=True ran as eps
+    1.0, n_heads=True as one head): a direct call refuses it by name on the reference path, the
+    fake one and under torch.compile alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    y, ss, w_gu, w_down = (t.detach() for t in mlp_args())
+    call = lambda: mlp.mlp_block(y, ss, w_gu, w_down, eps=True)  # noqa: E731
+    if path == "compile":
+        torch._dynamo.reset()
+        call = torch.compile(call, backend="aot_eager", fullgraph=True)
+    with coda_cute.reference_on_cpu(), (FakeTensorMode(allow_non_fake_inputs=True) if path == "fake"
+                                         else torch.autograd.grad_mode.no_grad()):
+        with pytest.raises(Exception, match=r"coda::mlp_block: eps must be a number, got the bool True"):
+            call()
+    # the numbers are read from the schema: floats and ints, not the bool flags
+    assert [n for _, n in mlp.mlp_block.numbers] == ["eps"]
+    assert [n for _, n in attention.attention_block.numbers] == ["eps", "n_heads", "n_kv_heads", "head_dim", "qk_eps"]
+    assert [n for _, n in mlp_fp8.mlp_block_fp8.numbers] == ["eps"]
 
 class Recorder(TorchDispatchMode):
     def __init__(self):
@@ -136,7 +159,7 @@ def test_fp8_helpers_called_between_gemms_are_direct():
 
     assert all(isinstance(f, eager.DirectOp) for f in (quantize.quantize_fp8, quantize.quantize_fp8_dual,
                                                           gemm_blockwise.gemm_blockwise))
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     x, w = torch.randn(64, 256, generator=g).to(BF16), torch.randn(128, 256, generator=g).to(BF16)
     with coda_cute.reference_on_cpu():
         xq = quantize.quantize_fp8(x)

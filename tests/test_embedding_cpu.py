@@ -12,13 +12,13 @@ import coda_cute
 from coda_cute.compiler import compile_elementwise, spill_bytes
 from coda_cute.elementwise import EmbeddingBackwardSpec
 from coda_cute.reference import embedding_backward_ref
-from helpers import on_path
+from helpers import generator, on_path
 
 
 def ids_with_repeats(v, shape, seed):
     """Token ids over a small part of the table, so rows repeat (as frequent tokens do) and many
     rows stay unused."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     return torch.randint(0, v // 4, shape, generator=g) * 3 % v
 
 

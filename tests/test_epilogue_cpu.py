@@ -15,6 +15,7 @@ from coda_cute.artifacts import scan_ptx
 from coda_cute.compiler import KernelSpec, compile_gemm
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue import nodes as N
+from helpers import generator
 
 BF16, F16, F32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
 COOP = GemmConfig(128, 256, 64, "cooperative", 2, 1)
@@ -651,7 +652,7 @@ def _swiglu_backward_mismatches(tree, m, f, tile_n, seed=0):
     from coda_cute import reference as R
     from coda_cute.ops.rmsnorm import norm_inputs
 
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     d, eps = 96, 1e-5
     dy = torch.randn(m, d, generator=g).to(BF16)
     w_down = (torch.randn(d, f, generator=g) * d ** -0.5).to(BF16)

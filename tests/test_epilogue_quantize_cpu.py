@@ -17,7 +17,7 @@ from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.epilogue.runner import ranked_configs
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.reference import quantize_blocks_ref
-from helpers import on_path
+from helpers import generator, on_path
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -29,7 +29,7 @@ def _tree(dtype="float8_e4m3fn", pow2=False):
 
 
 def _operands(m, n, k, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     a = torch.randn(m, k, generator=g).bfloat16()
     b = (torch.randn(k, n, generator=g) / k ** 0.5).bfloat16()
     inputs = {"c": torch.rand(n, generator=g) + 0.5, "res": torch.randn(m, n, generator=g).bfloat16()}

@@ -23,6 +23,7 @@ from coda_cute import reference as R
 from coda_cute.elementwise import compile_elementwise
 from coda_cute.elementwise_lm_head import ExpCombineSpec, LmHeadRowsSpec, TargetLogitsSpec
 from coda_cute.ops import lm_head_ce as LH
+from helpers import generator
 
 TILE, GUARD = LH.EXP_TILE, LH.EXP_GUARD
 
@@ -33,7 +34,7 @@ def _problem(m: int, v: int, seed: int, d: int = 64):
     70 nats above the target (past EXP_GUARD: their tiles rescale, their K recovered from u and
     w), row 5's target in the ragged last tile, every seventh row ignored. A logit is set by a
     weight row along u_m."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     bf16 = torch.bfloat16
     u = torch.randn(m, d, generator=g).to(bf16)
     w = (3 * d ** -0.5 * torch.randn(v, d, generator=g)).to(bf16)
@@ -83,8 +84,10 @@ def test_exp_form_is_softmax_minus_onehot(m, v):
             assert (got[i] - want[i]).norm() <= 4e-3 * want[i].norm(), i
         else:
             assert rs[i] == 0
-    # sum_v dl = 0 to the bf16 rounding of the target's entry
-    assert ((got.sum(1)).abs() <= 2 ** -8 * got.abs().amax(1))[valid].all()
+    # sum_v dl = 0 to the bf16 rounding of the entries: each is off by at most 2^-8 of itself
+    # (the old bound, 2^-8 of the largest entry, about half of this, held on its fixed seed and
+    # failed on ~40 % of fresh ones; the worst of 300 seeds reached 0.91 of this one)
+    assert ((got.sum(1)).abs() <= 2 ** -8 * got.abs().sum(1))[valid].all()
     torch.testing.assert_close(lse.double(), torch.logsumexp(l64, -1), rtol=0, atol=1e-4)
     # the target's entry is the others' share: 1 - p_t kept on the certain row
     p_t = torch.softmax(l64[2], -1)[t[2]]

@@ -16,10 +16,11 @@ from coda_cute.elementwise import ScaleColumnsSpec, compile_elementwise
 from coda_cute.nn import CodaLlama, LlamaConfig
 from coda_cute.nn.fold import FoldCache
 from coda_cute.ops.fold import fold_gamma_impl
+from helpers import generator
 
 
 def _params(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     w = torch.randn(24, 16, generator=g).requires_grad_()
     gamma = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_()
     return w, gamma
@@ -147,7 +148,7 @@ def test_fold_kernel_builds_with_16_byte_accesses_and_no_spills(dtype):
 
 
 def test_fold_op_on_cpu_matches_torch_and_passes_opcheck():
-    g = torch.Generator().manual_seed(3)
+    g = generator(3)
     w = torch.randn(19, 24, generator=g).to(torch.bfloat16)
     gamma = (1 + 0.1 * torch.randn(24, generator=g)).to(torch.bfloat16)
     torch.testing.assert_close(torch.ops.coda.fold_gamma(w, gamma), w * gamma, rtol=0, atol=0)
@@ -193,7 +194,7 @@ FOLD_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor",
 def _fold_backward_cases():
     """(dW', W, gamma): dW' in W' = W * gamma's dtype (the promoted one), as the fold's backward
     receives it."""
-    g = torch.Generator().manual_seed(7)
+    g = generator(7)
     w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
     gamma = (1 + 0.1 * torch.randn(40, generator=g)).to(torch.bfloat16)
     dw = torch.randn(24, 40, generator=g)
@@ -253,7 +254,7 @@ def test_scale_kernel_builds_with_16_byte_accesses_and_no_spills(in_dtype):
 def test_scale_op_on_cpu_rounds_the_fp32_product_once_and_passes_opcheck():
     from coda_cute.ops.fold import scale
 
-    g = torch.Generator().manual_seed(4)
+    g = generator(4)
     x = torch.randn(3, 5, 24, generator=g).to(torch.bfloat16)
     s = torch.tensor(1 / 3)  # not a bf16 number: the factor must stay fp32
     torch.testing.assert_close(scale(x, s), (x.float() * (1 / 3)).to(torch.bfloat16), rtol=0, atol=0)

@@ -16,7 +16,7 @@ from coda_cute import reference as R
 from coda_cute.compiler import spill_bytes
 from coda_cute.elementwise import QuantizeRowsSpec, QuantizeWeightSpec, compile_elementwise
 from coda_cute.precision import Fp8Recipe, recipe_for
-from helpers import on_path
+from helpers import generator, on_path
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: (max relative rounding error of a normal value, min normal exponent, mantissa bits)
@@ -25,7 +25,7 @@ FORMAT = {E4M3: (2.0 ** -4, -6, 3), E5M2: (2.0 ** -3, -14, 2)}
 
 def fresh(*shape, spread=True):
     seed = random.randrange(2**31)
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(*shape, generator=g)
     if spread:  # magnitudes over many binades, so blocks hold subnormal-range values too
         x = x * torch.exp2(torch.randint(-12, 8, shape, generator=g).float())

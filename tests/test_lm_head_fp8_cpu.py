@@ -13,13 +13,13 @@ from coda_cute import reference as R
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.ops import lm_head_ce as L
 from coda_cute.ops.lm_head_ce_fp8 import cross_entropy_fp8
-from helpers import flat_grads, on_path, rel_err
+from helpers import flat_grads, generator, on_path, rel_err
 
 EPS = 1e-5
 
 
 def _inputs(m, d, v, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     y = torch.randn(m, d, generator=g).bfloat16()
     w = (torch.randn(v, d, generator=g) * d ** -0.5 * 4).bfloat16()  # peaked softmax: a real gradient
     gamma = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()

@@ -15,13 +15,13 @@ from coda_cute.ops.fp8_gemms import row_scaled
 from coda_cute.ops.residual import residual_norm_stats_tree, stats_tile_n
 from coda_cute.ops.rmsnorm import norm_backward_tree
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree
-from helpers import on_path, rel_err
+from helpers import generator, on_path, rel_err
 
 EPS = 1e-5
 
 
 def _inputs(m, d, f, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     y = torch.randn(m, d, generator=g).bfloat16()
     w_gu = (torch.randn(2 * f, d, generator=g) * d ** -0.5).bfloat16()
     w_down = (torch.randn(d, f, generator=g) * f ** -0.5).bfloat16()
@@ -263,7 +263,7 @@ def test_attention_op_takes_given_quantized_weights():
     import test_attention_fp8_cpu as A
 
     args = A._args(7, qk_norm=True)
-    dy = torch.randn(A.B, A.S, A.D, generator=torch.Generator().manual_seed(7)).bfloat16()
+    dy = torch.randn(A.B, A.S, A.D, generator=generator(7)).bfloat16()
     want = A._run(torch.ops.coda.attention_block_fp8, args, dy)
     given = _quantized(args[2], args[3])
     got = A._run(lambda *a: torch.ops.coda.attention_block_fp8(*a, False, False, *given), args, dy)
@@ -383,7 +383,7 @@ def test_row_wise_weight_gradient_folds_the_gradient_rows_scales(m):
     from coda_cute.ops.fp8_gemms import grad_operands, wgrad
     from coda_cute.ops.quantize import quantize_rowwise_fp8
 
-    g = torch.Generator().manual_seed(21)
+    g = generator(21)
     dy = (torch.randn(m, 160, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).bfloat16()
     x = torch.randn(m, 272, generator=g).bfloat16()
     dy[5] = 0
@@ -421,7 +421,7 @@ def test_row_wise_weight_gradient_takes_the_kept_rows_of_the_wider_operand(m):
     from coda_cute.ops.fp8_gemms import wgrad_kept
     from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
 
-    g = torch.Generator().manual_seed(22)
+    g = generator(22)
     dy = torch.randn(m, 160, generator=g).bfloat16()
     x = (torch.randn(m, 272, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).bfloat16()
     x[5] = 0

@@ -18,6 +18,7 @@ from coda_cute.elementwise import RopeBackwardSpec, compile_elementwise
 from coda_cute.kernels.elementwise.rope_backward import (
     MIN_ROWS, NUM_SMS, SMEM_BUDGET, SMEM_PER_SM, RopeBackward, num_row_blocks, smem_budget,
 )
+from helpers import generator
 
 
 def row_blocks(m, p):
@@ -30,7 +31,7 @@ def row_blocks(m, p):
 def test_closed_form_of_a_heads_share_of_s():
     """The kernel adds qk_eps rs^3 sum(x gw) per head for sum(x dz): the same number (the
     literal sum cancels down to ~qk_eps and loses its digits in fp32)."""
-    g = torch.Generator().manual_seed(3)
+    g = generator(3)
     x = torch.randn(64, 16, generator=g, dtype=torch.float64)
     gw = torch.randn(64, 16, generator=g, dtype=torch.float64)
     eps = 1e-6

@@ -89,6 +89,11 @@ class DirectOp:
         self.defaults = [p.default for p in params]
         self.impls = {d: op._backend_fns.get(d, op._init_fn) for d in ("cuda", "cpu")}
         self.function = _function_for(op)
+        # torch's argument parser reads True as 1 for a float or int argument (eps=True ran as
+        # eps 1.0): refused here, on every path a Python call takes (``torch.ops.coda.*`` called
+        # directly converts, as every torch op does)
+        self.numbers = tuple((i, a.name) for i, a in enumerate(op._opoverload._schema.arguments)
+                             if str(a.type).rstrip("?") in ("float", "int", "SymInt", "SymFloat"))
 
     def __getattr__(self, name):
         return getattr(self.op, name)
@@ -106,7 +111,14 @@ class DirectOp:
             raise TypeError(f"{self.qualname}: missing arguments {missing}")
         return tuple(full)
 
+    def _refuse_bools(self, args, kwargs):
+        for i, name in self.numbers:
+            v = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(v, bool):
+                raise TypeError(f"{self.qualname}: {name} must be a number, got the bool {v}")
+
     def __call__(self, *args, **kwargs):
+        self._refuse_bools(args, kwargs)
         device = _plain_eager(args + tuple(kwargs.values()))
         if device is None:
             return self.op(*args, **kwargs)
