@@ -38,7 +38,6 @@ def block_errors(cfg: LlamaConfig, bsz: int, seq: int, ref_dtype, device="cpu"):
     ``ref_dtype``, for the fused CodaLlamaBlock and for the plain bf16 block, on the same bf16
     weights and input: {"fused": {...}, "unfused": {...}}. Fused gradients are converted back to
     the HF layout (the conversions are permutations, so they commute with the gradient)."""
-    torch.manual_seed(0)
     p = hf_block(cfg, device=device)
     inv_freq = R.rope_inv_freq(cfg.head_dim, cfg.rope_theta, device)
     x = rand(bsz, seq, cfg.dim, device=device)
@@ -95,7 +94,6 @@ def plain_model_loss(cfg: LlamaConfig, sd: dict, tokens, targets, dtype):
 
 def model_state_dict(cfg: LlamaConfig, device="cpu"):
     """A random HF LlamaForCausalLM state dict."""
-    torch.manual_seed(0)
     d, v = cfg.dim, cfg.vocab_size
     sd = {"model.embed_tokens.weight": rand(v, d, device=device),
           "model.norm.weight": 1 + rand(d, scale=0.1, device=device),
