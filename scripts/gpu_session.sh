@@ -264,4 +264,5 @@ for name in "${LOGS[@]}"; do
     tail -n 25 "$OUT/$name.log"
 done
 # at most 8 files come back from a device call: the logs and JSON go back as one archive
-(cd "$OUT" && files=$(ls ./*.log ./*.json 2>/dev/null) && tar czf logs.tgz $files && rm -f $files)
+# (nullglob: a run without JSON still archives its logs; ls of the unmatched pattern failed the chain)
+(cd "$OUT" && shopt -s nullglob && files=(./*.log ./*.json) && tar czf logs.tgz "${files[@]}" && rm -f "${files[@]}")
