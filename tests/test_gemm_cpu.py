@@ -234,6 +234,16 @@ def test_bad_out_rejected(hopper_host):
     assert not hopper_host
 
 
+def test_prepared_calls_stay_bounded(hopper_host, monkeypatch):
+    """A run whose token count changes every step (packed sequences) adds a call signature per
+    step: the per-signature cache is bounded, and a call after it is cleared still launches."""
+    monkeypatch.setattr(gemm_mod, "_MAX_PREPARED", 3)
+    b = _bf16(40, 72).t()
+    for m in range(8, 64, 8):
+        gemm_mod.gemm_impl(_bf16(m, 72), b)
+        assert len(gemm_mod._prepared) <= 3
+    assert [dv.shape[0] for _, _, _, dv, _, _ in hopper_host] == list(range(8, 64, 8))
+
 @pytest.mark.parametrize("layout,majors", [("x@W.T", "kk"), ("dY@W", "kn"), ("dY.T@X", "mn"), ("mk", "mk")])
 def test_training_layouts_launch_without_copies(layout, majors, hopper_host):
     m, n, k = 96, 40, 72

@@ -129,7 +129,10 @@ def check_layouts(a, b, m: int, n: int, batch: int, out_dtype, op: str = "coda.g
 
 
 # -- the implementation ------------------------------------------------------------------------------
+#: per call signature: (tree, batch, empty K); bounded like the runner's plans (a run with a new
+#: token count each step adds one per step)
 _prepared: dict = {}
+_MAX_PREPARED = 4096
 
 
 def _meta(t):
@@ -149,6 +152,8 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
         m, n, k, batch, od = check_shapes(a, b, scale_a, scale_b, out_dtype)
         check_device(a, b, scale_a, scale_b)
         tree = gemm_tree(_scale_mode(scale_a), _scale_mode(scale_b), dtype_name(od))
+        if len(_prepared) >= _MAX_PREPARED:
+            _prepared.clear()
         prep = _prepared[key] = (tree, batch, k == 0 and m * n * batch > 0)
     tree, batch, zero_k = prep
     if zero_k:  # torch.mm semantics: an empty sum is zero
