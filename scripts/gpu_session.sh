@@ -26,8 +26,10 @@
 #   mlp-fp8   the FP8 MLP's GPU tests, compute-sanitizer memcheck of sanitize_fp8.py, then
 #             bench_fp8.py --fast-accum all --profile (the MLP sublayer against its shadows, in
 #             turns, and one step's kernels of each)
-#   swiglu-fp8  exp_swiglu_backward.py --fp8-row-fast: the row-wise FP8 down dgrad without h on
+#   swiglu-fp8  exp_swiglu_epilogues.py --fp8-row-fast: the row-wise FP8 down dgrad without h on
 #             each spill-free config and with two store buffers, against _scaled_mm
+#   swiglu-fwd-fp8  exp_swiglu_epilogues.py --fp8-row-fast --forward: the row-wise FP8 gate/up GEMM
+#             with its RMSNorm + SwiGLU tree (z and h), the same variants and z or h alone
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
@@ -133,7 +135,11 @@ stage_mlp_fp8() {
 }
 
 stage_swiglu_fp8() {
-    step swiglu-fp8 150 python3 scripts/exp_swiglu_backward.py --fp8-row-fast --rounds 6 --configs 4
+    step swiglu-fp8 150 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 4
+}
+
+stage_swiglu_fwd_fp8() {
+    step swiglu-fwd-fp8 150 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 3
 }
 
 stage_train() {
@@ -239,6 +245,7 @@ for s in "$@"; do
         quant) stage_quant ;;
         mlp-fp8) stage_mlp_fp8 ;;
         swiglu-fp8) stage_swiglu_fp8 ;;
+        swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
@@ -256,7 +263,7 @@ for s in "$@"; do
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do

@@ -65,7 +65,7 @@ WIDE_SUB_TILES = (128, 64)
 ONE_STORE_BUFFER_BELOW_STAGES = 6
 #: store-ring buffers of a sub-tile narrower than its tile, forced for every epilogue (None:
 #: :func:`epi_stage_count`'s rule and :meth:`Sm90TreeEpilogue._store_ring_depth`'s); a switch
-#: for ``scripts/exp_block_scaled.py --stages`` and ``scripts/exp_swiglu_backward.py``.
+#: for ``scripts/exp_block_scaled.py --stages`` and ``scripts/exp_swiglu_epilogues.py``.
 SUBTILE_BUFFERS = None
 
 
