@@ -45,6 +45,7 @@
 #   emb       the embedding GPU tests alone (-n 4)
 #   verify-rest  the other GPU tests: the block, training, fold, epilogue, FP8 attention and SoL
 #             ones (12 workers)
+#   sol       the SoL reporter's GPU tests, in one process (they time: xdist skips them)
 #   verify-lm-head  the LM head's, the block's and the model's tests of test_coda_block_gpu (6 workers)
 #   verify-hf  the HF integration's GPU tests (4 workers)
 #   wgrad-rates  exp_block_scaled.py --wgrad: every block-scaled config on six weight-gradient
@@ -202,6 +203,10 @@ stage_verify_rest() {
         tests/test_sol_gpu.py
 }
 
+stage_sol() {
+    step sol-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_sol_gpu.py
+}
+
 stage_verify_lm_head() {
     step verify-lm-head 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_coda_block_gpu.py \
         -k "lm_head or model_gradients or plain_llama_block or lse_combine"
@@ -256,6 +261,7 @@ for s in "$@"; do
         emb) stage_emb ;;
         verify-rest) stage_verify_rest ;;
         verify-lm-head) stage_verify_lm_head ;;
+        sol) stage_sol ;;
         verify-hf) stage_verify_hf ;;
         wgrad-rates) stage_wgrad_rates ;;
         mlp-profile) stage_mlp_profile ;;

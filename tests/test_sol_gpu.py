@@ -1,5 +1,5 @@
-"""GPU tests of the speed-of-light reporter: plausible % of SoL, ceilings that match a direct
-measurement, timed records from the CLI and per-op attribution of a step."""
+"""GPU tests of the speed-of-light reporter: consistent records, op and shadow times and ceilings
+that match a direct measurement, timed records from the CLI and per-op attribution of a step."""
 
 import json
 
@@ -38,18 +38,12 @@ def gemm_8192(hopper):
     return rec
 
 
-def test_cublas_shadow_at_plausible_pct_of_sol(gemm_8192):
-    # cuBLAS bf16 at 8192³ measured 694–788 TFLOP/s on the H200: about 70–80 % of 989
-    pct = 100 * gemm_8192.sol_ms / gemm_8192.shadow_ms
-    assert 55 <= pct <= 95, f"cuBLAS at {pct:.1f}% of the datasheet SoL"
-
-
-def test_coda_gemm_at_plausible_pct_of_sol(gemm_8192):
+def test_records_are_consistent(gemm_8192):
     r = gemm_8192
     assert r.bound == "compute"
     assert r.tflops == pytest.approx(2 * 8192**3 / (r.time_ms * 1e-3) / 1e12)
     assert r.pct_sol == pytest.approx(100 * r.sol_ms / r.time_ms)
-    assert 55 <= r.pct_sol <= 95, f"coda.gemm at {r.pct_sol:.1f}% of the datasheet SoL"
+    assert 0 < r.pct_sol <= 100, f"faster than the datasheet's roof: {r.pct_sol:.1f}% of SoL"
     assert r.pct_sol_measured > r.pct_sol  # measured roofs are below the datasheet's
     assert r.shadow_ratio == pytest.approx(r.time_ms / r.shadow_ms)
 
@@ -76,6 +70,18 @@ def _direct_ms(fn, warmup_ms: float = 200.0, run_ms: float = 200.0) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def test_op_and_shadow_times_match_a_direct_measurement(gemm_8192):
+    """The reporter's medians (L2 flushed between calls) against back-to-back means of the same
+    launches: a compute-bound 8192^3 GEMM barely touches L2, so the two agree unless the
+    reporter times the wrong thing (a unit, a missed sync, the wrong launch)."""
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    coda_ms = _direct_ms(lambda: torch.ops.coda.gemm(x, w.t(), None, None, None, False))
+    cublas_ms = _direct_ms(lambda: torch.mm(x, w.t()))
+    assert gemm_8192.time_ms == pytest.approx(coda_ms, rel=0.15)
+    assert gemm_8192.shadow_ms == pytest.approx(cublas_ms, rel=0.15)
 
 
 def test_measured_ceilings_match_a_direct_measurement():
