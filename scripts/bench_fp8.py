@@ -28,7 +28,9 @@ medians). Also printed: the bytes our separate quantization passes move per step
     ncu --nvtx --nvtx-include "coda-fp8-step/" python scripts/bench_fp8.py --once --fast-accum all
 
 ``--once``: no timing; our row-wise variant (with ``--fast-accum``'s) runs one warm-up step, then
-one step inside the NVTX range ``coda-fp8-step``, for a profiler to take its kernels alone.
+one step inside the NVTX range ``coda-fp8-step``, for a profiler to take its kernels alone;
+``--once-shadow`` then does the same with the shadow of that accumulation (range ``fp8-shadow-step``),
+so that one profile holds each of our GEMMs and the ``_scaled_mm`` of its role.
 
 ``--sublayer attention``: the attention sublayer (``coda.attention_block_fp8`` in both recipes and
 the bf16 ``coda.attention_block``: QKV with the RMSNorm and RoPE in its epilogue, the causal GQA
@@ -364,6 +366,9 @@ def main(argv=None) -> int:
                    help="print the kernels of one step of each shadow and of our variants")
     p.add_argument("--once", action="store_true",
                    help="our row-wise step once after a warm-up one, in the NVTX range coda-fp8-step (for ncu)")
+    p.add_argument("--once-shadow", action="store_true",
+                   help="with --once: then the shadow with --fast-accum's accumulation the same way, in the "
+                        "NVTX range fp8-shadow-step (its GEMMs next to ours in one profile)")
     p.add_argument("--baselines-only", action="store_true", help="torchao and the shadow only (no CODA ops)")
     p.add_argument("--sublayer", choices=("mlp", "attention"), default="mlp")
     p.add_argument("--heads", type=int, default=32)
@@ -388,6 +393,14 @@ def main(argv=None) -> int:
             fns[name]()
         torch.cuda.synchronize()
         console.print(f"{name}: one step in the NVTX range coda-fp8-step")
+        if args.once_shadow:
+            shadow_name = fast_label(args.fast_accum)[0] if args.fast_accum != "none" else SHADOW
+            fns[shadow_name]()
+            torch.cuda.synchronize()
+            with torch.cuda.nvtx.range("fp8-shadow-step"):
+                fns[shadow_name]()
+            torch.cuda.synchronize()
+            console.print(f"{shadow_name}: one step in the NVTX range fp8-shadow-step")
         return 0
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:

@@ -55,6 +55,9 @@
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
+#   gemm-ncu  ncu of the six GEMMs of one row-wise fast FP8 MLP step and of its shadow's six
+#             (stall reasons and their SASS sites, DRAM traffic, tensor-pipe use; the report in
+#             gemm-ncu.ncu-rep): what the gate/up forward's and the down dgrad's epilogues wait on
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
 #             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
 #             sublayer's promoted recipes with and without it, in turns)
@@ -163,6 +166,16 @@ stage_fp8_ncu() {
         python3 scripts/bench_fp8.py --once --fast-accum all
 }
 
+stage_gemm_ncu() {
+    # each GEMM of one row-wise fast step and of its shadow's: where the epilogue GEMMs' warps
+    # wait (WarpStateStats, SourceCounters' stall sites), their DRAM traffic and tensor-pipe use
+    step gemm-ncu 420 ncu --clock-control none --nvtx --nvtx-include "coda-fp8-step/" --nvtx-include "fp8-shadow-step/" \
+        --kernel-name regex:"[Gg]emm" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section SourceCounters \
+        --section LaunchStats --section Occupancy --export "$OUT/gemm-ncu" \
+        python3 scripts/bench_fp8.py --once --once-shadow --fast-accum all
+}
+
 stage_waves() {
     step waves-tests 250 python3 -m pytest -q -m gpu -n 6 tests/test_gemm_gpu.py tests/test_block_scaled_gpu.py \
         -k "256x128 or waves"
@@ -268,6 +281,7 @@ for s in "$@"; do
         gemm) stage_gemm ;;
         rope-ncu) stage_rope_ncu ;;
         waves) stage_waves ;;
+        gemm-ncu) stage_gemm_ncu ;;
         sinks) stage_sinks ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
