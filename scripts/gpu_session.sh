@@ -273,15 +273,15 @@ for s in "$@"; do
         perf) stage_perf ;;
         emb) stage_emb ;;
         verify-rest) stage_verify_rest ;;
-        verify-lm-head) stage_verify_lm_head ;;
         sol) stage_sol ;;
+        verify-lm-head) stage_verify_lm_head ;;
         verify-hf) stage_verify_hf ;;
         wgrad-rates) stage_wgrad_rates ;;
         mlp-profile) stage_mlp_profile ;;
         gemm) stage_gemm ;;
         rope-ncu) stage_rope_ncu ;;
-        waves) stage_waves ;;
         gemm-ncu) stage_gemm_ncu ;;
+        waves) stage_waves ;;
         sinks) stage_sinks ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu waves sinks)"; exit 2 ;;
     esac
