@@ -204,17 +204,24 @@ def test_state_dict_save_pretrained_and_tied_embeddings(tmp_path):
 
 
 def test_fp32_master_weights_get_fp32_gradients():
-    """fp32 parameters (with or without autocast): the ops compute in bf16, gradients come back
-    in fp32 to the parameters, bf16-close to the fp32 model's."""
+    """fp32 parameters under bf16 autocast: the ops compute in bf16, gradients come back in fp32
+    to the parameters, as close to the fp32 model's as HF's own autocast step. Over 80 seeds the
+    error of all gradients together was 1.06-1.21x HF autocast's (the norms run in bf16 here, in
+    fp32 under autocast); per tensor it reached 0.029 on the 16-entry QK-norm weights, where bf16
+    noise dominates, so the tight bound is on the whole."""
     ref, _, _ = models("qwen3")
     coda = apply_coda(copy.deepcopy(ref))
     ids, labels = batch()
     want_loss, want = loss_and_grads(ref, ids, labels)
+    with torch.autocast("cpu", dtype=BF16):
+        base_loss, base = loss_and_grads(copy.deepcopy(ref), ids, labels)
     with coda_cute.reference_on_cpu(), torch.autocast("cpu", dtype=BF16):
         loss, got = loss_and_grads(coda, ids, labels)
     assert all(p.grad.dtype == F32 for p in coda.parameters())
     assert abs(loss - want_loss) < 1e-2 * abs(want_loss)
-    assert max(rel_err(got[n], want[n]) for n in want) < 2e-2
+    assert all(rel_err(got[n], want[n]) < 5e-2 for n in want)
+    flat_want = flat_grads(want, want)
+    assert rel_err(flat_grads(got, want), flat_want) <= 1.5 * rel_err(flat_grads(base, want), flat_want)
 
 
 def two_patches(first, second, vocab: int = 99, seq: int = 24, **over):
