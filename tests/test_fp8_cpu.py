@@ -263,6 +263,9 @@ def bad_quantize_calls():
     # the kernels assume 16-byte aligned rows: one element in, the rows still 512 bytes apart
     shifted = torch.zeros(64 * 256 + 1, dtype=torch.bfloat16)[1:].view(64, 256).copy_(x)
     yield "misaligned", (shifted,), "x's data pointer must be 16-byte aligned"
+    # the weight kernel loads gamma in 16-byte vectors too (a contiguous slice was taken)
+    gamma = torch.ones(257)[1:]
+    yield "gamma misaligned", (x.float(), "128x128", gamma), "gamma's data pointer must be 16-byte aligned"
 
 
 @pytest.mark.parametrize("case", list(bad_quantize_calls()), ids=lambda c: c[0])

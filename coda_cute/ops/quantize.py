@@ -67,6 +67,8 @@ def check_quantize(x, block, gamma, dtype, op=OP):
                 or gamma.stride(0) != 1:
             raise ValueError(f"{op}: gamma must be a contiguous ({cols},) fp32 / bf16 / fp16 tensor "
                              f"(one per column of x), got {gamma.dtype} {tuple(gamma.shape)}")
+        if gamma.numel():  # the weight kernel loads it in 16-byte vectors
+            check_pointer_aligned(gamma, "gamma", op)
     check_same_device(op, x=x, gamma=gamma)
     br, bc = BLOCKS[block]
     return rows, cols, (-(-rows // br), -(-cols // bc))
