@@ -217,6 +217,12 @@ def test_fp8_ops_pass_opcheck():
                               test_utils=basic + ("test_aot_dispatch_dynamic",))
 
 
+def _shifted(t):
+    """A contiguous copy of ``t`` whose data pointer is one byte past a 16-byte boundary."""
+    raw = torch.zeros(t.numel() * t.element_size() + 1, dtype=torch.uint8)[1:]
+    return raw.view(t.dtype).view(t.shape).copy_(t)
+
+
 def _quantized(*ws):
     from coda_cute.ops.fp8_gemms import weight
 
@@ -251,6 +257,10 @@ def test_given_quantized_weights_are_used_and_not_returned():
     (lambda g: [g[0][:-1].contiguous()] + g[1:], r"w_gu's quantized q must be a contiguous torch.float8_e4m3fn \(416, 272\)"),
     (lambda g: g[:4] + [g[4].double()] + g[5:], "w_down's quantized scales must be"),
     (lambda g: g[:5] + [g[5].t()], "w_down's quantized qt must be a contiguous"),
+    # the GEMMs' operands, which TMA reads (the reference path named them b, qt's in the backward
+    # only; tracing took them)
+    (lambda g: [_shifted(g[0])] + g[1:], "w_gu's quantized q's data pointer must be 16-byte aligned"),
+    (lambda g: g[:5] + [_shifted(g[5])], "w_down's quantized qt's data pointer must be 16-byte aligned"),
 ])
 def test_bad_given_weights_are_refused_on_every_path(path, change, match):
     y, ss, w_gu, w_down, _ = _inputs(64, 272, 208, 6)
@@ -329,6 +339,29 @@ def test_fused_quantization_trees_build_without_spills_on_the_block_scaled_kerne
     cfg = ranked_configs(t, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
     assert cfg.schedule == "cooperative" and cfg.tile_m == 128
     assert not spills(t, cfg, True, 132, block_scaled=True)
+
+
+@RECIPES
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["reference", "cuda-branch"])
+@pytest.mark.parametrize("shape, dtype, match", [
+    ((200, 256), torch.bfloat16, r"N \(rows of the weight, .*\) must be a multiple of 16"),
+    ((256, 256), torch.float64, "x must be a 2-D tensor of"),
+    ((256, 100), torch.bfloat16, "K a multiple of 8"),
+], ids=["N", "dtype", "K"])
+def test_weights_are_checked_before_their_quantization_on_every_path(row, device, shape, dtype, match):
+    """``fp8_gemms.weight`` (how callers make the given quantized weights, ``nn.fold.WeightQuantCache``
+    among them): the quantizers' rules on the reference path and, on fake CUDA tensors, before
+    its CUDA branch's launch, which checked nothing. The reference took the block recipe's
+    N = 200 (a multiple of 16 in both recipes: the kernel's FP8 transpose cannot store it) and
+    the row-wise recipe cast an fp64 weight to bf16."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_cute.ops.fp8_gemms import weight
+
+    with coda_cute.reference_on_cpu() if device == "cpu" else FakeTensorMode():
+        w = torch.zeros(shape, dtype=dtype, device=device)
+        with pytest.raises(ValueError, match=r"coda\.quantize_fp8: .*" + match):
+            weight(w, row=row)
 
 
 def test_row_wise_weights_take_fp32_masters_through_bf16():

@@ -45,9 +45,10 @@ from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise import quantize_weight
+from ..operands import check_pointer_aligned
 from ..precision import FAST_ACCUM
-from .quantize import (quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8, quantize_rowwise_fp8,
-                       transpose_bytes)
+from .quantize import (OP as QUANTIZE_OP, check_quantize, quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8,
+                       quantize_rowwise_fp8, transpose_bytes)
 from .residual import residual_norm_stats_tree
 from .rmsnorm import tile_n_of
 
@@ -89,6 +90,10 @@ def weight(w: torch.Tensor, pow2: bool = False, row: bool = False):
     one scale per row of W, qt with one per column, scales (N + K, 1) those two (fp32 masters
     rounded to bf16 first: 2^-9 relative, far inside FP8's 2^-4). The kernel on CUDA, the
     reference inside ``reference_on_cpu``."""
+    # the rules on every path, before the CUDA branch's launch, which checks nothing (N: the rows
+    # of qt, N values each, start on 16-byte boundaries)
+    check_quantize(w, "128x128", None, FP8, QUANTIZE_OP)
+    check_fp8_widths(QUANTIZE_OP, **{"N (rows of the weight, the row width of its FP8 transpose)": w.shape[0]})
     if row:
         w16 = w if w.dtype in (torch.bfloat16, torch.float16) else w.to(torch.bfloat16)
         q, s, qt, st = quantize_rowwise_fp8(w16, FP8, pow2_scales=pow2)
@@ -118,6 +123,8 @@ def quantized_weights(op: str, given: list, pow2: bool, row: bool = False, **ws)
                 form = "row-wise" if row else "in 128 x 128 blocks"
                 raise ValueError(f"{op}: {name}'s quantized {what} must be a contiguous {dtype} {shape} "
                                  f"tensor on {w.device} ({name} {form}), got {t.dtype} {tuple(t.shape)} on {t.device}")
+            if what != "scales" and t.numel():  # the GEMMs' operands, which TMA reads
+                check_pointer_aligned(t, f"{name}'s quantized {what}", op)
         out.append((q, s, qt))
     return out
 
