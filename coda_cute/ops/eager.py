@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
@@ -46,6 +47,9 @@ def enabled(on: bool):
     finally:
         _state["on"] = prev
 
+
+#: what a direct call takes for a number, as torch's argument parser does (0-d tensors included)
+_NUMBER = (float, int, numbers.Real, torch.SymInt, torch.SymFloat, torch.Tensor)
 
 #: tensor types the direct path takes as they are: ``nn.Parameter`` disables torch functions and
 #: dispatches as a plain tensor (a model's weights reach every op as Parameters; FSDP2's sharded
@@ -90,10 +94,14 @@ class DirectOp:
         self.impls = {d: op._backend_fns.get(d, op._init_fn) for d in ("cuda", "cpu")}
         self.function = _function_for(op)
         # torch's argument parser reads True as 1 for a float or int argument (eps=True ran as
-        # eps 1.0): refused here, on every path a Python call takes (``torch.ops.coda.*`` called
-        # directly converts, as every torch op does)
-        self.numbers = tuple((i, a.name) for i, a in enumerate(op._opoverload._schema.arguments)
-                             if str(a.type).rstrip("?") in ("float", "int", "SymInt", "SymFloat"))
+        # eps 1.0), and a direct call skips the parser: a string for a flag read as True
+        # (row_scaling="False" ran the row-wise recipe), one for a number failed inside a check
+        # without its name. Refused here, on every path a Python call takes
+        # (``torch.ops.coda.*`` called directly converts, as every torch op does)
+        schema = list(enumerate(op._opoverload._schema.arguments))
+        self.numbers = tuple((i, a.name) for i, a in schema
+                             if str(a.real_type) in ("float", "int", "SymInt", "SymFloat"))
+        self.flags = tuple((i, a.name) for i, a in schema if str(a.real_type) == "bool")
 
     def __getattr__(self, name):
         return getattr(self.op, name)
@@ -111,14 +119,19 @@ class DirectOp:
             raise TypeError(f"{self.qualname}: missing arguments {missing}")
         return tuple(full)
 
-    def _refuse_bools(self, args, kwargs):
+    def _check_scalars(self, args, kwargs):
         for i, name in self.numbers:
+            v = args[i] if i < len(args) else kwargs.get(name, 0)  # not given: its default
+            if isinstance(v, bool) or not isinstance(v, _NUMBER):
+                got = f"the bool {v}" if isinstance(v, bool) else f"{type(v).__name__} {v!r}"
+                raise TypeError(f"{self.qualname}: {name} must be a number, got {got}")
+        for i, name in self.flags:
             v = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(v, bool):
-                raise TypeError(f"{self.qualname}: {name} must be a number, got the bool {v}")
+            if v is not None and not isinstance(v, bool):  # None: the default, as torch reads it
+                raise TypeError(f"{self.qualname}: {name} must be a bool, got {type(v).__name__} {v!r}")
 
     def __call__(self, *args, **kwargs):
-        self._refuse_bools(args, kwargs)
+        self._check_scalars(args, kwargs)
         device = _plain_eager(args + tuple(kwargs.values()))
         if device is None:
             return self.op(*args, **kwargs)
