@@ -20,7 +20,7 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
-        [--fp8-row-fast] [--forward]
+        [--also CONFIG_NAME ...] [--fp8-row-fast] [--forward]
 
 ``--fp8-row-fast``: the row-wise FP8 recipe's tree with fast accumulation instead, without h
 (the recipe keeps the forward's h, ``ops.mlp_fp8``), against ``torch._scaled_mm`` with
@@ -119,6 +119,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--configs", type=int, default=6, help="how many of the ranked configs to time")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME",
+                    help="a ranked config's name (e.g. coop_128x256x128_c2x1_g8_fastacc) to time as well")
     ap.add_argument("--fp8-row-fast", action="store_true",
                     help="the row-wise FP8 tree (the backward's without h), fast accumulation, against _scaled_mm")
     ap.add_argument("--forward", action="store_true", help="the gate/up GEMM's RMSNorm + SwiGLU tree instead")
@@ -138,8 +140,12 @@ def main():
         a, b, inputs, n, k = _operands(m, d, f, fp8, fwd)
         run = lambda t, c: E.run(t, a, b, inputs, config=c, use_fast_accum=fp8)  # noqa: E731
         pick = runner.choose_config(tree, m, n, k, 1, fp8, fp8, sms)
-        ranked = [c for c in runner.ranked_configs(tree, m, n, k, 1, fp8, fp8, sms)
-                  if not runner.spills(tree, c, fp8, sms)][: args.configs]
+        every = runner.ranked_configs(tree, m, n, k, 1, fp8, fp8, sms)
+        unknown = set(args.also) - {c.name for c in every}
+        if unknown:
+            raise SystemExit(f"--also: no ranked config named {sorted(unknown)}")
+        ranked = [c for c in every if not runner.spills(tree, c, fp8, sms)][: args.configs]
+        ranked += [c for c in every if c.name in args.also and c not in ranked]
         fns = {"cublas": _baseline(a, b, inputs, fp8)}
         fns["plain"] = (lambda: gemm_impl(a, b, inputs["scale_a"][:, None], inputs["scale_b"][None, :],
                                           torch.bfloat16, True)) if fp8 else (lambda: gemm_impl(a, b))

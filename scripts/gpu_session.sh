@@ -27,7 +27,8 @@
 #             bench_fp8.py --fast-accum all --profile (the MLP sublayer against its shadows, in
 #             turns, and one step's kernels of each)
 #   swiglu-fp8  exp_swiglu_epilogues.py --fp8-row-fast: the row-wise FP8 down dgrad without h on
-#             each spill-free config and with two store buffers, against _scaled_mm
+#             the first three spill-free configs, cooperative 128 x 256 2x1 (the plain GEMM's
+#             fastest tile at the power cap) and with two store buffers, against _scaled_mm
 #   swiglu-fwd-fp8  exp_swiglu_epilogues.py --fp8-row-fast --forward: the row-wise FP8 gate/up GEMM
 #             with its RMSNorm + SwiGLU tree (z and h), the same variants and z or h alone
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
@@ -139,7 +140,8 @@ stage_mlp_fp8() {
 }
 
 stage_swiglu_fp8() {
-    step swiglu-fp8 150 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 4
+    step swiglu-fp8 150 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 3 \
+        --also coop_128x256x128_c2x1_g8_fastacc
 }
 
 stage_swiglu_fwd_fp8() {
