@@ -76,10 +76,6 @@ class GemmConfig:
 
     # -- derived quantities ------------------------------------------------------------------
     @property
-    def mma_warpgroups(self) -> int:
-        return 2
-
-    @property
     def wg_tile_m(self) -> int:
         """Rows of the output tile one consumer warpgroup accumulates."""
         return self.tile_m // 2 if self.schedule == "cooperative" else self.tile_m
@@ -182,10 +178,6 @@ def tail_split(cluster_tiles: int, slots: int, k_tiles: int) -> tuple[int, int]:
     if rem == 0:
         return 0, 1
     return rem, max(1, min(slots // rem, MAX_TAIL_SPLIT, k_tiles // TAIL_SLICE_K_TILES))
-
-
-def dtype_bytes(name: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}[name]
 
 
 #: shared-memory bytes of one stage's weight-scale box in the block-scaled FP8 GEMM (16 bytes of
