@@ -348,12 +348,15 @@ def test_converter_rejects_bad_shapes():
 def test_block_matches_plain_llama_block(qk_norm):
     """On CPU both paths go through torch (the fused one through the ops' fp32 references), so
     this mostly checks the wiring: the fused block's error against the float64 plain block must
-    be bf16-sized and no larger than the plain bf16 block's (ratio printed with -s)."""
+    be bf16-sized and no larger than the plain bf16 block's (ratio printed with -s). The QK-norm
+    weights' gradients (head_dim entries each) are bf16 noise: over 31 seeds their ratio reached
+    1.22, every other tensor's 1.03."""
     errs = block_errors(cfg(qk_norm), bsz=2, seq=24, ref_dtype=F64)
     print_ratios(errs)
     for key, fused in errs["fused"].items():
         unfused = errs["unfused"][key]
-        assert fused < 2e-2 and fused <= 1.1 * unfused, (key, fused, unfused)
+        ratio = 1.5 if key.endswith(("q_norm.weight", "k_norm.weight")) else 1.1
+        assert fused < 2e-2 and fused <= ratio * unfused, (key, fused, unfused)
 
 
 def test_model_loads_hf_weights_and_matches_plain_model():
