@@ -69,49 +69,36 @@ def test_keywords_defaults_and_bad_arguments():
 
 
 @pytest.mark.parametrize("path", ["cpu", "fake", "compile"])
-def test_a_bool_for_a_number_is_refused_on_every_path(path):
-    """torch's argument parser reads True as 1 for a float or int argument (eps=True ran as eps
-    1.0, n_heads=True as one head): a direct call refuses it by name on the reference path, the
-    fake one and under torch.compile alike."""
+@pytest.mark.parametrize("fp8, kw, match", [
+    (False, {"eps": True}, "eps must be a number, got the bool True"),
+    (True, {"row_scaling": "False"}, r"row_scaling must be a bool, got str 'False'"),
+    (True, {"pow2_scales": 1}, "pow2_scales must be a bool, got int 1"),
+    (True, {"eps": "1e-5"}, "eps must be a number, got str '1e-5'"),
+], ids=["bool-number", "str-flag", "int-flag", "str-number"])
+def test_a_flag_or_number_of_another_type_is_refused_on_every_path(path, fp8, kw, match):
+    """A direct call skips torch's argument parser, which reads True as 1 for a float or int
+    argument (eps=True ran as eps 1.0): a bool for a number, a string for a flag (the FP8 MLP
+    with row_scaling="False" ran the row-wise recipe on the reference path, where tracing
+    refused it) and a string for a number (which failed inside a check without its name) are
+    each refused by name on the reference path, the fake one and under torch.compile alike."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     y, ss, w_gu, w_down = (t.detach() for t in mlp_args())
-    call = lambda: mlp.mlp_block(y, ss, w_gu, w_down, eps=True)  # noqa: E731
+    op = mlp_fp8.mlp_block_fp8 if fp8 else mlp.mlp_block
+    call = lambda: op(y, ss, w_gu, w_down, **{"eps": EPS, **kw})  # noqa: E731
     if path == "compile":
         torch._dynamo.reset()
         call = torch.compile(call, backend="aot_eager", fullgraph=True)
     with coda_cute.reference_on_cpu(), (FakeTensorMode(allow_non_fake_inputs=True) if path == "fake"
                                          else torch.autograd.grad_mode.no_grad()):
-        with pytest.raises(Exception, match=r"coda::mlp_block: eps must be a number, got the bool True"):
+        with pytest.raises(Exception, match=rf"{op.qualname}: {match}"):
             call()
-    # the numbers are read from the schema: floats and ints, not the bool flags
+
+
+def test_numbers_and_flags_are_read_from_the_schema():
     assert [n for _, n in mlp.mlp_block.numbers] == ["eps"]
     assert [n for _, n in attention.attention_block.numbers] == ["eps", "n_heads", "n_kv_heads", "head_dim", "qk_eps"]
     assert [n for _, n in mlp_fp8.mlp_block_fp8.numbers] == ["eps"]
-
-
-@pytest.mark.parametrize("path", ["cpu", "fake", "compile"])
-@pytest.mark.parametrize("kw, match", [
-    ({"row_scaling": "False"}, r"row_scaling must be a bool, got str 'False'"),
-    ({"pow2_scales": 1}, "pow2_scales must be a bool, got int 1"),
-    ({"eps": "1e-5"}, "eps must be a number, got str '1e-5'"),
-], ids=["str-flag", "int-flag", "str-number"])
-def test_a_flag_or_number_of_another_type_is_refused_on_every_path(path, kw, match):
-    """A direct call skips torch's argument parser: a string for a flag read as True (the FP8
-    MLP with row_scaling="False" ran the row-wise recipe on the reference path, where tracing
-    refused it) and one for a number failed inside a check without its name. Each refused by
-    name on every path; the flags are read from the schema."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    y, ss, w_gu, w_down = (t.detach() for t in mlp_args())
-    call = lambda: mlp_fp8.mlp_block_fp8(y, ss, w_gu, w_down, **{"eps": EPS, **kw})  # noqa: E731
-    if path == "compile":
-        torch._dynamo.reset()
-        call = torch.compile(call, backend="aot_eager", fullgraph=True)
-    with coda_cute.reference_on_cpu(), (FakeTensorMode(allow_non_fake_inputs=True) if path == "fake"
-                                         else torch.autograd.grad_mode.no_grad()):
-        with pytest.raises(Exception, match=rf"coda::mlp_block_fp8: {match}"):
-            call()
     assert [n for _, n in mlp_fp8.mlp_block_fp8.flags] == ["e5m2_grads", "pow2_scales", "row_scaling"]
 
 
