@@ -348,14 +348,15 @@ def test_converter_rejects_bad_shapes():
 def test_block_matches_plain_llama_block(qk_norm):
     """On CPU both paths go through torch (the fused one through the ops' fp32 references), so
     this mostly checks the wiring: the fused block's error against the float64 plain block must
-    be bf16-sized and no larger than the plain bf16 block's (ratio printed with -s). The QK-norm
-    weights' gradients (head_dim entries each) are bf16 noise: over 31 seeds their ratio reached
-    1.22, every other tensor's 1.03."""
+    be bf16-sized and no larger than the plain bf16 block's (ratio printed with -s). The norm
+    weights' gradients (64 entries, head_dim for the QK norms) are sums of bf16 noise whose
+    ratio wanders: over 1050 seeds it reached 1.72 (QK norms) and 1.22 (layer norms), where
+    every other tensor's stayed at or below 0.93; their errors stayed below 0.0165."""
     errs = block_errors(cfg(qk_norm), bsz=2, seq=24, ref_dtype=F64)
     print_ratios(errs)
     for key, fused in errs["fused"].items():
         unfused = errs["unfused"][key]
-        ratio = 1.5 if key.endswith(("q_norm.weight", "k_norm.weight")) else 1.1
+        ratio = 2.0 if key.endswith("norm.weight") else 1.1
         assert fused < 2e-2 and fused <= ratio * unfused, (key, fused, unfused)
 
 

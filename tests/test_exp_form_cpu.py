@@ -41,6 +41,17 @@ def _problem(m: int, v: int, seed: int, d: int = 64):
     r = torch.rand(m, generator=g) + 0.5
     t = torch.randint(0, v, (m,), generator=g)
     t[5] = v - 1
+    # the columns set below are weight rows every row reads: rows 1, 2 and 5 take targets of
+    # their own, and rows 3 and 4 columns that are nobody's target nor each other's (a shared
+    # one undid a row's setting; another row's target made that row certain)
+    taken = {v - 1}
+    for i in (1, 2):
+        while int(t[i]) in taken:
+            t[i] = (t[i] + 1) % v
+        taken.add(int(t[i]))
+    free = sorted(set(range(v)) - set(t.tolist()))
+    col3 = free[(int(t[3]) + 131) % len(free)]
+    col4 = free[(free.index(col3) + 1 + (int(t[4]) + 7) % (len(free) - 1)) % len(free)]
 
     def logits():
         return (r.double()[:, None] * (u.double() @ w.double().t())).float()
@@ -51,7 +62,7 @@ def _problem(m: int, v: int, seed: int, d: int = 64):
 
     for i, up in ((1, 15.0), (2, 25.0)):
         set_logit(i, int(t[i]), float(logits()[i, t[i]]) + up)
-    for i, col, up in ((3, (int(t[3]) + 131) % v, 150.0), (4, (int(t[4]) + 7) % v, 70.0)):
+    for i, col, up in ((3, col3, 150.0), (4, col4, 70.0)):
         set_logit(i, col, float(logits()[i, t[i]]) + up)
     t[::7] = -100
     return u, w, r, t, logits(), R.target_logits_ref(u, w, t, r)
@@ -80,8 +91,10 @@ def test_exp_form_is_softmax_minus_onehot(m, v):
     got = rs.double()[:, None] * e2.double()
     want = r.double()[:, None] * dl
     for i in range(m):
-        if valid[i]:  # each row to bf16's rounding of e', the confident rows' tiny ones included
-            assert (got[i] - want[i]).norm() <= 4e-3 * want[i].norm(), i
+        if valid[i]:  # each row to two bf16 roundings (2^-8 each): its entries' own, and the
+            # target's entry is formed from its tile's rounded entries (a row led by one other
+            # entry: up to 5.5e-3 over 800 rows' worst; a 4e-3 bound failed on 2.5 % of seeds)
+            assert (got[i] - want[i]).norm() <= 2 * 2 ** -8 * want[i].norm(), i
         else:
             assert rs[i] == 0
     # sum_v dl = 0 to the bf16 rounding of the entries: each is off by at most 2^-8 of itself
@@ -96,14 +109,18 @@ def test_exp_form_is_softmax_minus_onehot(m, v):
 
 def test_rows_below_the_guard_keep_their_stored_values():
     """A row whose logits all stay within EXP_GUARD of the target needs no rescale: only the
-    target's entry changes."""
+    target's entry changes. Which rows those are is read from the data: the weight rows that
+    put rows 3 and 4's logits 150 and 70 nats up are along their u, so another row whose u
+    leans that way (seed 1049: row 6) gets a logit near the guard too."""
     u, w, r, t, logits, tl = _problem(16, 300, seed=1)
     e, se = R.exp_logits_ref(logits, tl, TILE, GUARD)
     e2 = R.exp_combine_ref(e, se, u, w, tl, t, R.ce_coef(t, -100, "sum"), r, TILE, GUARD)[0]
     keep = torch.ones_like(e, dtype=torch.bool)
     valid = t != -100
     keep[torch.arange(16)[valid], t[valid]] = False
-    for i in (0, 1, 2, 5, 6):
+    calm = [i for i in (0, 1, 2, 5, 6) if logits[i].max() - tl[i] < GUARD - 2]
+    assert len(calm) >= 3, calm
+    for i in calm:
         assert torch.equal(e2[i][keep[i]], e[i][keep[i]]), i
     assert not torch.equal(e2[3][keep[3]], e[3][keep[3]])  # the 150-nat row rescales
 
