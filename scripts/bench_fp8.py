@@ -355,6 +355,16 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
     return fns
 
 
+def one_step_in_range(fn, nvtx_range: str, name: str, console) -> None:
+    """``fn`` once to warm up, then once inside ``nvtx_range`` (for a profiler's filter)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.nvtx.range(nvtx_range):
+        fn()
+    torch.cuda.synchronize()
+    console.print(f"{name}: one step in the NVTX range {nvtx_range}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -386,21 +396,10 @@ def main(argv=None) -> int:
     fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum) if args.sublayer == "mlp" else \
         attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
     if args.once:
-        name = fast_label(args.fast_accum)[1] if args.fast_accum != "none" else "coda fp8 row-wise"
-        fns[name]()
-        torch.cuda.synchronize()
-        with torch.cuda.nvtx.range("coda-fp8-step"):
-            fns[name]()
-        torch.cuda.synchronize()
-        console.print(f"{name}: one step in the NVTX range coda-fp8-step")
+        ours, shadow = fast_label(args.fast_accum)[::-1] if args.fast_accum != "none" else ("coda fp8 row-wise", SHADOW)
+        one_step_in_range(fns[ours], "coda-fp8-step", ours, console)
         if args.once_shadow:
-            shadow_name = fast_label(args.fast_accum)[0] if args.fast_accum != "none" else SHADOW
-            fns[shadow_name]()
-            torch.cuda.synchronize()
-            with torch.cuda.nvtx.range("fp8-shadow-step"):
-                fns[shadow_name]()
-            torch.cuda.synchronize()
-            console.print(f"{shadow_name}: one step in the NVTX range fp8-shadow-step")
+            one_step_in_range(fns[shadow], "fp8-shadow-step", shadow, console)
         return 0
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:

@@ -51,7 +51,8 @@ def _problem(m: int, v: int, seed: int, d: int = 64):
         taken.add(int(t[i]))
     free = sorted(set(range(v)) - set(t.tolist()))
     col3 = free[(int(t[3]) + 131) % len(free)]
-    col4 = free[(free.index(col3) + 1 + (int(t[4]) + 7) % (len(free) - 1)) % len(free)]
+    others = [c for c in free if c != col3]
+    col4 = others[(int(t[4]) + 7) % len(others)]
 
     def logits():
         return (r.double()[:, None] * (u.double() @ w.double().t())).float()
