@@ -23,12 +23,18 @@ accumulation, against ``_scaled_mm``: the data that moved the FP8 fast kernels' 
 factor measured from cool (``runner.COOP_TILE_INPUT_COST``) to the 16-bit depths (2026-12-04).
 
     python scripts/exp_energy_tiles.py [--configs 1b 8b] [--fp8] [--fused] [--run-ms 600] [--json out.json]
+        [--only LABEL ...]                                # these candidates alone
     python scripts/exp_energy_tiles.py --fit out.json      # the rates these runs give (no GPU)
 
 ``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
 config, one epilogue depth for the cooperative ones and, on a ``--fused`` run, the depths a
 computing tree and each tile input add to it, by least squares on the log of the times; then,
 fitted on each model's rows alone, how close its picks come on the other's.
+
+``pp128x128 1x2`` is ``_scaled_mm``'s own tile with fast accumulation (nvjet 128 x 128, 6
+stages, 1x2 cluster). On our kernel it did no better than the 2x1 cluster (H200, 2026-12-05,
+``--fused --fp8 --configs 8b``: the step's 14 FP8 launches 26.59 J / 33.81 ms from cool against
+26.31 J / 33.61 ms), so it is not in ``dispatch``'s config space.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ CANDIDATES_FP8 = {
         "coop128x128 2x1": (128, 128, "cooperative", 2, 1),
         # added for the second 2026-12-04 run, which measured its rate at the cap
         "coop128x192 2x1": (128, 192, "cooperative", 2, 1),
+        # _scaled_mm's own tile with fast accumulation (nvjet 128x128 6 stages 1x2, 2026-12-05)
+        "pp128x128 1x2": (128, 128, "pingpong", 1, 2),
     }.items()}
 BASE = {False: "cuBLAS", True: "_scaled_mm fast"}
 
@@ -316,6 +324,17 @@ def report_fit(rows: list, console: Console):
                               f"{best:.2f} ({picked / best:.4f})")
 
 
+def _keep_candidates(labels: list):
+    """Narrow the candidate tables to ``labels``, in that order (the first stands in for the usual
+    pick in the step sums)."""
+    global CANDIDATES, CANDIDATES_FP8
+    unknown = set(labels) - set(CANDIDATES) - set(CANDIDATES_FP8)
+    if unknown:
+        sys.exit(f"--only: no candidate labelled {sorted(unknown)}")
+    CANDIDATES = {lb: CANDIDATES[lb] for lb in labels if lb in CANDIDATES}
+    CANDIDATES_FP8 = {lb: CANDIDATES_FP8[lb] for lb in labels if lb in CANDIDATES_FP8}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
@@ -327,7 +346,11 @@ def main(argv=None):
     ap.add_argument("--run-ms", type=float, default=600)
     ap.add_argument("--json")
     ap.add_argument("--fit", metavar="JSON", help="fit the heuristic's model to a run's --json and stop")
+    ap.add_argument("--only", nargs="+", metavar="LABEL",
+                    help="time these candidates alone (their labels, e.g. 'pp128x128 1x2'; the first is the usual pick)")
     args = ap.parse_args(argv)
+    if args.only:
+        _keep_candidates(args.only)
     if args.fit:
         return report_fit(json.loads(Path(args.fit).read_text()), Console(width=200))
     if not torch.cuda.is_available():

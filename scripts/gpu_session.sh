@@ -57,8 +57,9 @@
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
 #   gemm-ncu  ncu of the six GEMMs of one row-wise fast FP8 MLP step and of its shadow's six
-#             (stall reasons and their SASS sites, DRAM traffic, tensor-pipe use; the report in
-#             gemm-ncu.ncu-rep): what the gate/up forward's and the down dgrad's epilogues wait on
+#             (stall reasons, DRAM traffic, tensor-pipe use: the details page; our kernels' 40
+#             hottest SASS lines each with their stall reasons, scripts/ncu_hot_lines.py): what
+#             the gate/up forward's and the down dgrad's epilogues wait on
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
 #             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
 #             sublayer's promoted recipes with and without it, in turns)
@@ -171,11 +172,19 @@ stage_fp8_ncu() {
 stage_gemm_ncu() {
     # each GEMM of one row-wise fast step and of its shadow's: where the epilogue GEMMs' warps
     # wait (WarpStateStats, SourceCounters' stall sites), their DRAM traffic and tensor-pipe use
-    step gemm-ncu 420 ncu --clock-control none --nvtx --nvtx-include "coda-fp8-step/" --nvtx-include "fp8-shadow-step/" \
-        --kernel-name regex:"[Gg]emm" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    # (no NVTX filter: autograd runs the backward's launches on its own thread, outside the range;
+    # the first 6 are our warm-up step's GEMMs, then our step's 6, the shadow's warm-up 6 and its 6)
+    step gemm-ncu 420 ncu --clock-control none --kernel-name regex:"Sm90Gemm|nvjet" --launch-skip 6 \
+        --launch-count 18 --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section SourceCounters \
         --section LaunchStats --section Occupancy --export "$OUT/gemm-ncu" \
         python3 scripts/bench_fp8.py --once --once-shadow --fast-accum all
+    # the report is too big to come back: its details page, and our kernels' hottest SASS lines
+    step gemm-ncu-details 120 ncu --import "$OUT/gemm-ncu.ncu-rep" --page details
+    step gemm-ncu-source 180 bash -c "ncu --import '$OUT/gemm-ncu.ncu-rep' --kernel-name regex:Sm90Gemm \
+        --page source --csv --print-source sass > '$OUT/gemm-ncu-source.csv' \
+        && python3 scripts/ncu_hot_lines.py '$OUT/gemm-ncu-source.csv' --top 40 \
+        && gzip -f '$OUT/gemm-ncu-source.csv' && rm -f '$OUT/gemm-ncu.ncu-rep'"
 }
 
 stage_waves() {
