@@ -25,7 +25,7 @@ medians). Also printed: the bytes our separate quantization passes move per step
         [--profile]                                  # also the kernels of one coda fp8 step (both variants)
     python scripts/bench_fp8.py --baselines-only   # torchao and the shadow, without the CuTe DSL
     python scripts/bench_fp8.py --sublayer attention [--heads 32 --kv-heads 8 --head-dim 128 --seq 4096]
-    ncu --nvtx --nvtx-include "coda-fp8-step/" python scripts/bench_fp8.py --once --fast-accum all
+    ncu --nvtx --nvtx-include "coda-fp8-step" python scripts/bench_fp8.py --once --fast-accum all
 
 ``--once``: no timing; our row-wise variant (with ``--fast-accum``'s) runs one warm-up step, then
 one step inside the NVTX range ``coda-fp8-step``, for a profiler to take its kernels alone;
@@ -356,12 +356,15 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
 
 
 def one_step_in_range(fn, nvtx_range: str, name: str, console) -> None:
-    """``fn`` once to warm up, then once inside ``nvtx_range`` (for a profiler's filter)."""
+    """``fn`` once to warm up, then once inside ``nvtx_range`` (for a profiler's filter). A
+    start/end range, which holds every thread's launches: a push/pop range is the pushing
+    thread's alone, and autograd launches the backward from a thread of its own."""
     fn()
     torch.cuda.synchronize()
-    with torch.cuda.nvtx.range(nvtx_range):
-        fn()
+    rid = torch.cuda.nvtx.range_start(nvtx_range)
+    fn()
     torch.cuda.synchronize()
+    torch.cuda.nvtx.range_end(rid)
     console.print(f"{name}: one step in the NVTX range {nvtx_range}")
 
 

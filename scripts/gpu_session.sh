@@ -163,7 +163,7 @@ stage_mlp_gaps() {
 }
 
 stage_fp8_ncu() {
-    step fp8-ncu 300 ncu --clock-control none --nvtx --nvtx-include "coda-fp8-step/" \
+    step fp8-ncu 300 ncu --clock-control none --nvtx --nvtx-include "coda-fp8-step" \
         --kernel-name regex:"AbsMax|QuantizeDual|TransposeBytes|QuantizeWholeRows" --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
         python3 scripts/bench_fp8.py --once --fast-accum all
