@@ -65,6 +65,10 @@
 #             sublayer's promoted recipes with and without it, in turns)
 #   sinks     the epilogue quantize sinks' GPU tests and the FP8 MLP's with FUSED_QUANT, then
 #             bench_fp8.py --profile (the block recipe with and without its quantization fused)
+#   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
+#             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
+#             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
+#             the step's plain shapes, in turns and at the cap (exp_energy_tiles.py; --fit on its JSON)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -198,6 +202,14 @@ stage_sinks() {
     step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
 }
 
+stage_card_gemms() {
+    step card-gemms-step 250 python3 scripts/bench_step_gemms.py --configs 8b --rounds 6 --energy \
+        --json "$OUT/card-gemms-step.json"
+    step card-gemms-tiles 250 python3 scripts/exp_energy_tiles.py --configs 8b --rounds 5 --run-ms 300 \
+        --json "$OUT/card-gemms-tiles.json"
+    step card-gemms-fit 30 python3 scripts/exp_energy_tiles.py --fit "$OUT/card-gemms-tiles.json"
+}
+
 stage_verify() {
     step verify-tests 220 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_gemm_gpu.py \
         tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_epilogue_quantize_gpu.py \
@@ -294,7 +306,8 @@ for s in "$@"; do
         gemm-ncu) stage_gemm_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks)"; exit 2 ;;
+        card-gemms) stage_card_gemms ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks card-gemms)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
