@@ -59,3 +59,33 @@ def test_quantize_bytes_count_each_recipes_reads_and_writes(mods):
     assert rows["dy2 (both layouts)"]["row_wise"] == m * d * (2 + 1 + 2 + 2 + 1)
     for r in rows.values():
         assert r["fused"] is None or r["fused"] < r["separate"]
+
+
+def test_kept_weights_variant_is_the_self_quantizing_step(mods):
+    """``..., weights kept`` passes the row-wise quantizations ``WeightQuantCache`` would keep, by
+    the op's keyword names: the same outputs and gradients as the op quantizing them itself."""
+    import torch
+
+    import coda_cute
+    from coda_cute.nn.llama import embedding_norm_stats
+
+    bench, _ = mods
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    m, d, f = 40, 256, 128
+    y = torch.randn(m, d, generator=g).bfloat16()
+    w_gu = (torch.randn(2 * f, d, generator=g) * d ** -0.5).bfloat16()
+    w_down = (torch.randn(d, f, generator=g) * f ** -0.5).bfloat16()
+    dy2 = torch.randn(m, d, generator=g).bfloat16()
+    runs = []
+    with coda_cute.reference_on_cpu():
+        ss = embedding_norm_stats(y)
+        kept = bench.kept_weights(w_gu, w_down)
+        for kw in ({}, kept):
+            leaves = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+            out = torch.ops.coda.mlp_block_fp8(leaves[0], ss, leaves[1], leaves[2], 1e-5, row_scaling=True,
+                                               fast_accum="all", **kw)[0]
+            out.backward(dy2)
+            runs.append([out] + [t.grad for t in leaves])
+    assert sorted(kept) == ["down_q", "down_qt", "down_s", "gu_q", "gu_qt", "gu_s"]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert bench.kept_label("all") == "coda fp8 row-wise, fast accum (all), weights kept"
