@@ -57,8 +57,8 @@
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
 #   gemm-ncu  ncu of the six GEMMs of one row-wise fast FP8 MLP step and of its shadow's six
-#             (stall reasons, DRAM traffic, tensor-pipe use: the details page; our kernels' 40
-#             hottest SASS lines each with their stall reasons, scripts/ncu_hot_lines.py): what
+#             (stall reasons, DRAM traffic, tensor-pipe use: the details page; each kernel's 40
+#             hottest SASS lines with their stall reasons, scripts/ncu_hot_lines.py): what
 #             the gate/up forward's and the down dgrad's epilogues wait on
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
 #             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
@@ -183,9 +183,9 @@ stage_gemm_ncu() {
         --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section SourceCounters \
         --section LaunchStats --section Occupancy --export "$OUT/gemm-ncu" \
         python3 scripts/bench_fp8.py --once --once-shadow --fast-accum all
-    # the report is too big to come back: its details page, and our kernels' hottest SASS lines
+    # the report is too big to come back: its details page, and each kernel's hottest SASS lines
     step gemm-ncu-details 120 ncu --import "$OUT/gemm-ncu.ncu-rep" --page details
-    step gemm-ncu-source 180 bash -c "ncu --import '$OUT/gemm-ncu.ncu-rep' --kernel-name regex:Sm90Gemm \
+    step gemm-ncu-source 180 bash -c "ncu --import '$OUT/gemm-ncu.ncu-rep' \
         --page source --csv --print-source sass > '$OUT/gemm-ncu-source.csv' \
         && python3 scripts/ncu_hot_lines.py '$OUT/gemm-ncu-source.csv' --top 40 \
         && gzip -f '$OUT/gemm-ncu-source.csv' && rm -f '$OUT/gemm-ncu.ncu-rep'"
