@@ -45,7 +45,7 @@
 #             verify-more fits one call)
 #   emb       the embedding GPU tests alone (-n 4)
 #   verify-rest  the other GPU tests: the block, training, fold, epilogue, FP8 attention and SoL
-#             ones (12 workers)
+#             ones (12 workers on the H200, 6 on a card under 100 GB)
 #   sol       the SoL reporter's GPU tests, in one process (they time: xdist skips them)
 #   verify-lm-head  the LM head's, the block's and the model's tests of test_coda_block_gpu (6 workers)
 #   verify-hf  the HF integration's GPU tests (4 workers)
@@ -56,10 +56,11 @@
 #   gemm      the GEMM GPU tests (test_gemm_gpu: every config, dtype and ragged shape)
 #   rope-ncu  ncu of the RoPE backward launches of bench_rope_backward.py --once --sweep (first
 #             shape: head_dim 64)
-#   gemm-ncu  ncu of the six GEMMs of one row-wise fast FP8 MLP step and of its shadow's six
-#             (stall reasons, DRAM traffic, tensor-pipe use: the details page; each kernel's 40
-#             hottest SASS lines with their stall reasons, scripts/ncu_hot_lines.py): what
-#             the gate/up forward's and the down dgrad's epilogues wait on
+#   gemm-ncu  ncu of the six GEMMs of one row-wise fast FP8 MLP step, and with GEMM_NCU_SHADOW=1
+#             of its shadow's six (stall reasons, DRAM traffic, tensor-pipe use: the details
+#             page; each kernel's 40 hottest SASS lines with their stall reasons,
+#             scripts/ncu_hot_lines.py): what the gate/up forward's and the down dgrad's
+#             epilogues wait on
 #   waves     FP8 two-level accumulation in 64-row waves (cooperative 256 x 128): its GEMM and
 #             block-scaled GPU tests, then exp_wave_promotion.py --mlp (the MLP's GEMMs, and the
 #             sublayer's promoted recipes with and without it, in turns)
@@ -85,6 +86,13 @@ setup() {
         export PYTHONPATH=$PYTHONPATH:/tmp/coda-wheels
     fi
     nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+    GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -dc 0-9)
+}
+
+# workers N: N pytest workers on a card of 100 GB or more (the H200 the counts were sized on), half
+# on a smaller one (12 workers of verify-rest on an 80 GB H100 ran 17 tests out of memory)
+workers() {
+    if [ "${GPU_MIB:-0}" -ge 100000 ]; then echo "$1"; else echo $((($1 + 1) / 2)); fi
 }
 
 # step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in $OUT/NAME.log
@@ -174,15 +182,18 @@ stage_fp8_ncu() {
 }
 
 stage_gemm_ncu() {
-    # each GEMM of one row-wise fast step and of its shadow's: where the epilogue GEMMs' warps
-    # wait (WarpStateStats, SourceCounters' stall sites), their DRAM traffic and tensor-pipe use
-    # (no NVTX filter: autograd runs the backward's launches on its own thread, outside the range;
-    # the first 6 are our warm-up step's GEMMs, then our step's 6, the shadow's warm-up 6 and its 6)
+    # each GEMM of one row-wise fast step: where the epilogue GEMMs' warps wait (WarpStateStats,
+    # SourceCounters' stall sites), their DRAM traffic and tensor-pipe use. No NVTX filter:
+    # autograd runs the backward's launches on its own thread, outside the range; the first 6
+    # launches are our warm-up step's GEMMs. The shadow's nvjet kernels were profiled on
+    # 2026-12-05 (96-99 % tensor pipe): GEMM_NCU_SHADOW=1 adds them (and doubles the stage's time).
+    local count=6 shadow=()
+    if [ "${GEMM_NCU_SHADOW:-0}" = 1 ]; then count=18; shadow=(--once-shadow); fi
     step gemm-ncu 420 ncu --clock-control none --kernel-name regex:"Sm90Gemm|nvjet" --launch-skip 6 \
-        --launch-count 18 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --launch-count "$count" --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section SourceCounters \
         --section LaunchStats --section Occupancy --export "$OUT/gemm-ncu" \
-        python3 scripts/bench_fp8.py --once --once-shadow --fast-accum all
+        python3 scripts/bench_fp8.py --once "${shadow[@]}" --fast-accum all
     # the report is too big to come back: its details page, and each kernel's hottest SASS lines
     step gemm-ncu-details 120 ncu --import "$OUT/gemm-ncu.ncu-rep" --page details
     step gemm-ncu-source 180 bash -c "ncu --import '$OUT/gemm-ncu.ncu-rep' \
@@ -234,7 +245,7 @@ stage_emb() {
 }
 
 stage_verify_rest() {
-    step verify-rest 280 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_coda_block_gpu.py \
+    step verify-rest 450 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 12)" tests/test_coda_block_gpu.py \
         tests/test_train_gpu.py tests/test_fold_gpu.py tests/test_epilogue_gpu.py tests/test_attention_fp8_gpu.py \
         tests/test_sol_gpu.py
 }
