@@ -8,7 +8,14 @@ ping-pong 128x128 2x1 at 0.69-0.83 of cuBLAS on the GEMMs with an operand of 1.9
 raster band (``raster_group``) and the tile shape varied, and samples the SM clock and power
 through the run (``nvidia-smi``, 50 ms) to tell a slower kernel from a throttled one.
 
-    python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv]
+``--fp8``: the row-wise FP8 MLP's six GEMMs at the 8B shapes (16384 tokens, both operands K-major
+in E4M3, row and column scales, fast accumulation, bf16 out) against ``_scaled_mm`` fast. On an
+H100 (2026-12-05) our picks ran 1.04-1.16x its time on the short-K GEMMs with the widest outputs
+(gate/up forward 16384 x 28672 x 4096, down dgrad 16384 x 14336 x 4096; `_scaled_mm` there is
+`nvjet_sm90_qqtst_128x128_128x6_1x2`: our tile and stage count, the other cluster) and at parity
+on the long-K ones; this varies the raster band and the cluster around the pick.
+
+    python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8]
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coda_cute import dispatch
+from coda_cute.ops.fp8_gemms import FP8
 from coda_cute.ops.gemm import gemm_impl
 from coda_cute.sol.timing import interleaved_medians
 
@@ -33,12 +41,54 @@ import bench_train_gemms as BTG  # noqa: E402  (the training layouts' operands)
 CASES = [("gate_up.dgrad", "dgrad", 32768, 57344, 8192), ("gate_up.wgrad", "wgrad", 32768, 57344, 8192),
          ("down.fwd", "fwd", 32768, 8192, 28672), ("gate_up.dgrad K-short", "dgrad", 8192, 57344, 8192)]
 GROUPS = (2, 4, 16, 32)
+#: (label, M, N, K) of the row-wise FP8 MLP's GEMMs (d 4096, ffn 14336, 16384 tokens)
+FP8_CASES = [("gate_up.fwd", 16384, 28672, 4096), ("down.fwd", 16384, 4096, 14336),
+             ("down.dgrad", 16384, 14336, 4096), ("gate_up.dgrad", 16384, 4096, 28672),
+             ("down.wgrad", 4096, 14336, 16384), ("gate_up.wgrad", 28672, 4096, 16384)]
+
+
+def bf16_case(kind, m, n_out, k_in, sms):
+    """(cuBLAS's product, ours(config), (M, N, K), variants) of a bf16 training GEMM."""
+    a, b = BTG.operands(kind, m, n_out, k_in)
+    cfg = dispatch.select_config(a.shape[0], b.shape[1], a.shape[1], 1, False, False, sms)
+    variants = {f"ours {cfg.name}": None}
+    variants.update({f"g{g}": cfg.with_(raster_group=g) for g in GROUPS})
+    variants.update({c.name: c for c in (dispatch.GemmConfig(128, 256, 64, "cooperative", 2, 1),
+                                         dispatch.GemmConfig(128, 128, 64, "pingpong", 1, 1))})
+    return (lambda: torch.mm(a, b)), (lambda c: gemm_impl(a, b, config=c)), (a.shape[0], b.shape[1], a.shape[1]), variants
+
+
+def fp8_variants(cfg) -> dict:
+    """name -> config around the FP8 pick ``cfg`` (None: the pick itself, through the heuristic):
+    its raster band varied, its cluster turned (`_scaled_mm`'s 1x2) or dropped, and cooperative
+    128 x 256 2x1."""
+    variants = {f"ours {cfg.name}": None}
+    variants.update({f"g{g}": cfg.with_(raster_group=g) for g in GROUPS if g != cfg.raster_group})
+    variants.update({f"cluster {cm}x{cn}": cfg.with_(cluster_m=cm, cluster_n=cn)
+                     for cm, cn in ((1, 2), (1, 1)) if (cm, cn) != (cfg.cluster_m, cfg.cluster_n)})
+    coop = dispatch.GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True)
+    if coop != cfg:
+        variants[coop.name] = coop
+    return variants
+
+
+def fp8_case(m, n, k, sms):
+    """The same for a row-wise FP8 GEMM with fast accumulation, against ``_scaled_mm`` fast."""
+    a = torch.randn(m, k, device="cuda").to(FP8)
+    b = torch.randn(n, k, device="cuda").to(FP8).t()
+    sa = torch.rand(m, 1, device="cuda") + 0.5
+    sb = (torch.rand(1, n, device="cuda") + 0.5) / k ** 0.5
+    variants = fp8_variants(dispatch.select_config(m, n, k, 1, True, True, sms))
+    base = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,  # noqa: E731
+                                    use_fast_accum=True)
+    return base, (lambda c: gemm_impl(a, b, sa, sb, torch.bfloat16, True, config=c)), (m, n, k), variants
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--log", help="write nvidia-smi's SM clock and power samples here (CSV)")
+    ap.add_argument("--fp8", action="store_true", help="the row-wise FP8 MLP's six GEMMs instead (module docstring)")
     args = ap.parse_args()
     smi = None
     if args.log:
@@ -49,29 +99,24 @@ def main():
     table = Table(title="large training GEMMs: cuBLAS time / ours per variant (> 1: ours faster)")
     for col in ("GEMM", "M x N x K", "cuBLAS TFLOP/s", "variant", "ratio"):
         table.add_column(col, justify="right")
+    cases = [(label, lambda m=m, n=n, k=k: fp8_case(m, n, k, sms)) for label, m, n, k in FP8_CASES] if args.fp8 \
+        else [(c[0], lambda c=c: bf16_case(*c[1:], sms)) for c in CASES]
     try:
-        for label, kind, m, n_out, k_in in CASES:
-            a, b = BTG.operands(kind, m, n_out, k_in)
-            mm, kk, nn = a.shape[0], a.shape[1], b.shape[1]
-            cfg = dispatch.select_config(mm, nn, kk, 1, False, False, sms)
-            fns = {"cublas": lambda a=a, b=b: torch.mm(a, b), f"ours {cfg.name}": lambda a=a, b=b: gemm_impl(a, b)}
-            for g in GROUPS:
-                c = cfg.with_(raster_group=g)
-                fns[f"g{g}"] = lambda a=a, b=b, c=c: gemm_impl(a, b, config=c)
-            for c in (dispatch.GemmConfig(128, 256, 64, "cooperative", 2, 1),
-                      dispatch.GemmConfig(128, 128, 64, "pingpong", 1, 1)):
-                fns[c.name] = lambda a=a, b=b, c=c: gemm_impl(a, b, config=c)
-            want = torch.mm(a, b).float()
-            err = float((gemm_impl(a, b).float() - want).norm() / want.norm())
-            console.log(f"{label} {mm}x{nn}x{kk}: ours vs cuBLAS rel. difference {err:.2e}")
+        for label, make in cases:
+            base, ours, (mm, nn, kk), variants = make()
+            want = base().float()
+            err = float((ours(None).float() - want).norm() / want.norm())
+            console.log(f"{label} {mm}x{nn}x{kk}: ours vs {'_scaled_mm' if args.fp8 else 'cuBLAS'} rel. difference {err:.2e}")
             del want
+            fns = {"cublas": base}
+            fns.update({name: (lambda c=c: ours(c)) for name, c in variants.items()})
             t = interleaved_medians(fns, rounds=args.rounds, settle_ms=300)
             tflops = 2 * mm * nn * kk / t["cublas"] / 1e9
             for name, ms in t.items():
                 if name != "cublas":
                     table.add_row(label, f"{mm}x{nn}x{kk}", f"{tflops:.0f}", name, f"{t['cublas'] / ms:.3f}")
                     console.log(f"{label} {name}: {t['cublas'] / ms:.3f}")
-            del a, b
+            del base, ours
             torch.cuda.empty_cache()
     finally:
         if smi is not None:

@@ -66,6 +66,9 @@
 #             sublayer's promoted recipes with and without it, in turns)
 #   sinks     the epilogue quantize sinks' GPU tests and the FP8 MLP's with FUSED_QUANT, then
 #             bench_fp8.py --profile (the block recipe with and without its quantization fused)
+#   fp8-raster  exp_large_gemms.py --fp8: the row-wise FP8 MLP's six GEMMs (plain, fast
+#             accumulation) against _scaled_mm fast with the pick's raster band and cluster
+#             varied, clocks and power sampled (on the H100 the short-K wide-output ones lose)
 #   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
@@ -213,6 +216,10 @@ stage_sinks() {
     step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
 }
 
+stage_fp8_raster() {
+    step fp8-raster 300 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/fp8-raster-clocks.csv"
+}
+
 stage_card_gemms() {
     step card-gemms-step 250 python3 scripts/bench_step_gemms.py --configs 8b --rounds 6 --energy \
         --json "$OUT/card-gemms-step.json"
@@ -317,14 +324,15 @@ for s in "$@"; do
         gemm-ncu) stage_gemm_ncu ;;
         waves) stage_waves ;;
         sinks) stage_sinks ;;
+        fp8-raster) stage_fp8_raster ;;
         card-gemms) stage_card_gemms ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks card-gemms)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
     echo "---------------- $name"
     tail -n 25 "$OUT/$name.log"
 done
-# at most 8 files come back from a device call: the logs and JSON go back as one archive
+# at most 8 files come back from a device call: the logs, JSON and CSV go back as one archive
 # (nullglob: a run without JSON still archives its logs; ls of the unmatched pattern failed the chain)
-(cd "$OUT" && shopt -s nullglob && files=(./*.log ./*.json) && tar czf logs.tgz "${files[@]}" && rm -f "${files[@]}")
+(cd "$OUT" && shopt -s nullglob && files=(./*.log ./*.json ./*.csv) && tar czf logs.tgz "${files[@]}" && rm -f "${files[@]}")

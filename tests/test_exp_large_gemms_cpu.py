@@ -1,0 +1,61 @@
+"""CPU checks of scripts/exp_large_gemms.py's FP8 mode: its six GEMMs are the FP8 MLP's
+(``bench_fp8.mlp_gemms``) and every variant around a pick is another valid FP8 fast-accumulation
+config that builds for sm_90a without spills."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from coda_cute import dispatch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return mod
+
+
+@pytest.fixture(scope="module")
+def exp():
+    return _load("exp_large_gemms")
+
+
+def test_fp8_cases_are_the_mlps_gemms(exp):
+    bench = _load("bench_fp8")
+    want = sorted((m, n, k) for m, k, n, _ in bench.mlp_gemms(16384, 4096, 14336))
+    assert sorted((m, n, k) for _, m, n, k in exp.FP8_CASES) == want
+
+
+@pytest.mark.parametrize("label, m, n, k", [("gate_up.fwd", 16384, 28672, 4096), ("down.dgrad", 16384, 14336, 4096)])
+def test_fp8_variants_differ_from_the_pick(exp, label, m, n, k):
+    pick = dispatch.select_config(m, n, k, 1, True, True, 132)
+    variants = exp.fp8_variants(pick)
+    assert variants.pop(f"ours {pick.name}") is None
+    configs = list(variants.values())
+    assert configs and len(set(configs)) == len(configs) and pick not in configs
+    assert all(c.fp8_fast_accum for c in configs)
+    assert {(c.cluster_m, c.cluster_n) for c in configs} >= {(1, 2), (1, 1)} - {(pick.cluster_m, pick.cluster_n)}
+
+
+def test_fp8_variants_build_without_spills(exp):
+    """Each variant's row-scaled FP8 kernel (the GEMM the experiment times) for sm_90a: QGMMA,
+    no spills, no serialized WGMMAs."""
+    from coda_cute.compiler import GemmSpec, compile_gemm
+
+    pick = dispatch.select_config(16384, 28672, 4096, 1, True, True, 132)
+    for cfg in [pick] + [c for c in exp.fp8_variants(pick).values() if c is not None]:
+        k = compile_gemm(GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", cfg,
+                                  scale_a="row", scale_b="row"), keep_artifacts=True)
+        stats = k.stats
+        assert stats["spill_stores"] == stats["spill_loads"] == 0 and not stats["wgmma_serialized"], (cfg.name, stats)
+        assert "wgmma.mma_async.sync.aligned.m64n" in k.ptx and ".e4m3.e4m3" in k.ptx, cfg.name
