@@ -68,7 +68,8 @@
 #             bench_fp8.py --profile (the block recipe with and without its quantization fused)
 #   fp8-raster  exp_large_gemms.py --fp8: the row-wise FP8 MLP's six GEMMs (plain, fast
 #             accumulation) against _scaled_mm fast with the pick's raster band and cluster
-#             varied, clocks and power sampled (on the H100 the short-K wide-output ones lose)
+#             varied and with 64-column ping-pong epilogue sub-tiles, clocks and power sampled
+#             (on the H100 the short-K wide-output ones lose)
 #   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on

@@ -3,6 +3,7 @@
 config that builds for sm_90a without spills."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -59,3 +60,30 @@ def test_fp8_variants_build_without_spills(exp):
         stats = k.stats
         assert stats["spill_stores"] == stats["spill_loads"] == 0 and not stats["wgmma_serialized"], (cfg.name, stats)
         assert "wgmma.mma_async.sync.aligned.m64n" in k.ptx and ".e4m3.e4m3" in k.ptx, cfg.name
+
+
+def test_wide_ping_pong_sub_tiles_build(monkeypatch):
+    """The experiment's 64-column ping-pong sub-tiles (``PINGPONG_WIDE_SUB_TILES``) on the gate/up
+    forward's pick: a 64 x 64 sub-tile with the same six A/B stages and two store buffers, half
+    the TMA stores of 64 x 32 in the PTX, no spills; and the switch off, the default's 64 x 32."""
+    from coda_cute import compiler
+    from coda_cute.compiler import GemmSpec, compile_gemm
+    from coda_cute.kernels.common.config import pipeline_stages
+    from coda_cute.kernels.epilogue.plain import gemm_tree
+    from coda_cute.kernels.sm90 import epilogue as EPI
+
+    pick = dispatch.select_config(16384, 28672, 4096, 1, True, True, 132)
+    assert pick.schedule == "pingpong"
+    tree = gemm_tree("row", "row", "bfloat16")
+    spec = GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", pick, scale_a="row", scale_b="row")
+    stores = {}
+    for wide in (False, True):
+        monkeypatch.setattr(EPI, "PINGPONG_WIDE_SUB_TILES", wide)
+        epi = EPI.Sm90TreeEpilogue(tree, pick, 1)
+        assert epi.epi_tile == ((64, 64) if wide else (64, 32)) and epi.stages == 2
+        assert pipeline_stages(pick, 1, epi.smem_bytes()) == 6
+        monkeypatch.setattr(compiler, "_cache", {})  # the switch is not part of the spec
+        k = compile_gemm(spec, keep_artifacts=True)
+        assert k.stats["spill_stores"] == k.stats["spill_loads"] == 0 and not k.stats["wgmma_serialized"], k.stats
+        stores[wide] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", k.ptx))
+    assert stores[False] == 2 * stores[True] > 0, stores

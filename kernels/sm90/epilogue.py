@@ -60,6 +60,12 @@ LSE_FOLD = 4
 GATHER_SELECT = False
 #: the widths a cooperative element-wise tree's sub-tile may take, widest first (``_sub_tile``)
 WIDE_SUB_TILES = (128, 64)
+#: let ping-pong element-wise trees take them too: a switch for ``scripts/exp_large_gemms.py
+#: --fp8``. A ping-pong epilogue runs under the other warpgroup's mainloop, so its per-sub-tile
+#: barriers and TMA store rounds cost nothing while they hide there; whether they still hide on
+#: the short-K, wide-output FP8 GEMMs of an H100 (where the plain GEMM ran 1.04-1.16x
+#: ``_scaled_mm``'s time) is what the experiment asks.
+PINGPONG_WIDE_SUB_TILES = False
 #: a ping-pong epilogue whose two store buffers per output leave fewer A/B stages than this
 #: takes one where that buys a stage (``Sm90TreeEpilogue._store_ring_depth``)
 ONE_STORE_BUFFER_BELOW_STAGES = 6
@@ -152,7 +158,7 @@ class Sm90TreeEpilogue(SinkFolds):
             return rows, N.QUANT_BLOCK if self.quants else cols
         elementwise = not (self.tile_inputs or self.row_reds or self.col_reds or self.gathers
                            or self.half_stores or self.lookups_ahead or self.segment_nodes)
-        if self.pingpong or not elementwise:
+        if (self.pingpong and not PINGPONG_WIDE_SUB_TILES) or not elementwise:
             return rows, cols
         for wide in WIDE_SUB_TILES:
             staged = rows * wide // (self.epi_warps * 32)
