@@ -1,5 +1,9 @@
 """Shared test helpers."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 
 #: the running test's seed: conftest's ``fresh_seed`` draws it before each test (CODA_TEST_SEED pins it)
@@ -74,3 +78,20 @@ def on_path(path: str):
     if path == "fake":
         return FakeTensorMode(allow_non_fake_inputs=True)
     raise ValueError(f"on_path: path must be 'cpu' or 'fake', got {path!r}")
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are no package; their own imports of each
+    other resolve from the scripts folder while it loads)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return mod

@@ -2,30 +2,14 @@
 training step's GEMMs of the same sublayer (``scripts/train_shadow.step_gemms``), roles included
 (the fast-accumulation shadow picks its ``use_fast_accum`` GEMMs by them)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is built
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return mod
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def mods():
-    return _load("bench_fp8"), _load("train_shadow")
+    return load_script("bench_fp8"), load_script("train_shadow")
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, d, f", [(32, 8, 128, 4096, 14336), (12, 4, 96, 1024, 2816)])

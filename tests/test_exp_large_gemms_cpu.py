@@ -2,37 +2,21 @@
 (``bench_fp8.mlp_gemms``) and every variant around a pick is another valid FP8 fast-accumulation
 config that builds for sm_90a without spills."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 from coda_cute import dispatch
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return mod
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def exp():
-    return _load("exp_large_gemms")
+    return load_script("exp_large_gemms")
 
 
 def test_fp8_cases_are_the_mlps_gemms(exp):
-    bench = _load("bench_fp8")
+    bench = load_script("bench_fp8")
     want = sorted((m, n, k) for m, k, n, _ in bench.mlp_gemms(16384, 4096, 14336))
     assert sorted((m, n, k) for _, m, n, k in exp.FP8_CASES) == want
 
