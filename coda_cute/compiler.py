@@ -364,12 +364,13 @@ def _build_digest() -> str:
 
 def digest_sources() -> list[str]:
     """The files a compiled binary is built from: this module, the modules that build the
-    compile arguments (``elementwise``, ``elementwise_lm_head``: a kernel's signature is its fake
+    compile arguments (``elementwise*.py``: an element-wise kernel's signature is its spec's fake
     arguments there) and every kernel source."""
     from .kernels import __path__ as kernel_dirs
 
     here = os.path.dirname(os.path.abspath(__file__))
-    builders = [os.path.join(here, f) for f in ("elementwise.py", "elementwise_lm_head.py")]
+    builders = sorted(os.path.join(here, f) for f in os.listdir(here)
+                      if f.startswith("elementwise") and f.endswith(".py"))
     return [os.path.abspath(__file__)] + builders + sorted(
         os.path.join(d, f) for d, _, fs in os.walk(kernel_dirs[0]) for f in fs if f.endswith(".py"))
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from .elementwise import (AbsMaxSpec, CrossEntropyGradSpec, EmbeddingBackwardSpec, FoldBackwardSpec, LseCombineSpec,
-                          QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec, QuantizeWholeRowsSpec,
-                          RopeBackwardSpec, ScaleColumnsSpec, TransposeBytesSpec, compile_elementwise,
-                          whole_row_groups)
+from .elementwise import (CrossEntropyGradSpec, EmbeddingBackwardSpec, FoldBackwardSpec, LseCombineSpec,
+                          RopeBackwardSpec, ScaleColumnsSpec, compile_elementwise)
+from .elementwise_fp8 import (AbsMaxSpec, QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec, QuantizeWholeRowsSpec,
+                              TransposeBytesSpec, whole_row_groups)
 from .elementwise_lm_head import ExpCombineSpec, LmHeadRowsSpec, TargetLogitsSpec
 
 #: the intended instructions, by the PTX opcode prefix each is counted by

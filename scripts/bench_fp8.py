@@ -219,10 +219,10 @@ def quantize_bytes(m, d, f) -> list[dict]:
     the down dgrad's double-width one (both layouts); the weights are quantized by
     their own kernel with their FP8 transposes (read bf16, write both), once per version with
     ``nn.fold.WeightQuantCache``. ``row_wise``: the same tensors in the row-wise recipe, bytes per
-    element: a tensor needed along K is read once and written (3, ``elementwise.QuantizeWholeRowsSpec``);
+    element: a tensor needed along K is read once and written (3, ``elementwise_fp8.QuantizeWholeRowsSpec``);
     a column quantization over all the tokens reads once more first for the columns' amaxes (5,
-    ``elementwise.abs_max``; the weights' transposes too); dz''s FP8 rows are transposed as bytes
-    for its wgrad (2 more, ``elementwise.transpose_fp8``; the wgrad folds its row scales into y's
+    ``elementwise_fp8.abs_max``; the weights' transposes too); dz''s FP8 rows are transposed as bytes
+    for its wgrad (2 more, ``elementwise_fp8.transpose_fp8``; the wgrad folds its row scales into y's
     columns), and so are h's, kept from the forward (2: the down-proj wgrad folds h's row scales
     into dy2's columns, ``fp8_gemms.wgrad_kept``; the down dgrad no longer stores h either)."""
     rows = [("y (forward, along K)", m * d, 1, "yes: the previous residual GEMM", 3),

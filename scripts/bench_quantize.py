@@ -29,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coda_cute.elementwise import abs_max, quantize_dual, quantize_rows, quantize_rowwise
+from coda_cute.elementwise_fp8 import abs_max, quantize_dual, quantize_rows, quantize_rowwise
 from coda_cute.sol.timing import interleaved_medians
 
 FP8 = torch.float8_e4m3fn

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from coda_cute import dispatch
 from coda_cute import epilogue as E
-from coda_cute.elementwise import quantize_rows, quantize_weight
+from coda_cute.elementwise_fp8 import quantize_rows, quantize_weight
 from coda_cute.epilogue import runner
 from coda_cute.ops.residual import residual_norm_stats_tree
 from coda_cute.ops.rmsnorm import norm_backward_tree, norm_inputs

@@ -13,8 +13,8 @@ among them), once with fast accumulation in every GEMM.
 
 import torch
 
-from coda_cute.elementwise import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise, quantize_weight,
-                                   transpose_fp8)
+from coda_cute.elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise,
+                                       quantize_weight, transpose_fp8)
 
 
 def main():

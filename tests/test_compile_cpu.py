@@ -486,7 +486,7 @@ def test_disk_key_tells_every_kernel_apart():
     relabelled = KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", cfg, tree, label="other")
     assert disk_key(relabelled) == disk_key(specs[0])
     # element-wise specs of different kernels may carry the same field values
-    from coda_cute.elementwise import QuantizeWeightSpec
+    from coda_cute.elementwise_fp8 import QuantizeWeightSpec
 
     @dataclasses.dataclass(frozen=True)
     class Twin:
@@ -500,14 +500,15 @@ def test_disk_key_tells_every_kernel_apart():
 def test_binary_digest_covers_the_modules_that_shape_a_kernel():
     """The on-disk cache's build digest reads every kernel source and the modules that build the
     kernels' compile arguments (an element-wise kernel's signature is its spec's fake arguments
-    in ``coda_cute.elementwise``: a change there alone must not load an old binary)."""
+    in ``coda_cute.elementwise*``: a change there alone must not load an old binary)."""
     from pathlib import Path
 
-    from coda_cute import compiler, elementwise, elementwise_lm_head
+    from coda_cute import compiler, elementwise, elementwise_fp8, elementwise_lm_head
     from coda_cute.kernels.elementwise import rope_backward
 
     sources = {Path(p).resolve() for p in compiler.digest_sources()}
-    for mod in (compiler, elementwise, elementwise_lm_head, rope_backward):
+    for mod in (compiler, elementwise, elementwise_fp8, elementwise_lm_head, rope_backward):
         assert Path(mod.__file__).resolve() in sources, mod.__name__
+    assert set(Path(compiler.__file__).resolve().parent.glob("elementwise*.py")) <= sources
     kernel_root = Path(rope_backward.__file__).resolve().parents[1]
     assert {p for p in kernel_root.rglob("*.py")} <= sources

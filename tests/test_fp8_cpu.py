@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import coda_cute
 from coda_cute import reference as R
 from coda_cute.compiler import spill_bytes
-from coda_cute.elementwise import QuantizeRowsSpec, QuantizeWeightSpec, compile_elementwise
+from coda_cute.elementwise import compile_elementwise
+from coda_cute.elementwise_fp8 import QuantizeRowsSpec, QuantizeWeightSpec
 from coda_cute.precision import Fp8Recipe, recipe_for
 from helpers import generator, on_path
 
@@ -229,7 +230,7 @@ def test_power_of_two_scales_on_the_reference_path():
 def test_power_of_two_kernels_round_the_scale_on_its_bits(spec):
     """The pow2 builds add the exponent round-up (add the mantissa mask, keep sign and exponent:
     one and.b32 with 0xFF800000 per scale) and no spills; the name tells them apart."""
-    from coda_cute.elementwise import QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec
+    from coda_cute.elementwise_fp8 import QuantizeDualSpec, QuantizeRowsSpec, QuantizeWeightSpec
 
     make = {"rows": lambda p: QuantizeRowsSpec("bfloat16", pow2=p), "dual": lambda p: QuantizeDualSpec("bfloat16", pow2=p),
             "weight": lambda p: QuantizeWeightSpec("float32", "bfloat16", transposed=True, pow2=p)}[spec]
@@ -297,7 +298,7 @@ def test_dual_quantize_kernel_builds_with_wide_accesses_and_no_spills(rows):
     columns staged as rows of qt's tile (16-byte shared stores) and written from there with
     16-byte stores, after three barriers; IEEE scales; no spills. ``rows=False`` stores no row
     values."""
-    from coda_cute.elementwise import QuantizeDualSpec
+    from coda_cute.elementwise_fp8 import QuantizeDualSpec
 
     k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows), keep_artifacts=True)
     ptx = k.ptx
@@ -317,7 +318,7 @@ def test_abs_max_kernel_reads_once_and_folds_by_atomic_max(rows, cols):
     """The row-wise recipe's amaxes: x read with 16-byte loads, 8 rows of STRIP tiles per thread;
     one atomic max on the bits per row of the strip (after a half-warp butterfly, once) and per
     column of each tile (after one barrier per tile), no spills."""
-    from coda_cute.elementwise import AbsMaxSpec
+    from coda_cute.elementwise_fp8 import AbsMaxSpec
     from coda_cute.kernels.elementwise.amax import STRIP
 
     k = compile_elementwise(AbsMaxSpec("bfloat16", rows, cols), keep_artifacts=True)
@@ -363,7 +364,7 @@ def test_dual_ops_reject_bad_input_on_every_path(op, path, shape, dtype, match):
 def test_rowwise_quantize_kernel_builds_from_the_dual_one_without_block_amaxes(rows):
     """The dual kernel's ``whole`` build: the same 16-byte loads and stores, no shuffles or
     shared column amaxes (the amaxes are given), one barrier fewer, IEEE scales, no spills."""
-    from coda_cute.elementwise import QuantizeDualSpec
+    from coda_cute.elementwise_fp8 import QuantizeDualSpec
 
     k = compile_elementwise(QuantizeDualSpec("bfloat16", "float8_e4m3fn", rows, whole=True), keep_artifacts=True)
     ptx = k.ptx
@@ -394,7 +395,7 @@ def test_whole_rows_kernel_reads_each_row_once_without_spills(k, groups):
     per row): a row of K values takes ceil(K / 2048) 16-byte loads per thread, as many 8-byte FP8
     stores, one warp butterfly and one barrier; no spills. Rows past 16 groups per thread take
     the amax pass instead (0)."""
-    from coda_cute.elementwise import QuantizeWholeRowsSpec, whole_row_groups
+    from coda_cute.elementwise_fp8 import QuantizeWholeRowsSpec, whole_row_groups
 
     assert whole_row_groups(k) == groups
     if not groups:
@@ -448,12 +449,12 @@ def test_quantizers_take_no_tokens():
     assert torch.equal(st, torch.ones(256, 1))
 
 
-# -- the FP8 transpose: coda_cute.elementwise.transpose_fp8 --------------------------------------------
+# -- the FP8 transpose: coda_cute.elementwise_fp8.transpose_fp8 --------------------------------------------
 def test_transpose_kernel_moves_16_bytes_per_global_access_without_spills():
     """``TransposeBytesSpec``: per thread four 16-byte loads of x and four 16-byte stores of xt,
     the tile through shared memory (four 16-byte stores, 64 byte loads down its columns, four
     16-byte stores of xt's tile and four 16-byte loads of it), two barriers, no spills."""
-    from coda_cute.elementwise import TransposeBytesSpec
+    from coda_cute.elementwise_fp8 import TransposeBytesSpec
 
     kern = compile_elementwise(TransposeBytesSpec(), keep_artifacts=True)
     assert kern.spec.name == "transpose_bytes_sm_90a"
@@ -470,7 +471,7 @@ def test_gradient_rows_and_folded_columns_build_without_spills():
     same loads, stores and butterfly as the activations' build); the activation's amax and column
     quantizer scale each value by its row's factor (one multiply per value: 8 x 8 per tile in the
     amax pass, 32 x 2 in the quantizer, the factors through shared memory there), no spills."""
-    from coda_cute.elementwise import AbsMaxSpec, QuantizeDualSpec, QuantizeWholeRowsSpec
+    from coda_cute.elementwise_fp8 import AbsMaxSpec, QuantizeDualSpec, QuantizeWholeRowsSpec
 
     rows, fold_rows = (compile_elementwise(QuantizeWholeRowsSpec("bfloat16", groups=14, fold=f), keep_artifacts=True)
                        for f in (False, True))

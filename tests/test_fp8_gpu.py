@@ -1,4 +1,4 @@
-"""GPU tests of the FP8 quantize kernels (``coda_cute.elementwise.quantize_rows``, 1 x 128,
+"""GPU tests of the FP8 quantize kernels (``coda_cute.elementwise_fp8.quantize_rows``, 1 x 128,
 ``quantize_weight``, the fold + 128 x 128, ``quantize_dual``, 1 x 128 of x and of x^T, and
 ``quantize_rowwise``, the row-wise recipe's whole rows and columns, with ``abs_max``, its amaxes,
 its gradients' rows with their fold factors and the folded columns, and ``transpose_fp8``)
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coda_cute import reference as R
-from coda_cute.elementwise import quantize_rows
+from coda_cute.elementwise_fp8 import quantize_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def test_quantize_kernel_is_the_reference_bit_for_bit(m, k, dtype, out_dtype, po
 def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtype, with_gamma, pow2):
     """``quantize_weight``: q, s of ``w * gamma`` in 128 x 128 blocks, bit for bit the reference
     on the fp32 product (ragged N and K, a NaN block, poisoned outputs)."""
-    from coda_cute.elementwise import quantize_weight
+    from coda_cute.elementwise_fp8 import quantize_weight
 
     w = _input(n, k, dtype)
     gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if with_gamma else None
@@ -81,7 +81,7 @@ def test_weight_quantize_kernel_is_the_reference_on_the_folded_weight(n, k, dtyp
 def test_weight_quantize_kernel_writes_the_transpose_with_the_same_scales(n, k):
     """``quantize_weight(transposed=True)``: qt (K, N) is q^T byte for byte and q, s are the
     reference's (ragged N and K, a NaN block, every output NaN-poisoned first)."""
-    from coda_cute.elementwise import quantize_weight
+    from coda_cute.elementwise_fp8 import quantize_weight
 
     w = _input(n, k, torch.bfloat16)
     w[n - 3, 2] = float("nan")
@@ -120,7 +120,7 @@ def test_quantize_op_is_the_reference():
 def test_dual_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype, rows, pow2):
     """``quantize_dual``: x's 1 x 128 quantization and x^T's, bit for bit (values and scales),
     ragged tiles both ways, zero / inf / NaN blocks in both directions, outputs NaN-poisoned."""
-    from coda_cute.elementwise import QuantizeDualSpec
+    from coda_cute.elementwise_fp8 import QuantizeDualSpec
     from coda_cute.compiler import get_kernel
 
     x = _input(m, k, torch.bfloat16)
@@ -156,7 +156,7 @@ def test_abs_max_kernel_is_torchs_amax_bit_for_bit(m, k, dtype):
     """``abs_max``: every row's and column's max |x| (atomic max on the bits across tiles),
     ragged tiles, a zero row, an inf and a NaN (their row and column NaN / inf); rows or columns
     alone."""
-    from coda_cute.elementwise import abs_max
+    from coda_cute.elementwise_fp8 import abs_max
 
     x = _input(m, k, dtype)
     if m > 3:
@@ -187,7 +187,7 @@ def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype,
     denormals (the floor scale); ragged tiles both ways. The kernel runs on NaN-poisoned outputs
     (every value and scale written); the launcher, which finds the amaxes, gives the same."""
     from coda_cute.compiler import get_kernel
-    from coda_cute.elementwise import QuantizeDualSpec, quantize_rowwise
+    from coda_cute.elementwise_fp8 import QuantizeDualSpec, quantize_rowwise
 
     x = _input(m, k, torch.bfloat16)
     if m > 100:
@@ -226,7 +226,7 @@ def test_rowwise_quantize_kernel_is_both_references_bit_for_bit(m, k, out_dtype,
 def test_quantize_launchers_take_no_tokens():
     """An empty batch launches nothing (a grid of no CTAs is an error): empty values, no block
     scales, and the row-wise recipe's columns without values scale 1 (zero blocks)."""
-    from coda_cute.elementwise import abs_max, quantize_dual, quantize_rows, quantize_rowwise
+    from coda_cute.elementwise_fp8 import abs_max, quantize_dual, quantize_rows, quantize_rowwise
 
     x = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
     q, s = quantize_rows(x)
@@ -245,7 +245,7 @@ def test_transpose_kernel_is_the_transpose_bit_for_bit(m, n):
     included), ragged tiles along both axes, into an output poisoned with 0x7F (an unwritten
     16-byte group keeps it and differs from the transpose unless all 16 random bytes are 0x7F);
     a fresh output too, and an empty q launches nothing."""
-    from coda_cute.elementwise import transpose_fp8
+    from coda_cute.elementwise_fp8 import transpose_fp8
 
     q = torch.randint(0, 256, (m, n), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out = torch.full((n, m), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)

@@ -44,7 +44,7 @@ from .. import epilogue as E
 from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
-from ..elementwise import quantize_weight
+from ..elementwise_fp8 import quantize_weight
 from ..operands import check_pointer_aligned
 from ..precision import FAST_ACCUM
 from .quantize import (OP as QUANTIZE_OP, check_quantize, quantize_dual_fp8, quantize_fp8, quantize_grad_rowwise_fp8,

@@ -41,9 +41,9 @@ every GEMM, the down dgrad included, fits ping-pong 128 x 128 (H200, 2026-12-04,
 16384 tokens, in turns: 15.27-15.63 ms per forward + backward against 17.44-18.23 promoted, the
 errors against float64 within 0.1 % of the promoted ones'). A whole row's scale needs the whole
 row's amax, which no tile has, so each tensor is quantized in a pass after its GEMM, where a CTA
-holds a whole row, finds its amax and quantizes it (``elementwise.QuantizeWholeRowsSpec``): one
+holds a whole row, finds its amax and quantizes it (``elementwise_fp8.QuantizeWholeRowsSpec``): one
 read. The gradient dz' feeds its weight gradient as those FP8 bytes transposed
-(``elementwise.transpose_fp8``), its per-token scales folded into y, whose columns are then
+(``elementwise_fp8.transpose_fp8``), its per-token scales folded into y, whose columns are then
 quantized over the tokens (``fp8_gemms.wgrad``). The down-proj's weight gradient mirrors that,
 since h (f wide) is wider than dy2 (d): the forward keeps h's FP8 rows, the bytes the down-proj
 read, with their per-token scales; the backward transposes those bytes and folds the scales into

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..elementwise import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise,
-                           quantize_weight, transpose_fp8)
+from ..elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise, quantize_weight,
+                               transpose_fp8)
 from ..operands import check_pointer_aligned
 from ..precision import block_scales_m_major
 from ..reference import fold_factors_ref, quantize_blocks_ref
@@ -174,7 +174,7 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, rows: bool 
     ``cols``); ``rows`` / ``cols`` False: None for that pair. ``fold`` (M,) fp32, the columns
     alone: qt, st of ``fold[:, None] * x`` (fp32 products), a weight gradient's operand taking
     the other operand's row scales (:func:`quantize_grad_rowwise_fp8`). The kernel on CUDA
-    (``elementwise.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
+    (``elementwise_fp8.quantize_rowwise``), the reference inside ``reference_on_cpu``."""
     if cols:
         m, k = check_dual(x, dtype, OP_ROWWISE)
     else:
@@ -212,8 +212,8 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
         dW = sum_m (q[m, :] s_m)^T x[m, :] = qt @ (fold[:, None] * x)     (fold_m = s_m or 0)
 
     so g is read once (no column amaxes); the zero rows' factor 0 keeps their x rows out of the
-    folded columns' amaxes. The kernels on CUDA (``elementwise.quantize_grad_rows``, then
-    ``elementwise.transpose_fp8``), the reference inside ``reference_on_cpu``."""
+    folded columns' amaxes. The kernels on CUDA (``elementwise_fp8.quantize_grad_rows``, then
+    ``elementwise_fp8.transpose_fp8``), the reference inside ``reference_on_cpu``."""
     if transposed:
         m, k = check_dual(g, dtype, OP_ROWWISE)
         if k % 16:
@@ -231,7 +231,7 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
 
 
 def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
-    """``q.t()`` of a contiguous FP8 (M, N) as a contiguous tensor: ``elementwise.transpose_fp8`` on
+    """``q.t()`` of a contiguous FP8 (M, N) as a contiguous tensor: ``elementwise_fp8.transpose_fp8`` on
     CUDA (M and N multiples of 16), torch's copy on the CPU reference path."""
     return transpose_fp8(q) if q.device.type == "cuda" else q.t().contiguous()
 
