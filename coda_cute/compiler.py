@@ -268,7 +268,7 @@ def compile_gemm(spec: KernelSpec | GemmSpec, keep_artifacts: bool = False) -> C
 
 
 def compile_elementwise(spec, keep_artifacts: bool = False) -> CompiledKernel:
-    """Compile an element-wise kernel spec (``coda_cute.elementwise``): anything with ``arch``,
+    """Compile an element-wise kernel spec (``coda_cute.elementwise*``): anything with ``arch``,
     ``name`` and ``build() -> (kernel, fake arguments)``."""
     kernel, args = spec.build()
     return _cute_compile(spec, kernel, args, keep_artifacts)

@@ -10,7 +10,7 @@ through the run (``nvidia-smi``, 50 ms) to tell a slower kernel from a throttled
 
 ``--fp8``: the row-wise FP8 MLP's six GEMMs at the 8B shapes (16384 tokens, both operands K-major
 in E4M3, row and column scales, fast accumulation, bf16 out) against ``_scaled_mm`` fast. On an
-H100 (2026-12-05) our picks ran 1.04-1.16x its time on the short-K GEMMs with the widest outputs
+H100 (2026-12-05) our picks ran 1.12-1.16x its time on the short-K GEMMs with the widest outputs
 (gate/up forward 16384 x 28672 x 4096, down dgrad 16384 x 14336 x 4096; `_scaled_mm` there is
 `nvjet_sm90_qqtst_128x128_128x6_1x2`: our tile and stage count, the other cluster) and at parity
 on the long-K ones; this varies the raster band and the cluster around the pick, and gives a
