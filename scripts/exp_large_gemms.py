@@ -72,12 +72,13 @@ def bf16_case(kind, m, n_out, k_in, sms):
 
 def fp8_variants(cfg) -> dict:
     """name -> config around the FP8 pick ``cfg`` (None: the pick itself, through the heuristic):
-    its raster band varied, its cluster turned (`_scaled_mm`'s 1x2) or dropped, and cooperative
+    its raster band varied, its cluster turned (`_scaled_mm`'s 1x2), dropped or doubled (2x2: both
+    operands multicast, a third less of each CTA's k-tile read from L2), and cooperative
     128 x 256 2x1."""
     variants = {f"ours {cfg.name}": None}
     variants.update({f"g{g}": cfg.with_(raster_group=g) for g in GROUPS if g != cfg.raster_group})
     variants.update({f"cluster {cm}x{cn}": cfg.with_(cluster_m=cm, cluster_n=cn)
-                     for cm, cn in ((1, 2), (1, 1)) if (cm, cn) != (cfg.cluster_m, cfg.cluster_n)})
+                     for cm, cn in ((1, 2), (1, 1), (2, 2)) if (cm, cn) != (cfg.cluster_m, cfg.cluster_n)})
     coop = dispatch.GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True)
     if coop != cfg:
         variants[coop.name] = coop

@@ -70,6 +70,9 @@
 #             accumulation) against _scaled_mm fast with the pick's raster band and cluster
 #             varied and with 64-column ping-pong epilogue sub-tiles, clocks and power sampled
 #             (on the H100 the short-K wide-output ones lose)
+#   cluster22  2x2 clusters (both operands multicast): the GEMM GPU tests of its configs, then
+#             exp_large_gemms.py --fp8 (its "cluster 2x2" variant of each pick) and the row-wise
+#             FP8 MLP's two tree GEMMs on the pick with --cluster 2x2 (exp_swiglu_epilogues.py)
 #   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
@@ -221,6 +224,14 @@ stage_fp8_raster() {
     step fp8-raster 300 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/fp8-raster-clocks.csv"
 }
 
+stage_cluster22() {
+    step cluster22-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_gemm_gpu.py -k c2x2
+    step cluster22-gemms 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/cluster22-clocks.csv"
+    step cluster22-dgrad 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 1 --cluster 2x2
+    step cluster22-fwd 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 1 \
+        --cluster 2x2
+}
+
 stage_card_gemms() {
     step card-gemms-step 250 python3 scripts/bench_step_gemms.py --configs 8b --rounds 6 --energy \
         --json "$OUT/card-gemms-step.json"
@@ -327,6 +338,7 @@ for s in "$@"; do
         sinks) stage_sinks ;;
         fp8-raster) stage_fp8_raster ;;
         card-gemms) stage_card_gemms ;;
+        cluster22) stage_cluster22 ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms)"; exit 2 ;;
     esac
 done

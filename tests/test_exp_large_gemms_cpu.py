@@ -7,6 +7,7 @@ import re
 import pytest
 
 from coda_cute import dispatch
+from coda_cute.artifacts import scan_ptx
 from helpers import load_script
 
 
@@ -29,7 +30,7 @@ def test_fp8_variants_differ_from_the_pick(exp, label, m, n, k):
     configs = list(variants.values())
     assert configs and len(set(configs)) == len(configs) and pick not in configs
     assert all(c.fp8_fast_accum for c in configs)
-    assert {(c.cluster_m, c.cluster_n) for c in configs} >= {(1, 2), (1, 1)} - {(pick.cluster_m, pick.cluster_n)}
+    assert {(c.cluster_m, c.cluster_n) for c in configs} >= {(1, 2), (1, 1), (2, 2)} - {(pick.cluster_m, pick.cluster_n)}
 
 
 def test_fp8_variants_build_without_spills(exp):
@@ -69,3 +70,33 @@ def test_wide_ping_pong_sub_tiles_build(monkeypatch):
         assert k.stats["spill_stores"] == k.stats["spill_loads"] == 0 and not k.stats["wgmma_serialized"], k.stats
         stores[wide] = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", k.ptx))
     assert stores[False] == 2 * stores[True] > 0, stores
+
+
+def test_two_by_two_cluster_multicasts_both_operands():
+    """The 2x2 variant of the gate/up forward's pick: A and B TMA loads both multicast (one
+    multicast load each, where 2x1 multicasts B alone), the same six A/B stages, no spills."""
+    from coda_cute.compiler import GemmSpec, compile_gemm
+
+    pick = dispatch.select_config(16384, 28672, 4096, 1, True, True, 132)
+    loads = {}
+    for cm, cn in ((2, 1), (2, 2)):
+        cfg = pick.with_(cluster_m=cm, cluster_n=cn)
+        k = compile_gemm(GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k", cfg,
+                                  scale_a="row", scale_b="row"), keep_artifacts=True)
+        assert k.stats["spill_stores"] == k.stats["spill_loads"] == 0 and not k.stats["wgmma_serialized"], k.stats
+        loads[cm, cn] = scan_ptx(k.ptx).multicast_loads
+    assert loads == {(2, 1): 1, (2, 2): 2}, loads
+
+
+def test_resident_clusters_without_a_gpu():
+    """Slots of a persistent launch: every SM for 1- and 2-CTA clusters; for 4-CTA clusters the
+    driver's count where a GPU answers, else (a CPU compile) a quarter of the SMs."""
+    from coda_cute.kernels.sm90.gemm import resident_clusters
+
+    assert [resident_clusters(132, s) for s in (1, 2)] == [132, 66]
+    import torch
+
+    if torch.cuda.is_available():  # a GPC holds whole clusters only: some SMs may stay idle
+        assert 0 < resident_clusters(torch.cuda.get_device_properties(0).multi_processor_count, 4) <= 33
+    else:
+        assert resident_clusters(132, 4) == 33

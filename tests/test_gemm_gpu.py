@@ -24,7 +24,10 @@ PP = GemmConfig(128, 128, 64, "pingpong", 1, 1)
 PP_C21 = GemmConfig(128, 128, 64, "pingpong", 2, 1)
 PP64 = GemmConfig(64, 256, 64, "pingpong", 1, 1)
 PP64x64 = GemmConfig(64, 64, 64, "pingpong", 1, 1)
-CONFIGS16 = [COOP, COOP_C21, COOP_C12, PP, PP_C21, PP64, PP64x64]
+#: 2x2 clusters: both operands multicast, on ragged edges where a cluster's CTAs straddle M and N
+COOP_C22 = GemmConfig(128, 256, 64, "cooperative", 2, 2)
+PP_C22 = GemmConfig(128, 128, 64, "pingpong", 2, 2)
+CONFIGS16 = [COOP, COOP_C21, COOP_C12, PP, PP_C21, PP64, PP64x64, COOP_C22, PP_C22]
 
 FP8_CONFIGS = [
     GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True),
@@ -40,6 +43,8 @@ FP8_CONFIGS = [
     # split tail's fixup
     GemmConfig(256, 128, 128, "cooperative", 2, 1),
     GemmConfig(256, 128, 128, "cooperative", 1, 1, split_tail=True),
+    # the FP8 MLP's ping-pong pick with both operands multicast (scripts/exp_large_gemms.py)
+    GemmConfig(128, 128, 128, "pingpong", 2, 2, fp8_fast_accum=True),
 ]
 
 

@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 SCHEDULES = ("cooperative", "pingpong")
+#: cluster shapes (M x N CTAs). A 2x2 cluster multicasts both operands (each CTA's share of a
+#: k-tile's L2 reads: a half of A and a half of B, against a half of one of them in 2x1 or 1x2);
+#: its four CTAs must sit in one GPC, so fewer SMs may work (``kernels.sm90.gemm.resident_clusters``).
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))
 
 #: bytes of dynamic shared memory one Hopper CTA may use (227 KiB).
 SM90_SMEM_CAPACITY = 232448
@@ -54,10 +58,13 @@ class GemmConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if (self.cluster_m, self.cluster_n) not in ((1, 1), (2, 1), (1, 2)):
+        if (self.cluster_m, self.cluster_n) not in CLUSTERS:
             raise ValueError(
-                f"cluster shape must be 1x1, 2x1 or 1x2, got {self.cluster_m}x{self.cluster_n}"
+                f"cluster shape must be 1x1, 2x1, 1x2 or 2x2, got {self.cluster_m}x{self.cluster_n}"
             )
+        if self.split_tail and self.cluster_m * self.cluster_n > 2:
+            raise ValueError("split_tail needs a cluster of at most 2 CTAs (its slot count assumes "
+                             "every SM holds one; how many 4-CTA clusters fit is the driver's answer)")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         valid_m = (128, 256) if self.schedule == "cooperative" else (64, 128)

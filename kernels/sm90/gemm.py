@@ -62,6 +62,22 @@ _PRODUCER_REGS = 24
 _CONSUMER_REGS = 240
 
 
+def resident_clusters(num_sms: int, cluster_size: int) -> int:
+    """Persistent cluster slots of a launch. Clusters of one or two CTAs fill every SM of an
+    H100 / H200 (66 of two); a 4-CTA cluster must sit in one GPC, and GPCs of 18 SMs leave two
+    idle, so its count is the driver's occupancy answer where a GPU is present. Without one (a
+    CPU compile, which never launches) it is ``num_sms // cluster_size``; a grid of more clusters
+    than fit would still finish (no slot waits for another), one round later."""
+    slots = num_sms // cluster_size
+    if cluster_size <= 2:
+        return slots
+    try:
+        from cutlass.utils import HardwareInfo
+        return min(slots, HardwareInfo().get_max_active_clusters(cluster_size))
+    except (ImportError, RuntimeError, ValueError):
+        return slots
+
+
 class Sm90Gemm:
     """One compiled kernel instance: config x operand dtypes and majors x epilogue tree.
 
@@ -112,7 +128,7 @@ class Sm90Gemm:
         # ping-pong: one warpgroup consumes each stage and stores each tile.
         self.consumer_warps = 4 if self.pingpong else 8
         self.epi_threads = _THREADS_PER_WG if self.pingpong else 2 * _THREADS_PER_WG
-        self.max_clusters = num_sms // (cfg.cluster_m * cfg.cluster_n)
+        self.max_clusters = resident_clusters(num_sms, cfg.cluster_m * cfg.cluster_n)
         self.epilogue = Sm90TreeEpilogue(tree, cfg, a_dtype.width // 8)
         self.scale_bytes = block_scale_stage_bytes(cfg, b_rows) if block_scaled else 0
         self.stages = pipeline_stages(cfg, a_dtype.width // 8, self.epilogue.smem_bytes(), self.scale_bytes)
