@@ -70,13 +70,13 @@
 #             accumulation) against _scaled_mm fast with the pick's raster band and cluster
 #             varied and with 64-column ping-pong epilogue sub-tiles, clocks and power sampled
 #             (on the H100 the short-K wide-output ones lose)
-#   cluster22  2x2 clusters (both operands multicast): the GEMM GPU tests of its configs, then
-#             exp_large_gemms.py --fp8 (its "cluster 2x2" variant of each pick) and the row-wise
-#             FP8 MLP's two tree GEMMs on the pick with --cluster 2x2 (exp_swiglu_epilogues.py)
 #   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
 #             the step's plain shapes, in turns and at the cap (exp_energy_tiles.py; --fit on its JSON)
+#   cluster22  2x2 clusters (both operands multicast): the GEMM GPU tests of its configs, then
+#             exp_large_gemms.py --fp8 (its "cluster 2x2" variant of each pick) and the row-wise
+#             FP8 MLP's two tree GEMMs on the pick with --cluster 2x2 (exp_swiglu_epilogues.py)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
