@@ -74,9 +74,10 @@
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
 #             the step's plain shapes, in turns and at the cap (exp_energy_tiles.py; --fit on its JSON)
-#   cluster22  2x2 clusters (both operands multicast): the GEMM GPU tests of its configs, then
-#             exp_large_gemms.py --fp8 (its "cluster 2x2" variant of each pick) and the row-wise
-#             FP8 MLP's two tree GEMMs on the pick with --cluster 2x2 (exp_swiglu_epilogues.py)
+#   cluster22  2x2 clusters (both operands multicast): exp_large_gemms.py --fp8 (its "cluster
+#             2x2" variant of each pick, the number first), the GEMM GPU tests of 2x2 configs, and
+#             the row-wise FP8 MLP's two tree GEMMs on the pick with --cluster 2x2
+#             (exp_swiglu_epilogues.py)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -225,11 +226,11 @@ stage_fp8_raster() {
 }
 
 stage_cluster22() {
-    step cluster22-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_gemm_gpu.py -k c2x2
     step cluster22-gemms 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/cluster22-clocks.csv"
-    step cluster22-dgrad 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 1 --cluster 2x2
+    step cluster22-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_gemm_gpu.py -k c2x2
     step cluster22-fwd 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 1 \
         --cluster 2x2
+    step cluster22-dgrad 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 1 --cluster 2x2
 }
 
 stage_card_gemms() {
