@@ -14,7 +14,9 @@ tensor core, ``fast_accum``) with a shadow of its own whose ``_scaled_mm`` calls
 take ``use_fast_accum``, and ``..., weights kept``: the same with its weights quantized once
 outside the step, as ``WeightQuantCache`` keeps them between two optimizer steps (what each
 micro-batch of a gradient accumulation costs; the other variants, like torchao's, quantize their
-weights in every step, which a step without accumulation does too).
+weights in every step, which a step without accumulation does too), and ``..., 2x2 clusters``:
+its ping-pong picks on 2x2 clusters where they build without spills
+(``runner.FP8_PINGPONG_2X2``, an experiment switch).
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -78,18 +80,20 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
     return step
 
 
-def with_switch(step, name: str, value: bool):
-    """``step`` with ``mlp_fp8.<name>`` (``FUSED_QUANT``) set to ``value`` while it
-    runs: its forward and its backward both."""
-    from coda_cute.ops import mlp_fp8
+def with_switch(step, name: str, value: bool, owner=None):
+    """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
+    backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` with the
+    epilogue runner as ``owner``."""
+    if owner is None:
+        from coda_cute.ops import mlp_fp8 as owner
 
     def run():
-        before = getattr(mlp_fp8, name)
-        setattr(mlp_fp8, name, value)
+        before = getattr(owner, name)
+        setattr(owner, name, value)
         try:
             step()
         finally:
-            setattr(mlp_fp8, name, before)
+            setattr(owner, name, before)
     return run
 
 
@@ -311,6 +315,12 @@ def kept_label(fast_accum: str) -> str:
     return fast_label(fast_accum)[1] + ", weights kept"
 
 
+def cluster_label(fast_accum: str) -> str:
+    """The row-wise fast variant whose ping-pong picks take 2x2 clusters
+    (``runner.FP8_PINGPONG_2X2``)."""
+    return fast_label(fast_accum)[1] + ", 2x2 clusters"
+
+
 def kept_weights(w_gu, w_down) -> dict:
     """The two weights' row-wise FP8 quantizations as ``WeightQuantCache`` keeps them between two
     optimizer steps (every micro-batch of a gradient accumulation then skips its weights' four
@@ -351,6 +361,11 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") ->
             fns[ours] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum)
             fns[kept_label(fast_accum)] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum,
                                                     **kept_weights(w_gu, w_down))
+            from coda_cute.epilogue import runner
+
+            fns[cluster_label(fast_accum)] = with_switch(
+                coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "FP8_PINGPONG_2X2", True,
+                runner)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2, EPS)
     fns.update(torchao_steps(y, dy2, d, f, console))
     return fns
@@ -445,13 +460,14 @@ def main(argv=None) -> int:
                   f"{alone[name][1]:.3f}")
     console.print(t)
     fast_shadow, fast_ours = fast_label(args.fast_accum)
-    for ours in (fast_ours, kept_label(args.fast_accum)):
+    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")
     if args.profile:
         # the shadows' kernels too: each of our GEMMs next to the _scaled_mm of its role
-        for name in (SHADOW, fast_shadow, "coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours):
+        for name in (SHADOW, fast_shadow, "coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours,
+                     cluster_label(args.fast_accum)):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

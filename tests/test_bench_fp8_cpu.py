@@ -73,3 +73,15 @@ def test_kept_weights_variant_is_the_self_quantizing_step(mods):
     assert sorted(kept) == ["down_q", "down_qt", "down_s", "gu_q", "gu_qt", "gu_s"]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert bench.kept_label("all") == "coda fp8 row-wise, fast accum (all), weights kept"
+
+
+def test_two_by_two_row_sets_the_runner_switch_only_while_it_runs(mods):
+    from coda_cute.epilogue import runner
+
+    bench = mods[0]
+
+    seen = []
+    step = bench.with_switch(lambda: seen.append(runner.FP8_PINGPONG_2X2), "FP8_PINGPONG_2X2", True, runner)
+    step()
+    assert seen == [True] and runner.FP8_PINGPONG_2X2 is False
+    assert bench.cluster_label("all") == "coda fp8 row-wise, fast accum (all), 2x2 clusters"

@@ -364,3 +364,27 @@ def test_cooperative_elementwise_trees_get_wider_sub_tiles():
     assert pipeline_stages(five_cfg, 1, five.smem_bytes()) == 5
     # trees with tile inputs or reductions keep the narrow sub-tiles their rings are sized for
     assert Sm90TreeEpilogue(residual_norm_stats_tree(), fp8_coop, 1).epi_tile == (128, 32)
+
+
+def test_two_by_two_switch_widens_only_fp8_fast_ping_pong_picks(monkeypatch):
+    """``runner.FP8_PINGPONG_2X2`` (an experiment switch): an FP8 fast-accumulation ping-pong pick
+    on 2x1 takes 2x2 unless that build spills; every other pick stands, and so does every pick
+    with the switch off."""
+    from coda_cute.ops.fp8_gemms import row_scaled
+
+    tree = row_scaled(norm_swiglu_tree())
+    fast = (16384, 28672, 4096, 1, True, True, 132)
+    others = [(16384, 28672, 4096, 1, True, False, 132),  # two-level FP8
+              (16384, 28672, 4096, 1, False, False, 132),  # bf16
+              (16384, 4096, 28672, 1, True, True, 132)]  # long K: a cooperative pick
+    spilling = set()
+    monkeypatch.setattr(runner, "spills", lambda t, cfg, *a, **kw: cfg in spilling)
+    pick = choose_config(tree, *fast)
+    assert pick.schedule == "pingpong" and (pick.cluster_m, pick.cluster_n) == (2, 1)
+    off = [choose_config(tree, *shape) for shape in others]
+    assert off[2].schedule == "cooperative"
+    monkeypatch.setattr(runner, "FP8_PINGPONG_2X2", True)
+    assert choose_config(tree, *fast) == pick.with_(cluster_n=2)
+    assert [choose_config(tree, *shape) for shape in others] == off
+    spilling.add(pick.with_(cluster_n=2))
+    assert choose_config(tree, *fast) == pick

@@ -138,6 +138,30 @@ def test_fast_accumulation_keeps_the_row_wise_recipes_errors(m, fast):
         assert e_fast < min(1.1 * e_promoted, 0.08), errors
 
 
+@pytest.mark.parametrize("m", [2048, 1000])
+def test_two_by_two_clusters_leave_the_row_wise_mlp_bit_identical(m, monkeypatch):
+    """``runner.FP8_PINGPONG_2X2`` (an experiment switch): the gate/up GEMM's ping-pong pick moves
+    to a 2x2 cluster, whose tiles do the same math in the same order, so the row-wise fast op's
+    output and every gradient are the 2x1 run's bit for bit (ragged M: clusters straddling the
+    last tile row)."""
+    from coda_cute.epilogue import runner
+    from coda_cute.ops.swiglu import norm_swiglu_tree
+
+    d, f = 1024, 2816
+    y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
+    sms = dispatch.num_sms(y.device)
+    runs = {}
+    for wide in (False, True):
+        monkeypatch.setattr(runner, "FP8_PINGPONG_2X2", wide)
+        cfg = runner.choose_config(row_scaled(norm_swiglu_tree()), m, 2 * f, d, 1, True, True, sms)
+        assert (cfg.schedule, cfg.cluster_m, cfg.cluster_n) == ("pingpong", 2, 2 if wide else 1), cfg
+        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, row_scaling=True, fast_accum="all")
+        out[0].backward(dy2)
+        runs[wide] = [out[0], out[2]] + [t.grad for t in ins]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+
+
 @RECIPES
 def test_model_with_cached_fp8_weights_is_the_uncached_model(row):
     """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights

@@ -142,6 +142,15 @@ B_BLOCKS = ("128x128", "1x128")
 #: Candidates, in the heuristic's order, whose builds :func:`choose_config` inspects for spills.
 SPILL_CHECKS = 8
 
+#: Experiment switch, off (``bench_fp8.py``'s "..., 2x2 clusters" row): an FP8 fast-accumulation
+#: ping-pong pick on a 2x1 cluster takes a 2x2 one (both operands multicast: a third less of each
+#: CTA's k-tile read from L2) where that build does not spill. On an H100 (2026-12-05) the 8b
+#: gate/up forward with its RMSNorm + SwiGLU tree (16384 x 28672 x 4096) ran 2.899 ms on 2x2
+#: against 3.162 on 2x1, outputs bit-identical; the 1b one (16384 x 16384 x 2048) 0.944 against
+#: 0.933; the row-wise SwiGLU backward's build spills on 2x2. No rule until the H200 has measured
+#: it on shapes beyond these two.
+FP8_PINGPONG_2X2 = False
+
 
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
                    b_rows: bool = False) -> list:
@@ -181,8 +190,18 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
     for c in ranked[:SPILL_CHECKS]:
         if not spills(tree, c, fp8, sms, block_scaled, b_rows):
-            return c
+            return _two_by_two(tree, c, fp8, fast_accum, sms)
     return ranked[0]
+
+
+def _two_by_two(tree, cfg: GemmConfig, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
+    """``cfg`` on a 2x2 cluster under ``FP8_PINGPONG_2X2`` (an FP8 fast-accumulation ping-pong
+    pick on 2x1 whose 2x2 build does not spill), else ``cfg``."""
+    if not (FP8_PINGPONG_2X2 and fp8 and fast_accum and cfg.schedule == "pingpong"
+            and (cfg.cluster_m, cfg.cluster_n) == (2, 1)):
+        return cfg
+    wide = cfg.with_(cluster_n=2)
+    return cfg if spills(tree, wide, fp8, sms) else wide
 
 
 def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
@@ -330,7 +349,7 @@ def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
-           len(inputs), config, use_fast_accum,
+           len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2,
            None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block))
     plan = _plans.get(key)
     if plan is None:
