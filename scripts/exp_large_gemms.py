@@ -16,6 +16,8 @@ H100 (2026-12-05) our picks ran 1.12-1.16x its time on the short-K GEMMs with th
 on the long-K ones; this varies the raster band and the cluster around the pick, and gives a
 ping-pong pick the cooperative schedule's wider epilogue sub-tiles (64 columns: half the TMA
 store rounds and barriers per tile). Every variant's result is checked against the baseline's.
+On an H100 (2026-12-05) none of these closed the gap, except a 2x2 cluster on the gate/up forward
+(0.894 -> 0.966 of `_scaled_mm`'s speed); 2x2 slowed the other five by 6-11 %.
 
     python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8]
 """

@@ -23,7 +23,9 @@ old ring against it, outputs checked bit-identical.
         [--also CONFIG_NAME ...] [--cluster MxN ...] [--fp8-row-fast] [--forward]
 
 ``--cluster 2x2``: the pick with both operands multicast (each CTA reads a third less of a k-tile
-from L2; on an H100 the FP8 gate/up forward's plain GEMM kept L2 85.9 % busy, 2026-12-05).
+from L2; on an H100 the FP8 gate/up forward's plain GEMM kept L2 85.9 % busy, 2026-12-05). With
+``--fp8-row-fast --forward`` on an H100 (2026-12-05): 8b 2.899 ms on 2x2 against 3.162 on the
+pick, 1b 0.944 against 0.933; the backward's tree spills on 2x2 (1b 2.171 against 1.740 ms).
 
 ``--fp8-row-fast``: the row-wise FP8 recipe's tree with fast accumulation instead, without h
 (the recipe keeps the forward's h, ``ops.mlp_fp8``), against ``torch._scaled_mm`` with

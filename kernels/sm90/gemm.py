@@ -64,8 +64,9 @@ _CONSUMER_REGS = 240
 
 def resident_clusters(num_sms: int, cluster_size: int) -> int:
     """Persistent cluster slots of a launch. Clusters of one or two CTAs fill every SM of an
-    H100 / H200 (66 of two); a 4-CTA cluster must sit in one GPC, and GPCs of 18 SMs leave two
-    idle, so its count is the driver's occupancy answer where a GPU is present. Without one (a
+    H100 / H200 (66 of two); a 4-CTA cluster must sit in one GPC, and a GPC whose SM count is no
+    multiple of four leaves the rest idle, so its count is the driver's occupancy answer where a
+    GPU is present. Without one (a
     CPU compile, which never launches) it is ``num_sms // cluster_size``; a grid of more clusters
     than fit would still finish (no slot waits for another), one round later."""
     slots = num_sms // cluster_size
