@@ -20,7 +20,8 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
-        [--also CONFIG_NAME ...] [--cluster MxN ...] [--fp8-row-fast] [--forward]
+        [--also CONFIG_NAME ...] [--cluster MxN ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
+        [--forward]
 
 ``--cluster 2x2``: the pick with both operands multicast (each CTA reads a third less of a k-tile
 from L2; on an H100 the FP8 gate/up forward's plain GEMM kept L2 85.9 % busy, 2026-12-05). With
@@ -65,6 +66,15 @@ from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 #: (label, tokens, d, ffn)
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
+
+
+def parse_shape(text: str) -> tuple:
+    """``--shape TOKENS,D,FFN`` -> (label, tokens, d, ffn), the label ``d<D>/f<FFN>/m<TOKENS>``."""
+    try:
+        m, d, f = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants TOKENS,D,FFN (three integers), got {text!r}") from None
+    return f"d{d}/f{f}/m{m}", m, d, f
 
 
 def _operands(m, d, f, fp8: bool = False, forward: bool = False):
@@ -128,6 +138,8 @@ def main():
                     help="a ranked config's name (e.g. coop_128x256x128_c2x1_g8_fastacc) to time as well")
     ap.add_argument("--cluster", action="append", default=[], metavar="MxN",
                     help="the pick with this cluster shape as well (e.g. 2x2), outputs checked against the pick's")
+    ap.add_argument("--shape", action="append", default=[], metavar="TOKENS,D,FFN", type=parse_shape,
+                    help="time this MLP shape instead of the 1b and 8b ones (repeatable)")
     ap.add_argument("--fp8-row-fast", action="store_true",
                     help="the row-wise FP8 tree (the backward's without h), fast accumulation, against _scaled_mm")
     ap.add_argument("--forward", action="store_true", help="the gate/up GEMM's RMSNorm + SwiGLU tree instead")
@@ -143,7 +155,7 @@ def main():
     table = Table(title=what)
     for col in ("shape", "variant", "ms", "/ cuBLAS"):
         table.add_column(col, justify="right")
-    for label, m, d, f in SHAPES:
+    for label, m, d, f in args.shape or SHAPES:
         a, b, inputs, n, k = _operands(m, d, f, fp8, fwd)
         run = lambda t, c: E.run(t, a, b, inputs, config=c, use_fast_accum=fp8)  # noqa: E731
         pick = runner.choose_config(tree, m, n, k, 1, fp8, fp8, sms)

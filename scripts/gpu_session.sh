@@ -78,6 +78,9 @@
 #             2x2" variant of each pick, the number first), the GEMM GPU tests of 2x2 configs, and
 #             the row-wise FP8 MLP's two tree GEMMs on the pick with --cluster 2x2
 #             (exp_swiglu_epilogues.py)
+#   cluster22-shapes  the row-wise FP8 gate/up forward with its tree on the pick and on 2x2 at
+#             shapes beyond 1b and 8b (8192 and 32768 tokens; d 8192 / ffn 28672, 3072 / 8192,
+#             5120 / 13824): where 2x2 wins, before it becomes a rule
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
 set -u
@@ -235,6 +238,12 @@ stage_cluster22() {
     step cluster22-dgrad 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 1 --cluster 2x2
 }
 
+stage_cluster22_shapes() {
+    step cluster22-shapes 400 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 1 \
+        --cluster 2x2 --shape 8192,4096,14336 --shape 32768,4096,14336 --shape 16384,8192,28672 \
+        --shape 16384,2048,8192 --shape 16384,3072,8192 --shape 16384,5120,13824
+}
+
 stage_cluster22_mlp() {
     step cluster22-mlp-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_mlp_fp8_gpu.py -k two_by_two
     step cluster22-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --profile --json "$OUT/cluster22-mlp.json"
@@ -347,6 +356,7 @@ for s in "$@"; do
         fp8-raster) stage_fp8_raster ;;
         card-gemms) stage_card_gemms ;;
         cluster22) stage_cluster22 ;;
+        cluster22-shapes) stage_cluster22_shapes ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms)"; exit 2 ;;
     esac

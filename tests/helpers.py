@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -85,13 +86,19 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 def load_script(name: str):
     """``scripts/<name>.py`` as a module (the scripts are no package; their own imports of each
-    other resolve from the scripts folder while it loads)."""
+    other resolve from the scripts folder while it loads). The environment is restored after:
+    an experiment that turns the disk cache off for its own runs must not turn it off for the
+    tests that follow."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up while the class is built
     sys.path.insert(0, str(SCRIPTS))
+    env = dict(os.environ)
     try:
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(SCRIPTS))
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
     return mod
