@@ -40,6 +40,7 @@ from rich.table import Table  # noqa: E402
 
 from coda_cute import compiler, dispatch  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.sm90.gemm import resident_clusters  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.ops.fp8_gemms import FP8  # noqa: E402
@@ -133,6 +134,9 @@ def main():
                                 "--format=csv", "-lms", "50", "-f", args.log])
     console = Console(width=150)
     sms = dispatch.num_sms(torch.device("cuda"))
+    if args.fp8:  # a 2x2 variant's launch takes the driver's count of resident 4-CTA clusters
+        torch.empty(1, device="cuda")  # the driver query wants a current context, as a launch has
+        console.log(f"resident 4-CTA clusters: {resident_clusters(sms, 4)} (of {sms // 4} were every SM used)")
     table = Table(title="large training GEMMs: cuBLAS time / ours per variant (> 1: ours faster)")
     for col in ("GEMM", "M x N x K", "cuBLAS TFLOP/s", "variant", "ratio"):
         table.add_column(col, justify="right")
