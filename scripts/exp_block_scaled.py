@@ -19,7 +19,10 @@ operands:
   stage; the row-wise one keeps six): how much one stage is worth to each; and ``paired 64x1``:
   the epilogue in 64-column sub-tiles through one store buffer (``kernels.sm90.epilogue``'s
   ``WIDE_SUB_TILES`` / ``SUBTILE_BUFFERS``), whose freed shared memory buys a stage back. With
-  ``--wgrad``, ``paired 64x1`` only.
+  ``--wgrad``, ``paired 64x1`` only;
+* with ``--cluster22`` (forward form): the pick on a 2x2 cluster (both operands multicast; the
+  scales still load per CTA), next to the pick, our row-wise GEMM and torch's block-wise kernel
+  only. On the row-wise FP8 gate/up forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
@@ -29,7 +32,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 (as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--cluster22]
 """
 
 from __future__ import annotations
@@ -181,6 +184,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--wgrad", action="store_true", help="the weight-gradient form's variants instead")
     ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
+    ap.add_argument("--cluster22", action="store_true",
+                    help="forward form: the pick against the pick on a 2x2 cluster (no other variant)")
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
@@ -188,8 +193,9 @@ def main():
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
-    names = list(VARIANTS)
-    for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in ROW_VARIANTS), "torch block", *names,
+    names = ["paired", "paired 2x2"] if args.cluster22 else list(VARIANTS)
+    row_variants = () if args.cluster22 else ROW_VARIANTS
+    for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
                 "best / torch"]:
         table.add_column(col, justify="right")
     for m, n, k in SHAPES:
@@ -214,11 +220,13 @@ def main():
             console.log(f"{m}x{n}x{k} block 64x1: {n_stages} A/B stages, rel err {float(err):.2e} (first 256 rows)")
         row_cfg = runner.choose_config(rtree, m, n, k, 1, True, False, sms)
         row_in = {"scale_a": ra.reshape(-1), "scale_b": rb.reshape(-1)}
-        for name in ROW_VARIANTS:  # the row-wise GEMM's pairs against its groups of 4
+        for name in row_variants:  # the row-wise GEMM's pairs against its groups of 4
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
-        for name in VARIANTS:
-            plan = _variant_plan(name, tree, a_q, b_q.t(), base, (sa, sb))
+        for name in names:
+            variant, cfg = ((name[:-4], base.with_(cluster_m=2, cluster_n=2)) if name.endswith(" 2x2")
+                            else (name, base))
+            plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
@@ -227,7 +235,7 @@ def main():
         tf = {name: 2 * m * n * k / v / 1e9 for name, v in ms.items()}
         best = max(tf[name] for name in names)
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}",
-                      *(f"{tf[f'row {v}']:.0f}" for v in ROW_VARIANTS), f"{tf['torch block']:.0f}",
+                      *(f"{tf[f'row {v}']:.0f}" for v in row_variants), f"{tf['torch block']:.0f}",
                       *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
         if args.stages:
             console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(

@@ -81,6 +81,9 @@
 #   cluster22-shapes  the row-wise FP8 gate/up forward with its tree on the pick and on 2x2 at
 #             shapes beyond 1b and 8b (8192 and 32768 tokens; d 8192 / ffn 28672, 3072 / 8192,
 #             5120 / 13824): where 2x2 wins, before it becomes a rule
+#   block22   the block-scaled FP8 GEMM on a 2x2 cluster: its GPU tests, then the forward form's
+#             pick against the pick on 2x2 and torch's block-wise _scaled_mm
+#             (exp_block_scaled.py --cluster22)
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
 set -u
@@ -244,6 +247,11 @@ stage_cluster22_shapes() {
         --shape 16384,2048,8192 --shape 16384,3072,8192 --shape 16384,5120,13824
 }
 
+stage_block22() {
+    step block22-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_block_scaled_gpu.py -k c2x2
+    step block22 200 python3 scripts/exp_block_scaled.py --cluster22 --rounds 10
+}
+
 stage_cluster22_mlp() {
     step cluster22-mlp-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_mlp_fp8_gpu.py -k two_by_two
     step cluster22-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --profile --json "$OUT/cluster22-mlp.json"
@@ -357,6 +365,7 @@ for s in "$@"; do
         card-gemms) stage_card_gemms ;;
         cluster22) stage_cluster22 ;;
         cluster22-shapes) stage_cluster22_shapes ;;
+        block22) stage_block22 ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms)"; exit 2 ;;
     esac
