@@ -32,6 +32,9 @@
 #   swiglu-fwd-fp8  exp_swiglu_epilogues.py --fp8-row-fast --forward: the row-wise FP8 gate/up GEMM
 #             with its RMSNorm + SwiGLU tree (z and h), the same variants and z or h alone
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
+#   train-compile  the whole table in one run: bench_train.py at one config (TRAIN_CONFIG, default
+#             8b) with HF + torch.compile, Liger, HF eager, CODA bf16 and FP8 row-wise fast, in
+#             turns (a call of its own: compile takes minutes)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
 #             clocks against its shadow's
@@ -179,6 +182,11 @@ stage_swiglu_fwd_fp8() {
 
 stage_train() {
     step train 560 python3 scripts/bench_train.py --configs 8b 1b --no-compile --rounds 6 --json "$OUT/train.json"
+}
+
+stage_train_compile() {
+    step train-compile 520 python3 scripts/bench_train.py --configs "${TRAIN_CONFIG:-8b}" --rounds 6 --fp8-row-fast all \
+        --json "$OUT/train-compile.json"
 }
 
 stage_train_fp8() {
@@ -344,6 +352,7 @@ for s in "$@"; do
         swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
         train) stage_train ;;
         train-fp8) stage_train_fp8 ;;
+        train-compile) stage_train_compile ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         verify) stage_verify ;;
@@ -367,7 +376,7 @@ for s in "$@"; do
         cluster22-shapes) stage_cluster22_shapes ;;
         block22) stage_block22 ;;
         cluster22-mlp) stage_cluster22_mlp ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms)"; exit 2 ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms cluster22 cluster22-shapes block22 cluster22-mlp train-compile)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
