@@ -115,10 +115,19 @@ workers() {
 }
 
 # step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in $OUT/NAME.log
+# Every step also ends by the call's deadline (DEADLINE seconds after the script starts, default
+# 570: a device call stops at 600), so that the logs are archived even when a stage runs long.
 step() {
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
+    local left=$((${DEADLINE:-570} - SECONDS))
+    if [ "$left" -lt 10 ]; then
+        echo "== $name: skipped, the call's deadline has passed" > "$OUT/$name.log"
+        LOGS+=("$name")
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc $rc, $((SECONDS - t0)) s" >> "$OUT/$name.log"
