@@ -77,6 +77,29 @@ def test_block_scaled_refuses_configs_it_cannot_scale(cfg, why):
         compile_gemm(spec(cfg))
 
 
+@pytest.mark.parametrize("cfg, ok", [
+    (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2), True),
+    (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, cluster_n=2), True),
+    (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2, stages=4, raster_group=2), True),
+    (GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=2, cluster_n=2), False),
+    (GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, cluster_n=2, fp8_fast_accum=True), False),
+])
+def test_an_explicit_config_may_set_any_cluster(cfg, ok):
+    """The launch's rule for an explicit config (an experiment's): the scales care about the tile
+    and the accumulation, not the cluster (each CTA loads its own scales), the stages or the
+    raster, so a scalable tile on any cluster passes and an unscalable one is refused, naming
+    the config."""
+    from coda_cute.epilogue import runner
+
+    a_q, sa, b_q, sb = quantized(256, 256, 256)
+    check = lambda: runner._check_block_scaled(a_q, b_q, (sa, sb), True, False, cfg, "exp")  # noqa: E731
+    if ok:
+        check()
+    else:
+        with pytest.raises(ValueError, match=f"config {cfg.name} cannot apply block scales"):
+            check()
+
+
 # -- the op: coda.gemm_blockwise --------------------------------------------------------------------
 def quantized(m, n, k, a_dtype=torch.float8_e4m3fn, seed=0):
     g = generator(seed)

@@ -556,8 +556,11 @@ def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b
         raise ValueError(f"{op}: block scales apply to 2-D FP8 operands, got {a.dim()}-D {a.dtype}")
     if fast_accum:
         raise ValueError(f"{op}: block scales are promoted per k-block: use_fast_accum must be False")
-    # stages and rasterization do not touch the scales: an explicit config may set either
-    if config is not None and config.with_(stages=0, raster_group=8) not in dispatch.block_scaled_config_space():
+    # stages, rasterization and the cluster (multicast A/B; each CTA loads its own scales) do not
+    # touch the scales: an explicit config may set any of them
+    def free(c):
+        return c.with_(stages=0, raster_group=8, cluster_m=1, cluster_n=1)
+    if config is not None and free(config) not in [free(c) for c in dispatch.block_scaled_config_space()]:
         raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
                          "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")
     check_block_scales(a, b, scales, op, b_rows)
