@@ -20,9 +20,14 @@ operands:
   the epilogue in 64-column sub-tiles through one store buffer (``kernels.sm90.epilogue``'s
   ``WIDE_SUB_TILES`` / ``SUBTILE_BUFFERS``), whose freed shared memory buys a stage back. With
   ``--wgrad``, ``paired 64x1`` only;
-* with ``--cluster22`` (forward form): the pick on a 2x2 cluster (both operands multicast; the
-  scales still load per CTA), next to the pick, our row-wise GEMM and torch's block-wise kernel
-  only. On the row-wise FP8 gate/up forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %.
+* with ``--cluster22`` (forward form): the kernel as built (its promotion group,
+  ``PROMOTION_GROUP["block"]``) on its 2x1 pick and on a 2x2 cluster (both operands multicast;
+  the scales still load per CTA), next to our row-wise GEMM and torch's block-wise kernel only.
+  On the row-wise FP8 gate/up forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on
+  this kernel in pairs (an H100, 2026-12-06) it cost 10-12 %.
+* with ``--once`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise`` and
+  torch's block-wise kernel at the last shape (K = 14336, the forward form's furthest from torch),
+  inside the NVTX range ``gemms``, after one untimed call each outside it.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
@@ -32,7 +37,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 (as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--cluster22]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--cluster22] [--once]
 """
 
 from __future__ import annotations
@@ -185,25 +190,25 @@ def main():
     ap.add_argument("--wgrad", action="store_true", help="the weight-gradient form's variants instead")
     ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
     ap.add_argument("--cluster22", action="store_true",
-                    help="forward form: the pick against the pick on a 2x2 cluster (no other variant)")
+                    help="forward form: the kernel as built on its pick and on a 2x2 cluster (no other variant)")
+    ap.add_argument("--once", action="store_true", help="one call of each GEMM at the last shape, for ncu")
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
         return wgrad(console, args.rounds, args.stages)
+    if args.once:
+        return once(*SHAPES[-1])
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
-    names = ["paired", "paired 2x2"] if args.cluster22 else list(VARIANTS)
+    built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
+    names = [built, f"{built} 2x2"] if args.cluster22 else list(VARIANTS)
     row_variants = () if args.cluster22 else ROW_VARIANTS
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
                 "best / torch"]:
         table.add_column(col, justify="right")
     for m, n, k in SHAPES:
-        a_q, sa = R.quantize_blocks_ref(torch.randn(m, k, device="cuda"), (1, 128))
-        b_q, sb = R.quantize_blocks_ref(torch.randn(n, k, device="cuda"), (128, 128))
-        sa = sa.t().contiguous().t()  # M-major, as the ops pass them
-        ra = a_q.float().abs().amax(-1, keepdim=True) / 448.0
-        rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
+        a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
         fns = {"ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
                "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),
                                                       out_dtype=torch.bfloat16)}
@@ -241,6 +246,33 @@ def main():
             console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(
                 f"{name} {tf[name]:.0f}" for name in tf if " s" in name))
     console.print(table)
+
+
+def operands(m, n, k):
+    """(A, its 1 x 128 scales M-major as the ops pass them, B, its 128 x 128 scales, A's and B's
+    row-wise scales) of a random E4M3 product."""
+    a_q, sa = R.quantize_blocks_ref(torch.randn(m, k, device="cuda"), (1, 128))
+    b_q, sb = R.quantize_blocks_ref(torch.randn(n, k, device="cuda"), (128, 128))
+    ra = a_q.float().abs().amax(-1, keepdim=True) / 448.0
+    rb = b_q.float().abs().amax(-1, keepdim=True).t().contiguous() / 448.0
+    return a_q, sa.t().contiguous().t(), b_q, sb, ra, rb
+
+
+def once(m, n, k):
+    """One call each of our row-wise GEMM, the block-scaled op and torch's block-wise kernel,
+    inside the NVTX range ``gemms`` (ncu: ``--nvtx --nvtx-include gemms/``)."""
+    a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
+    calls = [lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
+             lambda: torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb),
+             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)]
+    for call in calls:  # compiled and loaded outside the range
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("gemms")
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
 
 
 def _fewer_stages(tree, rtree, block_cfg, row_cfg) -> dict:

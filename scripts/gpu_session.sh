@@ -87,6 +87,10 @@
 #   block22   the block-scaled FP8 GEMM on a 2x2 cluster: its GPU tests, then the forward form's
 #             pick against the pick on 2x2 and torch's block-wise _scaled_mm
 #             (exp_block_scaled.py --cluster22)
+#   block-ncu  the block-scaled forward form against torch's block-wise kernel: every promotion
+#             variant at the three 8B shapes (exp_block_scaled.py), then ncu of our row-wise GEMM,
+#             the block-scaled op and torch's kernel at 16384 x 4096 x 14336 (stall reasons, hot
+#             SASS lines)
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
 set -u
@@ -269,6 +273,20 @@ stage_block22() {
     step block22 200 python3 scripts/exp_block_scaled.py --cluster22 --rounds 10
 }
 
+stage_block_ncu() {
+    step block-exp 200 python3 scripts/exp_block_scaled.py --rounds 6
+    # our row-wise GEMM, the block-scaled op and torch's block-wise kernel at 16384 x 4096 x 14336
+    step block-ncu 240 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
+        --section Occupancy --export "$OUT/block-ncu" python3 scripts/exp_block_scaled.py --once
+    step block-ncu-details 60 ncu --import "$OUT/block-ncu.ncu-rep" --page details
+    step block-ncu-source 90 bash -c "ncu --import '$OUT/block-ncu.ncu-rep' \
+        --page source --csv --print-source sass > '$OUT/block-ncu-source.csv' \
+        && python3 scripts/ncu_hot_lines.py '$OUT/block-ncu-source.csv' --top 40 \
+        && gzip -f '$OUT/block-ncu-source.csv' && rm -f '$OUT/block-ncu.ncu-rep'"
+}
+
 stage_cluster22_mlp() {
     step cluster22-mlp-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_mlp_fp8_gpu.py -k two_by_two
     step cluster22-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --profile --json "$OUT/cluster22-mlp.json"
@@ -385,7 +403,8 @@ for s in "$@"; do
         cluster22-shapes) stage_cluster22_shapes ;;
         block22) stage_block22 ;;
         cluster22-mlp) stage_cluster22_mlp ;;
-        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms cluster22 cluster22-shapes block22 cluster22-mlp train-compile)"; exit 2 ;;
+        block-ncu) stage_block_ncu ;;
+        *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms cluster22 cluster22-shapes block22 cluster22-mlp train-compile block-ncu)"; exit 2 ;;
     esac
 done
 for name in "${LOGS[@]}"; do
