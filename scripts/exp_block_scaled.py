@@ -20,11 +20,12 @@ operands:
   the epilogue in 64-column sub-tiles through one store buffer (``kernels.sm90.epilogue``'s
   ``WIDE_SUB_TILES`` / ``SUBTILE_BUFFERS``), whose freed shared memory buys a stage back. With
   ``--wgrad``, ``paired 64x1`` only;
-* with ``--cluster22`` (forward form): the kernel as built (its promotion group,
-  ``PROMOTION_GROUP["block"]``) on its 2x1 pick and on a 2x2 cluster (both operands multicast;
-  the scales still load per CTA), next to our row-wise GEMM and torch's block-wise kernel only.
-  On the row-wise FP8 gate/up forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on
-  this kernel in pairs (an H100, 2026-12-06) it cost 10-12 %.
+* with ``--clusters 2x2 1x2 ...`` (forward form): the kernel as built (its promotion group,
+  ``PROMOTION_GROUP["block"]``) on its pick and on those clusters (the scales still load per
+  CTA), next to our row-wise GEMM and torch's block-wise kernel only. On the row-wise FP8 gate/up
+  forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on this kernel in pairs (an H100,
+  2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
+  multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
 * with ``--once`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise`` and
   torch's block-wise kernel at the last shape (K = 14336, the forward form's furthest from torch),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -37,7 +38,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 (as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--cluster22] [--once]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2] [--once]
 """
 
 from __future__ import annotations
@@ -189,8 +190,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--wgrad", action="store_true", help="the weight-gradient form's variants instead")
     ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
-    ap.add_argument("--cluster22", action="store_true",
-                    help="forward form: the kernel as built on its pick and on a 2x2 cluster (no other variant)")
+    ap.add_argument("--clusters", nargs="+", default=[], metavar="MxN",
+                    help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
     ap.add_argument("--once", action="store_true", help="one call of each GEMM at the last shape, for ncu")
     args = ap.parse_args()
     console = Console(width=160)
@@ -202,8 +203,8 @@ def main():
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
-    names = [built, f"{built} 2x2"] if args.cluster22 else list(VARIANTS)
-    row_variants = () if args.cluster22 else ROW_VARIANTS
+    names = [built, *(f"{built} {c}" for c in args.clusters)] if args.clusters else list(VARIANTS)
+    row_variants = () if args.clusters else ROW_VARIANTS
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
                 "best / torch"]:
         table.add_column(col, justify="right")
@@ -229,8 +230,11 @@ def main():
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in names:
-            variant, cfg = ((name[:-4], base.with_(cluster_m=2, cluster_n=2)) if name.endswith(" 2x2")
-                            else (name, base))
+            variant, cfg = name, base
+            if name != built and args.clusters:  # "<variant> MxN"
+                variant, cluster = name.rsplit(" ", 1)
+                cm, cn = (int(x) for x in cluster.split("x"))
+                cfg = base.with_(cluster_m=cm, cluster_n=cn)
             plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
