@@ -379,8 +379,8 @@ for s in "$@"; do
         swiglu-fp8) stage_swiglu_fp8 ;;
         swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
         train) stage_train ;;
-        train-fp8) stage_train_fp8 ;;
         train-compile) stage_train_compile ;;
+        train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         verify) stage_verify ;;
@@ -403,8 +403,8 @@ for s in "$@"; do
         cluster22) stage_cluster22 ;;
         cluster22-shapes) stage_cluster22_shapes ;;
         block22) stage_block22 ;;
-        cluster22-mlp) stage_cluster22_mlp ;;
         block-ncu) stage_block_ncu ;;
+        cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s (rope rope-bench backward hf fp8 quant mlp-fp8 swiglu-fp8 swiglu-fwd-fp8 train train-fp8 mlp-gaps fp8-ncu verify verify-more perf emb verify-rest sol verify-lm-head verify-hf wgrad-rates mlp-profile gemm rope-ncu gemm-ncu waves sinks fp8-raster card-gemms cluster22 cluster22-shapes block22 cluster22-mlp train-compile block-ncu)"; exit 2 ;;
     esac
 done
