@@ -26,9 +26,9 @@ operands:
   forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on this kernel in pairs (an H100,
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
-* with ``--once`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise`` and
-  torch's block-wise kernel at the last shape (K = 14336, the forward form's furthest from torch),
-  inside the NVTX range ``gemms``, after one untimed call each outside it.
+* with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
+  and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336), inside the NVTX range
+  ``gemms``, after one untimed call each outside it.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
@@ -38,7 +38,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 (as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2] [--once]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2] [--once [M,N,K]]
 """
 
 from __future__ import annotations
@@ -192,13 +192,14 @@ def main():
     ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
     ap.add_argument("--clusters", nargs="+", default=[], metavar="MxN",
                     help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
-    ap.add_argument("--once", action="store_true", help="one call of each GEMM at the last shape, for ncu")
+    ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
+                    help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
         return wgrad(console, args.rounds, args.stages)
     if args.once:
-        return once(*SHAPES[-1])
+        return once(*(int(x) for x in args.once.split(",")))
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
@@ -263,12 +264,13 @@ def operands(m, n, k):
 
 
 def once(m, n, k):
-    """One call each of our row-wise GEMM, the block-scaled op and torch's block-wise kernel,
-    inside the NVTX range ``gemms`` (ncu: ``--nvtx --nvtx-include gemms/``)."""
+    """One call each of our row-wise GEMM, the block-scaled op, torch's block-wise kernel and its
+    row-wise one, inside the NVTX range ``gemms`` (ncu: ``--nvtx --nvtx-include gemms/``)."""
     a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
     calls = [lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
              lambda: torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb),
-             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)]
+             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16),
+             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16)]
     for call in calls:  # compiled and loaded outside the range
         call()
     torch.cuda.synchronize()

@@ -90,8 +90,8 @@
 #             _scaled_mm (exp_block_scaled.py --clusters 1x2 1x1 --stages; 2x2 lost 10-12 %)
 #   block-ncu  the block-scaled forward form against torch's block-wise kernel: every promotion
 #             variant at the three 8B shapes (exp_block_scaled.py), then ncu of our row-wise GEMM,
-#             the block-scaled op and torch's kernel at 16384 x 4096 x 14336 (stall reasons, hot
-#             SASS lines)
+#             the block-scaled op and torch's kernel at 16384 x 4096 x 14336 or BLOCK_NCU_SHAPE
+#             (stall reasons, hot SASS lines)
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
 set -u
@@ -276,11 +276,13 @@ stage_block22() {
 
 stage_block_ncu() {
     step block-exp 200 python3 scripts/exp_block_scaled.py --rounds 6
-    # our row-wise GEMM, the block-scaled op and torch's block-wise kernel at 16384 x 4096 x 14336
+    # our row-wise GEMM, the block-scaled op and torch's block-wise kernel at BLOCK_NCU_SHAPE
+    # (default 16384 x 4096 x 14336; the wide, short-K one: BLOCK_NCU_SHAPE=16384,28672,4096)
     step block-ncu 240 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
-        --section Occupancy --export "$OUT/block-ncu" python3 scripts/exp_block_scaled.py --once
+        --section Occupancy --export "$OUT/block-ncu" python3 scripts/exp_block_scaled.py \
+        --once "${BLOCK_NCU_SHAPE:-16384,4096,14336}"
     step block-ncu-details 60 ncu --import "$OUT/block-ncu.ncu-rep" --page details
     step block-ncu-source 90 bash -c "ncu --import '$OUT/block-ncu.ncu-rep' \
         --page source --csv --print-source sass > '$OUT/block-ncu-source.csv' \
