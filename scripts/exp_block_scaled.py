@@ -27,8 +27,8 @@ operands:
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
-  and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336), inside the NVTX range
-  ``gemms``, after one untimed call each outside it.
+  and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
+  inside the NVTX range ``gemms``, after one untimed call each outside it.
 
 The weight-gradient form (``--wgrad``; dW = dY^T X over 16384 tokens at the Llama-3-8B weight
 shapes, fp32 out): promotion in pairs, groups of 3 or 4, or one k-tile at a time, the scales as
