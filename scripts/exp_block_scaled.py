@@ -26,6 +26,9 @@ operands:
   forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on this kernel in pairs (an H100,
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
+* with ``--poll`` (forward form): the kernel as built with its consumers polling
+  ``mbarrier.try_wait`` for a full stage instead of sleeping between polls (``mainloop.POLL_FULL``),
+  as ``--clusters``' variants are;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -192,6 +195,9 @@ def main():
     ap.add_argument("--stages", action="store_true", help="also one A/B stage fewer, block-scaled and row-wise")
     ap.add_argument("--clusters", nargs="+", default=[], metavar="MxN",
                     help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
+    ap.add_argument("--poll", action="store_true",
+                    help="forward form: also the kernel as built with its consumers polling for full stages "
+                         "(mainloop.POLL_FULL; with --clusters' variants, no other)")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
@@ -204,8 +210,9 @@ def main():
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
-    names = [built, *(f"{built} {c}" for c in args.clusters)] if args.clusters else list(VARIANTS)
-    row_variants = () if args.clusters else ROW_VARIANTS
+    around = [*args.clusters, *(["poll"] if args.poll else [])]
+    names = [built, *(f"{built} {c}" for c in around)] if around else list(VARIANTS)
+    row_variants = () if around else ROW_VARIANTS
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
                 "best / torch"]:
         table.add_column(col, justify="right")
@@ -231,12 +238,17 @@ def main():
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in names:
-            variant, cfg = name, base
-            if name != built and args.clusters:  # "<variant> MxN"
-                variant, cluster = name.rsplit(" ", 1)
-                cm, cn = (int(x) for x in cluster.split("x"))
-                cfg = base.with_(cluster_m=cm, cluster_n=cn)
-            plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
+            variant, cfg, change = name, base, None
+            if name != built and around:  # "<built> MxN" or "<built> poll"
+                variant, change = built, name[len(built) + 1:]
+                if change != "poll":
+                    cm, cn = (int(x) for x in change.split("x"))
+                    cfg = base.with_(cluster_m=cm, cluster_n=cn)
+            ML.POLL_FULL = change == "poll"
+            try:
+                plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
+            finally:
+                ML.POLL_FULL = False
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()

@@ -19,7 +19,23 @@ store rounds and barriers per tile). Every variant's result is checked against t
 On an H100 (2026-12-05) none of these closed the gap, except a 2x2 cluster on the gate/up forward
 (0.894 -> 0.966 of `_scaled_mm`'s speed); 2x2 slowed the other five by 6-11 %.
 
-    python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8]
+``--split 4 8``: the pick on M cut into 4 and 8 launches (row blocks of A) into one output. In
+one launch the persistent slots walk their tiles round-robin, and a slot that runs slower falls
+behind, so the tiles in flight spread beyond the band that shares operands in L2; each launch
+starts them together again. On an H100 (2026-12-06, ncu) the gate/up forward read 2.80 GB from
+DRAM in one launch, 1.33 GB in 4 and 1.16 GB in 8 (`_scaled_mm` fast: 1.73 GB), and took the same
+time (2.91 ms each way): the slots do drift apart, and the DRAM bytes it costs do not set the
+time. ``tile ...`` variants (same day): ping-pong 64 x 256 2x1 0.860 of `_scaled_mm`'s speed,
+1x2 0.464, cooperative 256 x 128 2x1 0.941, 128 x 256 2x2 0.872, against 0.940 for the pick and
+0.960 on 2x2 (gate/up forward; the down dgrad 0.870 / 0.534 / 0.877 / 0.811 against 0.981 and
+0.900): fewer L2 or shared-memory operand bytes per FLOP do not close it either.
+
+``--only`` keeps some cases (by label), ``--variants`` the variants whose names start with one of
+its prefixes (``ours`` is the pick, ``poll`` the pick whose consumers poll ``mbarrier.try_wait``
+for a full stage without sleeping between polls, ``mainloop.POLL_FULL``), ``--once`` runs each once for ncu instead of timing.
+
+    python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8] [--only gate_up.fwd]
+        [--variants ours split tile] [--split 4 8] [--once]
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.sm90.gemm import resident_clusters  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
+from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.ops.fp8_gemms import FP8  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
@@ -76,8 +93,10 @@ def bf16_case(kind, m, n_out, k_in, sms):
 def fp8_variants(cfg) -> dict:
     """name -> config around the FP8 pick ``cfg`` (None: the pick itself, through the heuristic):
     its raster band varied, its cluster turned (`_scaled_mm`'s 1x2), dropped or doubled (2x2: both
-    operands multicast, a third less of each CTA's k-tile read from L2), and cooperative
-    128 x 256 2x1."""
+    operands multicast, a third less of each CTA's k-tile read from L2), cooperative 128 x 256
+    2x1, and ``tile ...``: ping-pong 64 x 256 (one m64n256 WGMMA per k-step: a sixth fewer
+    shared-memory operand bytes per FLOP than 128 x 128's two m64n128) on 2x1 and 1x2, cooperative
+    256 x 128 2x1 and 128 x 256 2x2 (half the L2 bytes per FLOP of the pick)."""
     variants = {f"ours {cfg.name}": None}
     variants.update({f"g{g}": cfg.with_(raster_group=g) for g in GROUPS if g != cfg.raster_group})
     variants.update({f"cluster {cm}x{cn}": cfg.with_(cluster_m=cm, cluster_n=cn)
@@ -85,12 +104,20 @@ def fp8_variants(cfg) -> dict:
     coop = dispatch.GemmConfig(128, 256, 128, "cooperative", 2, 1, fp8_fast_accum=True)
     if coop != cfg:
         variants[coop.name] = coop
+    # wider WGMMAs (fewer shared-memory operand bytes per FLOP) and fewer L2 bytes per FLOP
+    wide = (dispatch.GemmConfig(64, 256, 128, "pingpong", 2, 1, fp8_fast_accum=True),
+            dispatch.GemmConfig(64, 256, 128, "pingpong", 1, 2, fp8_fast_accum=True),
+            dispatch.GemmConfig(256, 128, 128, "cooperative", 2, 1, fp8_fast_accum=True),
+            dispatch.GemmConfig(128, 256, 128, "cooperative", 2, 2, fp8_fast_accum=True))
+    variants.update({f"tile {c.name}": c for c in wide if c != cfg})
     return variants
 
 
-def fp8_case(m, n, k, sms):
+def fp8_case(m, n, k, sms, splits=()):
     """The same for a row-wise FP8 GEMM with fast accumulation, against ``_scaled_mm`` fast; a
-    ping-pong pick also with 64-column epilogue sub-tiles (``PINGPONG_WIDE_SUB_TILES``)."""
+    ping-pong pick also with 64-column epilogue sub-tiles (``PINGPONG_WIDE_SUB_TILES``); the pick
+    with its consumers polling for full stages (``poll``, ``mainloop.POLL_FULL``); and for
+    each ``s`` of ``splits`` the pick on M cut into ``s`` launches (``split s``) into one output."""
     a = torch.randn(m, k, device="cuda").to(FP8)
     b = torch.randn(n, k, device="cuda").to(FP8).t()
     sa = torch.rand(m, 1, device="cuda") + 0.5
@@ -98,26 +125,35 @@ def fp8_case(m, n, k, sms):
     pick = dispatch.select_config(m, n, k, 1, True, True, sms)
     fns = {name: (lambda c=c: gemm_impl(a, b, sa, sb, torch.bfloat16, True, config=c))
            for name, c in fp8_variants(pick).items()}
+    inputs = {"scale_a": sa.view(-1), "scale_b": sb.view(-1)}
+    tree = gemm_tree("row", "row", "bfloat16")
     if pick.schedule == "pingpong":
-        inputs = {"scale_a": sa.view(-1), "scale_b": sb.view(-1)}
-        plan = wide_sub_tile_plan(gemm_tree("row", "row", "bfloat16"), a, b, inputs, pick)
+        plan = switched_plan(EPI, "PINGPONG_WIDE_SUB_TILES", tree, a, b, inputs, pick)
         fns[f"64-column sub-tiles ({pick.name})"] = lambda: plan.launch(a, b, inputs)["out"]
+    polled = switched_plan(ML, "POLL_FULL", tree, a, b, inputs, pick)
+    fns[f"poll ({pick.name})"] = lambda: polled.launch(a, b, inputs)["out"]
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16) if splits else None
+    for s in splits:
+        rows = [slice(i * m // s, (i + 1) * m // s) for i in range(s)]
+        fns[f"split {s}"] = lambda rows=rows: [gemm_impl(a[r], b, sa[r], sb, torch.bfloat16, True, out=out[r])
+                                               for r in rows] and out
     base = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,  # noqa: E731
                                     use_fast_accum=True)
     return base, (m, n, k), fns
 
 
-def wide_sub_tile_plan(tree, a, b, inputs, config):
-    """A launch plan of ``tree`` on ping-pong ``config`` with the cooperative schedule's wider
-    epilogue sub-tiles, compiled afresh (the caches cleared before and after: the switch is not
-    part of a kernel's spec)."""
-    EPI.PINGPONG_WIDE_SUB_TILES = True
+def switched_plan(owner, switch: str, tree, a, b, inputs, config):
+    """A launch plan of ``tree`` on ``config`` with ``owner.<switch>`` on, compiled afresh (the
+    caches cleared before and after: the switch is not part of a kernel's spec):
+    ``PINGPONG_WIDE_SUB_TILES`` of the epilogue (a ping-pong config with the cooperative
+    schedule's wider sub-tiles), ``POLL_FULL`` of the mainloop."""
+    setattr(owner, switch, True)
     try:
         compiler._cache.clear()
         runner._plans.clear()
         return runner._make_plan(tree, a, b, inputs, config, config.fp8_fast_accum, "exp")
     finally:
-        EPI.PINGPONG_WIDE_SUB_TILES = False
+        setattr(owner, switch, False)
         compiler._cache.clear()
         runner._plans.clear()
 
@@ -127,6 +163,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--log", help="write nvidia-smi's SM clock and power samples here (CSV)")
     ap.add_argument("--fp8", action="store_true", help="the row-wise FP8 MLP's six GEMMs instead (module docstring)")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="these cases only (their labels, e.g. gate_up.fwd)")
+    ap.add_argument("--variants", nargs="+", metavar="PREFIX", help="the variants whose names start with these only")
+    ap.add_argument("--split", nargs="+", type=int, default=[], metavar="S",
+                    help="--fp8: also the pick on M cut into S launches each (a launch starts every slot afresh: "
+                         "how much L2 reuse the persistent slots' drift apart costs)")
+    ap.add_argument("--once", action="store_true",
+                    help="for ncu: one call of the baseline and of each variant, after a warm-up call of each, "
+                         "inside the NVTX range gemms (--nvtx --nvtx-include gemms/), instead of timing")
     args = ap.parse_args()
     smi = None
     if args.log:
@@ -140,8 +184,15 @@ def main():
     table = Table(title="large training GEMMs: cuBLAS time / ours per variant (> 1: ours faster)")
     for col in ("GEMM", "M x N x K", "cuBLAS TFLOP/s", "variant", "ratio"):
         table.add_column(col, justify="right")
-    cases = [(label, lambda m=m, n=n, k=k: fp8_case(m, n, k, sms)) for label, m, n, k in FP8_CASES] if args.fp8 \
+    cases = [(label, lambda m=m, n=n, k=k: fp8_case(m, n, k, sms, args.split)) for label, m, n, k in FP8_CASES] \
+        if args.fp8 \
         else [(c[0], lambda c=c: bf16_case(*c[1:], sms)) for c in CASES]
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only]
+    if args.variants:
+        cases = [(label, lambda make=make: kept_variants(make(), args.variants)) for label, make in cases]
+    if args.once:
+        return once(cases, console)
     try:
         for label, make in cases:
             base, (mm, nn, kk), fns = make()
@@ -163,6 +214,32 @@ def main():
         if smi is not None:
             smi.terminate()
     console.print(table)
+
+
+def kept_variants(case, prefixes):
+    """``case`` (baseline, shape, name -> variant) with the variants whose names start with one of
+    ``prefixes``."""
+    base, shape, fns = case
+    return base, shape, {name: fn for name, fn in fns.items() if name.startswith(tuple(prefixes))}
+
+
+def once(cases, console):
+    """One call of each case's baseline and variants inside the NVTX range ``gemms`` (compiled and
+    warmed up outside it), in the order the console logs."""
+    for label, make in cases:
+        base, _, fns = make()
+        calls = {"baseline": base, **fns}
+        for call in calls.values():
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("gemms")
+        for name, call in calls.items():
+            console.log(f"{label}: {name}")
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        del base, fns, calls
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -92,6 +92,19 @@
 #             variant at the three 8B shapes (exp_block_scaled.py), then ncu of our row-wise GEMM,
 #             the block-scaled op and torch's kernel at 16384 x 4096 x 14336 or BLOCK_NCU_SHAPE
 #             (stall reasons, hot SASS lines)
+#   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
+#             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
+#   poll      mainloop.POLL_FULL (consumers poll mbarrier.try_wait for a full stage instead of
+#             sleeping between polls): the row-wise FP8 short-K GEMMs and the block-scaled forward
+#             form with it, against the kernels as built and torch, in turns
+#   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
+#             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
+#             and 128 x 256 on 2x2), in turns
+#   epi-k     the row-wise FP8 SwiGLU backward tree (down dgrad) at K = 4096, 6144, 8192, 12288:
+#             its cost over the plain GEMM as the mainloop per tile grows (exp_swiglu_epilogues.py)
+#   drift     the persistent slots' drift apart: the row-wise FP8 short-K GEMMs' pick on M cut into
+#             2, 4 and 8 launches against one (exp_large_gemms.py --fp8 --split), timed in turns,
+#             then ncu's DRAM bytes and cycles of each launch
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
 set -u
@@ -290,6 +303,36 @@ stage_block_ncu() {
         && gzip -f '$OUT/block-ncu-source.csv' && rm -f '$OUT/block-ncu.ncu-rep'"
 }
 
+stage_block_built() {
+    step block-built 150 python3 scripts/exp_block_scaled.py --clusters 1x2 --rounds 8
+}
+
+stage_poll() {
+    step poll-gemms 100 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
+        --variants ours poll
+    step poll-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 6
+}
+
+stage_tiles() {
+    step tiles-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
+        --variants ours tile "cluster 2x2"
+}
+
+stage_epi_k() {
+    # the SwiGLU backward tree's cost over its plain GEMM as K (the model width) grows: a ping-pong
+    # epilogue longer than the other warpgroup's mainloop shows as a cost that shrinks with K
+    step epi-k 240 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 5 --configs 1 \
+        --shape 16384,4096,14336 --shape 16384,6144,14336 --shape 16384,8192,14336 --shape 8192,12288,14336
+}
+
+stage_drift() {
+    step drift-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
+        --variants ours split --split 2 4 8
+    step drift-ncu 150 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+        python3 scripts/exp_large_gemms.py --fp8 --only gate_up.fwd down.dgrad --variants ours split --split 4 8 --once
+}
+
 stage_cluster22_mlp() {
     step cluster22-mlp-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_mlp_fp8_gpu.py -k two_by_two
     step cluster22-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --profile --json "$OUT/cluster22-mlp.json"
@@ -406,6 +449,11 @@ for s in "$@"; do
         cluster22-shapes) stage_cluster22_shapes ;;
         block22) stage_block22 ;;
         block-ncu) stage_block_ncu ;;
+        block-built) stage_block_built ;;
+        poll) stage_poll ;;
+        tiles) stage_tiles ;;
+        epi-k) stage_epi_k ;;
+        drift) stage_drift ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
