@@ -16,7 +16,8 @@ outside the step, as ``WeightQuantCache`` keeps them between two optimizer steps
 micro-batch of a gradient accumulation costs; the other variants, like torchao's, quantize their
 weights in every step, which a step without accumulation does too), and ``..., 2x2 clusters``:
 its ping-pong picks on 2x2 clusters where they build without spills
-(``runner.FP8_PINGPONG_2X2``, an experiment switch).
+(``runner.FP8_PINGPONG_2X2``, an experiment switch); ``--poll`` adds ``..., polling``: its GEMMs'
+consumers polling for full stages (``runner.POLL_FULL``).
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -82,8 +83,8 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
 
 def with_switch(step, name: str, value: bool, owner=None):
     """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
-    backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` with the
-    epilogue runner as ``owner``."""
+    backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` or
+    ``runner.POLL_FULL`` with the epilogue runner as ``owner``."""
     if owner is None:
         from coda_cute.ops import mlp_fp8 as owner
 
@@ -342,9 +343,14 @@ def mlp_case(m, d, f):
     return y, w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
 
 
-def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") -> dict:
+def poll_label(fast_accum: str) -> str:
+    """The row-wise fast variant whose GEMMs' consumers poll for full stages (``runner.POLL_FULL``)."""
+    return fast_label(fast_accum)[1] + ", polling"
+
+
+def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", poll: bool = False) -> dict:
     """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
-    also the row-wise recipe with it and its shadow."""
+    also the row-wise recipe with it and its shadow, and with ``poll`` that recipe polling."""
     y, w_gu, w_down, dy2 = mlp_case(m, d, f)
     ss = None if baselines_only else embedding_norm_stats(y)
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
@@ -366,6 +372,9 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none") ->
             fns[cluster_label(fast_accum)] = with_switch(
                 coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "FP8_PINGPONG_2X2", True,
                 runner)
+            if poll:
+                fns[poll_label(fast_accum)] = with_switch(
+                    coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "POLL_FULL", True, runner)
         fns["coda bf16"] = coda_step(torch.ops.coda.mlp_block, y, ss, w_gu, w_down, dy2, EPS)
     fns.update(torchao_steps(y, dy2, d, f, console))
     return fns
@@ -427,13 +436,16 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096, help="attention: tokens per sequence")
     p.add_argument("--fast-accum", choices=("none", "forward", "all"), default="none",
                    help="also the row-wise recipe with fast accumulation in these roles, and its shadow")
+    p.add_argument("--poll", action="store_true",
+                   help="with --fast-accum: also the row-wise fast variant whose GEMMs' consumers poll for full "
+                        "stages (runner.POLL_FULL, GemmConfig.poll_full)")
     args = p.parse_args(argv)
     console = Console()
     if not torch.cuda.is_available():
         console.print("[red]bench_fp8 needs a CUDA GPU[/]")
         return 2
     m, d, f = args.tokens, args.dim, args.ffn
-    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum) if args.sublayer == "mlp" else \
+    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll) if args.sublayer == "mlp" else \
         attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
     if args.once:
         ours, shadow = fast_label(args.fast_accum)[::-1] if args.fast_accum != "none" else ("coda fp8 row-wise", SHADOW)
@@ -460,14 +472,14 @@ def main(argv=None) -> int:
                   f"{alone[name][1]:.3f}")
     console.print(t)
     fast_shadow, fast_ours = fast_label(args.fast_accum)
-    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum)):
+    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum), poll_label(args.fast_accum)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")
     if args.profile:
         # the shadows' kernels too: each of our GEMMs next to the _scaled_mm of its role
         for name in (SHADOW, fast_shadow, "coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours,
-                     cluster_label(args.fast_accum)):
+                     cluster_label(args.fast_accum), poll_label(args.fast_accum)):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

@@ -27,7 +27,7 @@ operands:
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
 * with ``--poll`` (forward form): the kernel as built with its consumers polling
-  ``mbarrier.try_wait`` for a full stage instead of sleeping between polls (``mainloop.POLL_FULL``),
+  ``mbarrier.try_wait`` for a full stage instead of sleeping between polls (``GemmConfig.poll_full``),
   as ``--clusters``' variants are;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
@@ -197,7 +197,7 @@ def main():
                     help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
     ap.add_argument("--poll", action="store_true",
                     help="forward form: also the kernel as built with its consumers polling for full stages "
-                         "(mainloop.POLL_FULL; with --clusters' variants, no other)")
+                         "(GemmConfig.poll_full; with --clusters' variants, no other)")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
@@ -238,17 +238,15 @@ def main():
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in names:
-            variant, cfg, change = name, base, None
+            variant, cfg = name, base
             if name != built and around:  # "<built> MxN" or "<built> poll"
                 variant, change = built, name[len(built) + 1:]
-                if change != "poll":
+                if change == "poll":
+                    cfg = base.with_(poll_full=True)
+                else:
                     cm, cn = (int(x) for x in change.split("x"))
                     cfg = base.with_(cluster_m=cm, cluster_n=cn)
-            ML.POLL_FULL = change == "poll"
-            try:
-                plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
-            finally:
-                ML.POLL_FULL = False
+            plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()

@@ -32,7 +32,7 @@ time. ``tile ...`` variants (same day): ping-pong 64 x 256 2x1 0.860 of `_scaled
 
 ``--only`` keeps some cases (by label), ``--variants`` the variants whose names start with one of
 its prefixes (``ours`` is the pick, ``poll`` the pick whose consumers poll ``mbarrier.try_wait``
-for a full stage without sleeping between polls, ``mainloop.POLL_FULL``), ``--once`` runs each once for ncu instead of timing.
+for a full stage without sleeping between polls, ``GemmConfig.poll_full``), ``--once`` runs each once for ncu instead of timing.
 
     python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8] [--only gate_up.fwd]
         [--variants ours split tile] [--split 4 8] [--once]
@@ -59,7 +59,6 @@ from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.sm90.gemm import resident_clusters  # noqa: E402
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
-from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.ops.fp8_gemms import FP8  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
@@ -96,7 +95,8 @@ def fp8_variants(cfg) -> dict:
     operands multicast, a third less of each CTA's k-tile read from L2), cooperative 128 x 256
     2x1, and ``tile ...``: ping-pong 64 x 256 (one m64n256 WGMMA per k-step: a sixth fewer
     shared-memory operand bytes per FLOP than 128 x 128's two m64n128) on 2x1 and 1x2, cooperative
-    256 x 128 2x1 and 128 x 256 2x2 (half the L2 bytes per FLOP of the pick)."""
+    256 x 128 2x1 and 128 x 256 2x2 (half the L2 bytes per FLOP of the pick); ``poll``: the pick
+    with ``poll_full``."""
     variants = {f"ours {cfg.name}": None}
     variants.update({f"g{g}": cfg.with_(raster_group=g) for g in GROUPS if g != cfg.raster_group})
     variants.update({f"cluster {cm}x{cn}": cfg.with_(cluster_m=cm, cluster_n=cn)
@@ -110,13 +110,13 @@ def fp8_variants(cfg) -> dict:
             dispatch.GemmConfig(256, 128, 128, "cooperative", 2, 1, fp8_fast_accum=True),
             dispatch.GemmConfig(128, 256, 128, "cooperative", 2, 2, fp8_fast_accum=True))
     variants.update({f"tile {c.name}": c for c in wide if c != cfg})
+    variants["poll"] = cfg.with_(poll_full=True)
     return variants
 
 
 def fp8_case(m, n, k, sms, splits=()):
     """The same for a row-wise FP8 GEMM with fast accumulation, against ``_scaled_mm`` fast; a
-    ping-pong pick also with 64-column epilogue sub-tiles (``PINGPONG_WIDE_SUB_TILES``); the pick
-    with its consumers polling for full stages (``poll``, ``mainloop.POLL_FULL``); and for
+    ping-pong pick also with 64-column epilogue sub-tiles (``PINGPONG_WIDE_SUB_TILES``); and for
     each ``s`` of ``splits`` the pick on M cut into ``s`` launches (``split s``) into one output."""
     a = torch.randn(m, k, device="cuda").to(FP8)
     b = torch.randn(n, k, device="cuda").to(FP8).t()
@@ -125,13 +125,10 @@ def fp8_case(m, n, k, sms, splits=()):
     pick = dispatch.select_config(m, n, k, 1, True, True, sms)
     fns = {name: (lambda c=c: gemm_impl(a, b, sa, sb, torch.bfloat16, True, config=c))
            for name, c in fp8_variants(pick).items()}
-    inputs = {"scale_a": sa.view(-1), "scale_b": sb.view(-1)}
-    tree = gemm_tree("row", "row", "bfloat16")
     if pick.schedule == "pingpong":
-        plan = switched_plan(EPI, "PINGPONG_WIDE_SUB_TILES", tree, a, b, inputs, pick)
+        inputs = {"scale_a": sa.view(-1), "scale_b": sb.view(-1)}
+        plan = wide_sub_tile_plan(gemm_tree("row", "row", "bfloat16"), a, b, inputs, pick)
         fns[f"64-column sub-tiles ({pick.name})"] = lambda: plan.launch(a, b, inputs)["out"]
-    polled = switched_plan(ML, "POLL_FULL", tree, a, b, inputs, pick)
-    fns[f"poll ({pick.name})"] = lambda: polled.launch(a, b, inputs)["out"]
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16) if splits else None
     for s in splits:
         rows = [slice(i * m // s, (i + 1) * m // s) for i in range(s)]
@@ -142,18 +139,17 @@ def fp8_case(m, n, k, sms, splits=()):
     return base, (m, n, k), fns
 
 
-def switched_plan(owner, switch: str, tree, a, b, inputs, config):
-    """A launch plan of ``tree`` on ``config`` with ``owner.<switch>`` on, compiled afresh (the
-    caches cleared before and after: the switch is not part of a kernel's spec):
-    ``PINGPONG_WIDE_SUB_TILES`` of the epilogue (a ping-pong config with the cooperative
-    schedule's wider sub-tiles), ``POLL_FULL`` of the mainloop."""
-    setattr(owner, switch, True)
+def wide_sub_tile_plan(tree, a, b, inputs, config):
+    """A launch plan of ``tree`` on ping-pong ``config`` with the cooperative schedule's wider
+    epilogue sub-tiles, compiled afresh (the caches cleared before and after: the switch is not
+    part of a kernel's spec)."""
+    EPI.PINGPONG_WIDE_SUB_TILES = True
     try:
         compiler._cache.clear()
         runner._plans.clear()
         return runner._make_plan(tree, a, b, inputs, config, config.fp8_fast_accum, "exp")
     finally:
-        setattr(owner, switch, False)
+        EPI.PINGPONG_WIDE_SUB_TILES = False
         compiler._cache.clear()
         runner._plans.clear()
 

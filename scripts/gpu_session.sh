@@ -94,9 +94,10 @@
 #             (stall reasons, hot SASS lines)
 #   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
-#   poll      mainloop.POLL_FULL (consumers poll mbarrier.try_wait for a full stage instead of
+#   poll      GemmConfig.poll_full (consumers poll mbarrier.try_wait for a full stage instead of
 #             sleeping between polls): the row-wise FP8 short-K GEMMs and the block-scaled forward
-#             form with it, against the kernels as built and torch, in turns
+#             form with it, against the kernels as built and torch, in turns; then the FP8 MLP's
+#             "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
 #   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
 #             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
 #             and 128 x 256 on 2x2), in turns
@@ -311,6 +312,7 @@ stage_poll() {
     step poll-gemms 100 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours poll
     step poll-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 6
+    step poll-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --json "$OUT/poll-mlp.json"
 }
 
 stage_tiles() {

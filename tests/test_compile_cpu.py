@@ -299,28 +299,24 @@ def test_invalid_config_rejected(kw, match):
         GemmConfig(**kw)
 
 
-def test_poll_full_switch_builds_unhinted_consumer_waits(monkeypatch):
-    """``mainloop.POLL_FULL`` (an experiment switch): the consumers' full-stage waits become
+@pytest.mark.parametrize("poll", [False, True])
+def test_poll_full_builds_unhinted_consumer_waits(poll):
+    """``GemmConfig.poll_full`` (an experiment): the consumers' full-stage waits become
     ``mbarrier.try_wait`` polls without the pipeline's 10 ms suspend hint, in the fast ping-pong
-    kernel and in the block-scaled one's two-level loop, spill-free; off, no such poll."""
-    from coda_cute import compiler
-    from coda_cute.kernels.sm90 import mainloop as ML
-
+    kernel and in the block-scaled one's two-level loop, spill-free; without it, no such poll."""
     specs = [GemmSpec("float8_e4m3fn", "float8_e4m3fn", "bfloat16", "k", "k",
-                      GemmConfig(128, 128, 128, "pingpong", 2, 1, fp8_fast_accum=True), scale_a="row", scale_b="row"),
-             KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k", GemmConfig(128, 128, 128, "cooperative", 2, 1),
+                      GemmConfig(128, 128, 128, "pingpong", 2, 1, fp8_fast_accum=True, poll_full=poll),
+                      scale_a="row", scale_b="row"),
+             KernelSpec.of("float8_e4m3fn", "float8_e4m3fn", "k", "k",
+                           GemmConfig(128, 128, 128, "cooperative", 2, 1, poll_full=poll),
                            gemm_tree("none", "none", "bfloat16"), "sm_90a", 132, block_scaled=True)]
-    monkeypatch.setattr(compiler, "_cache", {})  # the switch is not part of a kernel's spec
-    monkeypatch.setenv("CODA_CUTE_CACHE_DIR", "0")
-    for poll in (False, True):
-        monkeypatch.setattr(ML, "POLL_FULL", poll)
-        compiler._cache.clear()
-        for spec in specs:
-            k = compile_gemm(spec, keep_artifacts=True)
-            polls = re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cta\.shared::cta\.b64 [^;]*;", k.ptx)
-            assert bool(polls) == poll, spec.config.name
-            assert all(p.count(",") == 2 for p in polls)  # (pred, [bar], phase): no suspend-time hint
-            assert k.stats["spill_stores"] == k.stats["spill_loads"] == 0
+    for spec in specs:
+        k = compile_gemm(spec, keep_artifacts=True)
+        polls = re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cta\.shared::cta\.b64 [^;]*;", k.ptx)
+        assert bool(polls) == poll, spec.config.name
+        assert all(p.count(",") == 2 for p in polls)  # (pred, [bar], phase): no suspend-time hint
+        assert k.stats["spill_stores"] == k.stats["spill_loads"] == 0
+    assert specs[0].config.name.endswith("_poll") == poll
 
 
 def test_fp8_two_level_register_budget_rejected():

@@ -150,6 +150,9 @@ SPILL_CHECKS = 8
 #: 0.933; the row-wise SwiGLU backward's build spills on 2x2. No rule until the H200 has measured
 #: it on shapes beyond these two.
 FP8_PINGPONG_2X2 = False
+#: Every pick with ``GemmConfig.poll_full`` (its consumers poll for full stages instead of
+#: sleeping between polls): an experiment switch, ``bench_fp8.py``'s "..., polling" row.
+POLL_FULL = False
 
 
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
@@ -188,10 +191,9 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     build of the kernels, which the fake implementations rely on: they call this to size per-tile
     outputs."""
     ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
-    for c in ranked[:SPILL_CHECKS]:
-        if not spills(tree, c, fp8, sms, block_scaled, b_rows):
-            return _two_by_two(tree, c, fp8, fast_accum, sms)
-    return ranked[0]
+    pick = next((c for c in ranked[:SPILL_CHECKS] if not spills(tree, c, fp8, sms, block_scaled, b_rows)), None)
+    pick = ranked[0] if pick is None else _two_by_two(tree, pick, fp8, fast_accum, sms)
+    return pick.with_(poll_full=True) if POLL_FULL else pick
 
 
 def _two_by_two(tree, cfg: GemmConfig, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
@@ -349,7 +351,7 @@ def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
-           len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2,
+           len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2, POLL_FULL,
            None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block))
     plan = _plans.get(key)
     if plan is None:
@@ -556,10 +558,10 @@ def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b
         raise ValueError(f"{op}: block scales apply to 2-D FP8 operands, got {a.dim()}-D {a.dtype}")
     if fast_accum:
         raise ValueError(f"{op}: block scales are promoted per k-block: use_fast_accum must be False")
-    # stages, rasterization and the cluster (multicast A/B; each CTA loads its own scales) do not
-    # touch the scales: an explicit config may set any of them
+    # stages, rasterization, the cluster (multicast A/B; each CTA loads its own scales) and how
+    # the consumers wait do not touch the scales: an explicit config may set any of them
     def free(c):
-        return c.with_(stages=0, raster_group=8, cluster_m=1, cluster_n=1)
+        return c.with_(stages=0, raster_group=8, cluster_m=1, cluster_n=1, poll_full=False)
     if config is not None and free(config) not in [free(c) for c in dispatch.block_scaled_config_space()]:
         raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
                          "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")

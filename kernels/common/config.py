@@ -41,7 +41,9 @@ class GemmConfig:
     the whole K loop; otherwise each k-tile's partial sum is promoted into a separate fp32
     accumulator (two-level accumulation, the accurate default). ``split_tail`` (cooperative only)
     cuts the tiles of a nearly empty last round along K over the idle slots
-    (``kernels.common.tile_scheduler``).
+    (``kernels.common.tile_scheduler``). ``poll_full`` (an experiment, off in every config the
+    heuristic picks): the consumers wait for a full A/B stage by polling ``mbarrier.try_wait``
+    without a suspend-time hint (``kernels.sm90.mainloop.wait_full``).
     """
 
     tile_m: int = 128
@@ -54,6 +56,7 @@ class GemmConfig:
     raster_group: int = 8
     fp8_fast_accum: bool = False
     split_tail: bool = False
+    poll_full: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -152,9 +155,10 @@ class GemmConfig:
         acc = "_fastacc" if self.fp8_fast_accum else ""
         st = f"_s{self.stages}" if self.stages else ""
         tail = "_splittail" if self.split_tail else ""
+        poll = "_poll" if self.poll_full else ""
         return (
             f"{s}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}"
-            f"_g{self.raster_group}{st}{acc}{tail}"
+            f"_g{self.raster_group}{st}{acc}{tail}{poll}"
         )
 
     def with_(self, **kw) -> "GemmConfig":

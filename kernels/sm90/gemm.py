@@ -139,7 +139,7 @@ class Sm90Gemm:
             # ping-pong's wgrad form spills with a second temporary next to its column scales
             paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not (b_rows and self.pingpong),
             group=PROMOTION_GROUP["wgrad" if b_rows else "block" if block_scaled else "row"],
-            waves=waves,
+            waves=waves, poll=cfg.poll_full,
         )
 
     # ------------------------------------------------------------------------------------------

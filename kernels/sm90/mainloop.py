@@ -57,17 +57,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 PROMOTION_GROUP = {"row": 2, "block": 4, "wgrad": 2}
 
 
-#: Experiment switch: the consumers wait for a full stage by polling ``mbarrier.try_wait``
-#: without a suspend-time hint instead of the pipeline's wait, which passes 10 ms and so sleeps
-#: (``NANOSLEEP.SYNCS``) between polls; ncu (H100, 2026-12-06) put 9 % of the block-scaled
-#: GEMM's stall samples on those sleeps in its consumers, where torch's kernel showed none.
-POLL_FULL = False
-
-
 @cute.jit
-def wait_full(ab_pipe, state):
-    """Wait until the A/B stage ``state`` is full (``POLL_FULL``: by polling)."""
-    if const_expr(POLL_FULL):
+def wait_full(ab_pipe, state, poll: cutlass.Constexpr = False):
+    """Wait until the A/B stage ``state`` is full. The pipeline's wait passes ``mbarrier.try_wait``
+    a 10 ms suspend-time hint, which ptxas lowers to a sleep (``NANOSLEEP.SYNCS``) between polls;
+    ncu (H100, 2026-12-06) put 9 % of the block-scaled GEMM's stall samples on those sleeps in its
+    consumers, where torch's kernel showed none in its k-loop. ``poll`` (``GemmConfig.poll_full``,
+    an experiment): poll ``try_wait`` without the hint instead."""
+    if const_expr(poll):
         bar = ab_pipe.producer_get_barrier(state)  # the stage's full barrier
         done = cute.arch.mbarrier_try_wait(bar, state.phase)
         while not done:
@@ -136,7 +133,7 @@ class Sm90Mainloop:
     """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
 
     def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
-                 two_level: bool, paired: bool = False, group: int = 2, waves: int = 1):
+                 two_level: bool, paired: bool = False, group: int = 2, waves: int = 1, poll: bool = False):
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
         self.atom_layout_mnk = atom_layout_mnk
@@ -145,6 +142,7 @@ class Sm90Mainloop:
         self.paired = paired
         self.group = group
         self.waves = waves
+        self.poll = poll  # GemmConfig.poll_full
 
     def tiled_mma(self, tile_n: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -206,7 +204,7 @@ class Sm90Mainloop:
         if const_expr(not self.two_level):
             release_state = read_state.clone()
             for k in cutlass.range(k_tiles, unroll=1):
-                wait_full(ab_pipe, read_state)
+                wait_full(ab_pipe, read_state, self.poll)
                 self._issue(tiled_mma.op, acc, frags, read_state.index, k > 0)
                 # Keep this k-tile in flight; the previous k-tile's stage is now free.
                 warpgroup.wait_group(1)
@@ -251,7 +249,7 @@ class Sm90Mainloop:
             singles = k_tiles - groups * self.group
             first_k = first_k + groups * self.group
         for k in cutlass.range(singles, unroll=1):
-            wait_full(ab_pipe, read_state)
+            wait_full(ab_pipe, read_state, self.poll)
             self._issue(op, tmp, frags, read_state.index, False)
             factor = None
             if const_expr(scale is not None):
@@ -274,7 +272,7 @@ class Sm90Mainloop:
         wave's rows of ``acc`` before the next wave; the stage is released after the last
         wave's promotion. Returns the advanced read state."""
         for k in cutlass.range(k_tiles, unroll=1):
-            wait_full(ab_pipe, read_state)
+            wait_full(ab_pipe, read_state, self.poll)
             factor = None
             for w in cutlass.range_constexpr(self.waves):
                 part = cute.make_rmem_tensor(tmp.layout, cutlass.Float32)
@@ -303,7 +301,7 @@ class Sm90Mainloop:
         temporary, the stage's state for :meth:`take_first`, the advanced read state)."""
         first = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
         stage = read_state.clone()
-        wait_full(ab_pipe, read_state)
+        wait_full(ab_pipe, read_state, self.poll)
         self._issue(op, first, frags, read_state.index, False)
         read_state.advance()
         return first, stage, read_state
@@ -329,7 +327,7 @@ class Sm90Mainloop:
         temps, factors = [], []
         for i in cutlass.range_constexpr(n):
             temps.append(cute.make_rmem_tensor(tmp.layout, cutlass.Float32))
-            wait_full(ab_pipe, read_state)
+            wait_full(ab_pipe, read_state, self.poll)
             self._issue(op, temps[i], frags, read_state.index, False)
             factors.append(scale(first_k + k0 + i, read_state.index) if const_expr(scale is not None) else None)
             read_state.advance()
