@@ -17,7 +17,7 @@ micro-batch of a gradient accumulation costs; the other variants, like torchao's
 weights in every step, which a step without accumulation does too), and ``..., 2x2 clusters``:
 its ping-pong picks on 2x2 clusters where they build without spills
 (``runner.FP8_PINGPONG_2X2``, an experiment switch); ``--poll`` adds ``..., polling``: its GEMMs'
-consumers polling for full stages (``runner.POLL_FULL``).
+mainloops polling their stage barriers instead of sleeping between polls (``runner.POLL_FULL``).
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -344,7 +344,7 @@ def mlp_case(m, d, f):
 
 
 def poll_label(fast_accum: str) -> str:
-    """The row-wise fast variant whose GEMMs' consumers poll for full stages (``runner.POLL_FULL``)."""
+    """The row-wise fast variant whose GEMMs' mainloops poll their stage barriers (``runner.POLL_FULL``)."""
     return fast_label(fast_accum)[1] + ", polling"
 
 
@@ -437,8 +437,8 @@ def main(argv=None) -> int:
     p.add_argument("--fast-accum", choices=("none", "forward", "all"), default="none",
                    help="also the row-wise recipe with fast accumulation in these roles, and its shadow")
     p.add_argument("--poll", action="store_true",
-                   help="with --fast-accum: also the row-wise fast variant whose GEMMs' consumers poll for full "
-                        "stages (runner.POLL_FULL, GemmConfig.poll_full)")
+                   help="with --fast-accum: also the row-wise fast variant whose GEMMs' mainloops poll their stage "
+                        "barriers (runner.POLL_FULL, GemmConfig.poll_full)")
     args = p.parse_args(argv)
     console = Console()
     if not torch.cuda.is_available():

@@ -26,8 +26,8 @@ operands:
   forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on this kernel in pairs (an H100,
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
-* with ``--poll`` (forward form): the kernel as built with its consumers polling
-  ``mbarrier.try_wait`` for a full stage instead of sleeping between polls (``GemmConfig.poll_full``),
+* with ``--poll`` (forward form): the kernel as built with its mainloop polling
+  ``mbarrier.try_wait`` instead of sleeping between polls (``GemmConfig.poll_full``),
   as ``--clusters``' variants are;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
@@ -196,7 +196,7 @@ def main():
     ap.add_argument("--clusters", nargs="+", default=[], metavar="MxN",
                     help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
     ap.add_argument("--poll", action="store_true",
-                    help="forward form: also the kernel as built with its consumers polling for full stages "
+                    help="forward form: also the kernel as built with its mainloop polling its stage barriers "
                          "(GemmConfig.poll_full; with --clusters' variants, no other)")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")

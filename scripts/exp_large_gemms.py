@@ -31,8 +31,9 @@ time. ``tile ...`` variants (same day): ping-pong 64 x 256 2x1 0.860 of `_scaled
 0.900): fewer L2 or shared-memory operand bytes per FLOP do not close it either.
 
 ``--only`` keeps some cases (by label), ``--variants`` the variants whose names start with one of
-its prefixes (``ours`` is the pick, ``poll`` the pick whose consumers poll ``mbarrier.try_wait``
-for a full stage without sleeping between polls, ``GemmConfig.poll_full``), ``--once`` runs each once for ncu instead of timing.
+its prefixes (``ours`` is the pick, ``poll`` the pick whose mainloop polls ``mbarrier.try_wait``
+without sleeping between polls, ``GemmConfig.poll_full``), ``--once`` runs each once for ncu
+instead of timing.
 
     python scripts/exp_large_gemms.py [--rounds 5] [--log clocks.csv] [--fp8] [--only gate_up.fwd]
         [--variants ours split tile] [--split 4 8] [--once]

@@ -94,10 +94,10 @@
 #             (stall reasons, hot SASS lines)
 #   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
-#   poll      GemmConfig.poll_full (consumers poll mbarrier.try_wait for a full stage instead of
-#             sleeping between polls): the row-wise FP8 short-K GEMMs and the block-scaled forward
-#             form with it, against the kernels as built and torch, in turns; then the FP8 MLP's
-#             "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
+#   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
+#             instead of sleeping between polls): the row-wise FP8 short-K GEMMs and the
+#             block-scaled forward form with it, against the kernels as built and torch, in
+#             turns; then the FP8 MLP's "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
 #   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
 #             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
 #             and 128 x 256 on 2x2), in turns

@@ -301,8 +301,9 @@ def test_invalid_config_rejected(kw, match):
 
 @pytest.mark.parametrize("poll", [False, True])
 def test_poll_full_builds_unhinted_consumer_waits(poll):
-    """``GemmConfig.poll_full`` (an experiment): the consumers' full-stage waits become
-    ``mbarrier.try_wait`` polls without the pipeline's 10 ms suspend hint, in the fast ping-pong
+    """``GemmConfig.poll_full`` (an experiment): the consumers' full-stage waits and the producer's
+    free-stage waits become ``mbarrier.try_wait`` polls without the pipeline's 10 ms suspend hint,
+    in the fast ping-pong
     kernel, in the block-scaled one's two-level loop and under the row-wise FP8 SwiGLU backward
     tree (the heaviest of the FP8 MLP's), spill-free; without it, no such poll. (Polling the
     epilogue's tile-input ring as well spilled 216 bytes in that tree: its waits are unrolled per

@@ -150,7 +150,7 @@ SPILL_CHECKS = 8
 #: 0.933; the row-wise SwiGLU backward's build spills on 2x2. No rule until the H200 has measured
 #: it on shapes beyond these two.
 FP8_PINGPONG_2X2 = False
-#: Every pick with ``GemmConfig.poll_full`` (its consumers poll for full stages instead of
+#: Every pick with ``GemmConfig.poll_full`` (its mainloop polls its stage barriers instead of
 #: sleeping between polls): an experiment switch, ``bench_fp8.py``'s "..., polling" row.
 POLL_FULL = False
 

@@ -42,8 +42,8 @@ class GemmConfig:
     accumulator (two-level accumulation, the accurate default). ``split_tail`` (cooperative only)
     cuts the tiles of a nearly empty last round along K over the idle slots
     (``kernels.common.tile_scheduler``). ``poll_full`` (an experiment, off in every config the
-    heuristic picks): the consumers wait for a full A/B stage by polling ``mbarrier.try_wait``
-    without a suspend-time hint (``kernels.sm90.mainloop.wait_full``).
+    heuristic picks): the consumers wait for a full A/B stage, and the producer for a free one,
+    by polling ``mbarrier.try_wait`` without a suspend-time hint (``kernels.sm90.mainloop``).
     """
 
     tile_m: int = 128

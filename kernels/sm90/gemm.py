@@ -263,7 +263,8 @@ class Sm90Gemm:
                                              (sSA, sSB), ScaleLoads.tiles(self.cfg.tile_m, self.cfg.tile_n, self.b_rows),
                                              self.cfg.tile_n, self.b_rows)
                 produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, self.stages,
-                        self.cluster_mn, cta_layout_mnk, cluster_coord, self.overlap, scale_loads)
+                        self.cluster_mn, cta_layout_mnk, cluster_coord, self.overlap, scale_loads,
+                        self.cfg.poll_full)
             if const_expr(len(load_atoms) > 0):
                 if warp_idx == self.load_warp:
                     self.epilogue.produce_loads(load_atoms, load_tensors, epi_tiles, load_pipe, sched)

@@ -58,29 +58,46 @@ PROMOTION_GROUP = {"row": 2, "block": 4, "wgrad": 2}
 
 
 @cute.jit
+def _poll(bar, phase):
+    """Poll ``mbarrier.try_wait`` on ``bar`` until ``phase`` completes, without a suspend-time hint."""
+    done = cute.arch.mbarrier_try_wait(bar, phase)
+    while not done:
+        done = cute.arch.mbarrier_try_wait(bar, phase)
+
+
+@cute.jit
 def wait_full(ab_pipe, state, poll: cutlass.Constexpr = False):
     """Wait until the A/B stage ``state`` is full. The pipeline's wait passes ``mbarrier.try_wait``
     a 10 ms suspend-time hint, which ptxas lowers to a sleep (``NANOSLEEP.SYNCS``) between polls;
     ncu (H100, 2026-12-06) put 9 % of the block-scaled GEMM's stall samples on those sleeps in its
-    consumers, where torch's kernel showed none in its k-loop. ``poll`` (``GemmConfig.poll_full``,
-    an experiment): poll ``try_wait`` without the hint instead."""
+    consumers (and 4 % in its producer's wait for a free stage), where torch's kernel showed none
+    in its k-loop. ``poll`` (``GemmConfig.poll_full``, an experiment): poll instead."""
     if const_expr(poll):
-        bar = ab_pipe.producer_get_barrier(state)  # the stage's full barrier
-        done = cute.arch.mbarrier_try_wait(bar, state.phase)
-        while not done:
-            done = cute.arch.mbarrier_try_wait(bar, state.phase)
+        _poll(ab_pipe.producer_get_barrier(state), state.phase)  # the stage's full barrier
     else:
         ab_pipe.consumer_wait(state)
 
 
 @cute.jit
+def acquire_empty(ab_pipe, state, poll: cutlass.Constexpr = False):
+    """The producer's ``producer_acquire`` of stage ``state``: wait until it is free (``poll``: by
+    polling, :func:`wait_full`), then arm its full barrier with the stage's transaction bytes."""
+    if const_expr(poll):
+        _poll(ab_pipe.consumer_get_barrier(state), state.phase)  # the stage's empty barrier
+        ab_pipe.producer_acquire(state, cutlass.Boolean(True))  # waited already: arm only
+    else:
+        ab_pipe.producer_acquire(state)
+
+
+@cute.jit
 def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Constexpr,
             cluster_mn: cutlass.Constexpr, cta_layout_mnk, cluster_coord, extra_stage: cutlass.Constexpr,
-            scale_loads=None):
+            scale_loads=None, poll: cutlass.Constexpr = False):
     """TMA warp: stream the A/B k-tiles of every scheduled tile into the smem ring.
     ``extra_stage``: after the last tile, load its first k-tile once more, for consumers that
     issue each next tile's first k-tile before their epilogue (``Sm90Mainloop.issue_first``).
-    ``scale_loads`` (block-scaled FP8): each stage's scales too (``block_scales.ScaleLoads``)."""
+    ``scale_loads`` (block-scaled FP8): each stage's scales too (``block_scales.ScaleLoads``).
+    ``poll``: wait for free stages by polling (``GemmConfig.poll_full``, :func:`acquire_empty`)."""
     a_mask = None
     b_mask = None
     if const_expr(cluster_mn[1] > 1):
@@ -102,7 +119,7 @@ def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Conste
         k0, k_count, _, _, _ = sched.slice(work)  # a K slice of a split tail tile, or all of K
         for k in cutlass.range(k0, k0 + k_count, unroll=1):
             _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k), a_mask, b_mask,
-                        scale_loads)
+                        scale_loads, poll)
             state.advance()
         work += sched.stride
     if const_expr(extra_stage):
@@ -111,16 +128,17 @@ def produce(tma_a, tma_b, sA, sB, gA, gB, ab_pipe, sched, stages: cutlass.Conste
         tm, tn, tl = sched.coord(last)
         k0, _, _, _, _ = sched.slice(last)
         _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, (tm, tn, tl, k0), a_mask, b_mask,
-                    scale_loads)
+                    scale_loads, poll)
         state.advance()
     ab_pipe.producer_tail(state)
 
 
 @cute.jit
-def _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, coord, a_mask, b_mask, scale_loads=None):
+def _load_stage(tma_a, tma_b, tAsA, tAgA, tBsB, tBgB, ab_pipe, state, coord, a_mask, b_mask, scale_loads=None,
+                poll: cutlass.Constexpr = False):
     """One k-tile of A and B (and its scales) into the ring stage ``state`` (after it is free)."""
     tm, tn, tl, k = coord
-    ab_pipe.producer_acquire(state)
+    acquire_empty(ab_pipe, state, poll)
     bar = ab_pipe.producer_get_barrier(state)
     cute.copy(tma_a, tAgA[(None, tm, k, tl)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
     cute.copy(tma_b, tBgB[(None, tn, k, tl)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
