@@ -3,7 +3,8 @@
 A device call brings back only small files, and a report with SourceCounters is tens of MB: the
 device side exports the source page as CSV (``ncu --import R --page source --csv --print-source
 sass``) and this keeps, per kernel, the lines that hold most of the warp-stall samples, with each
-line's share and its largest stall-reason columns (where the export has them).
+line's share and its largest stall-reason columns (where the export has them), then the kernel's
+samples by stall reason and by opcode (a sleep after an mbarrier poll shows as ``NANOSLEEP``).
 
     python scripts/ncu_hot_lines.py SOURCE.csv [--top 40]
 
@@ -68,6 +69,37 @@ def hot_lines(title: str, header: list[str], data: list[list[str]], top: int) ->
     return out
 
 
+def opcode(source: str) -> str:
+    """A SASS line's opcode without its predicate and modifiers (``@!P0 NANOSLEEP.SYNCS 0x...``
+    -> ``NANOSLEEP``)."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def summary(header: list[str], data: list[list[str]]) -> list[str]:
+    """Two lines for a kernel: the shares of its samples by stall reason (issued or not) and by
+    opcode, largest first: where a whole kernel waits, next to its hottest lines."""
+    col = sample_column(header)
+    if col is None or not data:
+        return []
+    total = sum(number(r[col]) for r in data) or 1.0
+    src = header.index("Source")
+    reasons = {name: sum(number(r[j]) for r in data) for j, name in enumerate(header)
+               if (name.lower().startswith("stall") or "stall_" in name.lower()) and "not issued" not in name.lower()}
+    ops: dict[str, float] = {}
+    for r in data:
+        op = opcode(r[src])
+        ops[op] = ops.get(op, 0.0) + number(r[col])
+
+    def shares(d, n):
+        return ", ".join(f"{k.removeprefix('stall_')} {100 * v / total:.1f} %"
+                         for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n] if v > 0)
+    lines = (("by stall reason", shares(reasons, 8)), ("by opcode", shares(ops, 10)))
+    return [f"   {what}: {text}" for what, text in lines if text]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
@@ -78,7 +110,7 @@ def main(argv=None) -> int:
     found = False
     for title, header, data in tables(rows):
         found = True
-        print("\n".join(hot_lines(title, header, data, args.top)))
+        print("\n".join(hot_lines(title, header, data, args.top) + summary(header, data)))
     if not found:
         print(f"{args.csv}: no source table (a header row with Address and Source columns)", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
 """scripts/ncu_hot_lines.py on a synthetic ncu source-page export: per kernel, the lines with most
-warp-stall samples first, with their shares and largest stall reasons."""
+warp-stall samples first, with their shares and largest stall reasons, then its samples by stall
+reason and by opcode."""
 
 import sys
 from pathlib import Path
@@ -27,9 +28,19 @@ def test_hottest_lines_per_kernel_with_shares_and_reasons(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "== kernel_a: 3 SASS lines, 100 samples"
     assert out[1].split()[:2] == ["90.0%", "0001"] and "stall_barrier 60" in out[1] and "stall_long_sb 30" in out[1]
-    assert len([line for line in out if "%" in line and "FFMA" in line]) == 2
+    assert len([line for line in out if line.split()[0].endswith("%") and "FFMA" in line]) == 2
+    # then the kernel's samples by stall reason and by opcode
+    assert out[3] == "   by stall reason: barrier 68.0 %, long_sb 32.0 %"
+    assert out[4] == "   by opcode: FFMA 100.0 %"
     b = out.index("== kernel_b: 2 SASS lines, 4000 samples")
     assert out[b + 1].split()[:2] == ["75.0%", "0001"]  # thousands separators read as numbers
+    assert out[b + 4] == "   by opcode: HGMMA 100.0 %"
+
+
+def test_opcode_drops_predicates_and_modifiers():
+    assert ncu_hot_lines.opcode("@!P0  NANOSLEEP.SYNCS 0x989680") == "NANOSLEEP"
+    assert ncu_hot_lines.opcode("QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT") == "QGMMA"
+    assert ncu_hot_lines.opcode("") == ""
 
 
 def test_an_export_without_a_source_table_fails(tmp_path, capsys):
