@@ -95,9 +95,10 @@
 #   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
-#             instead of sleeping between polls): the row-wise FP8 short-K GEMMs and the
-#             block-scaled forward form with it, against the kernels as built and torch, in
-#             turns; then the FP8 MLP's "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
+#             instead of sleeping between polls): its GPU tests (test_gemm_gpu and
+#             test_block_scaled_gpu -k poll), then the row-wise FP8 short-K GEMMs and the
+#             block-scaled forward form with it against the kernels as built and torch, in turns,
+#             then the FP8 MLP's "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
 #   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
 #             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
 #             and 128 x 256 on 2x2), in turns
@@ -151,6 +152,18 @@ step() {
     local rc=$?
     echo "== $name: rc $rc, $((SECONDS - t0)) s" >> "$OUT/$name.log"
     LOGS+=("$name")
+}
+
+ncu_pages() {
+    # an ncu report ($OUT/$1.ncu-rep) is too big to come back: its details page (a step of $2 s),
+    # then each kernel's hottest SASS lines and samples by stall reason and opcode ($3 s), the
+    # source page kept gzipped and the report removed
+    local name=$1
+    step "$name-details" "$2" ncu --import "$OUT/$name.ncu-rep" --page details
+    step "$name-source" "$3" bash -c "ncu --import '$OUT/$name.ncu-rep' \
+        --page source --csv --print-source sass > '$OUT/$name-source.csv' \
+        && python3 scripts/ncu_hot_lines.py '$OUT/$name-source.csv' --top 40 \
+        && gzip -f '$OUT/$name-source.csv' && rm -f '$OUT/$name.ncu-rep'"
 }
 
 stage_rope() {
@@ -246,12 +259,7 @@ stage_gemm_ncu() {
         --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section SourceCounters \
         --section LaunchStats --section Occupancy --export "$OUT/gemm-ncu" \
         python3 scripts/bench_fp8.py --once "${shadow[@]}" --fast-accum all
-    # the report is too big to come back: its details page, and each kernel's hottest SASS lines
-    step gemm-ncu-details 120 ncu --import "$OUT/gemm-ncu.ncu-rep" --page details
-    step gemm-ncu-source 180 bash -c "ncu --import '$OUT/gemm-ncu.ncu-rep' \
-        --page source --csv --print-source sass > '$OUT/gemm-ncu-source.csv' \
-        && python3 scripts/ncu_hot_lines.py '$OUT/gemm-ncu-source.csv' --top 40 \
-        && gzip -f '$OUT/gemm-ncu-source.csv' && rm -f '$OUT/gemm-ncu.ncu-rep'"
+    ncu_pages gemm-ncu 120 180
 }
 
 stage_waves() {
@@ -297,11 +305,7 @@ stage_block_ncu() {
         --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
         --section Occupancy --export "$OUT/block-ncu" python3 scripts/exp_block_scaled.py \
         --once "${BLOCK_NCU_SHAPE:-16384,4096,14336}"
-    step block-ncu-details 60 ncu --import "$OUT/block-ncu.ncu-rep" --page details
-    step block-ncu-source 90 bash -c "ncu --import '$OUT/block-ncu.ncu-rep' \
-        --page source --csv --print-source sass > '$OUT/block-ncu-source.csv' \
-        && python3 scripts/ncu_hot_lines.py '$OUT/block-ncu-source.csv' --top 40 \
-        && gzip -f '$OUT/block-ncu-source.csv' && rm -f '$OUT/block-ncu.ncu-rep'"
+    ncu_pages block-ncu 60 90
 }
 
 stage_block_built() {
@@ -309,6 +313,8 @@ stage_block_built() {
 }
 
 stage_poll() {
+    step poll-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_gemm_gpu.py \
+        tests/test_block_scaled_gpu.py -k poll
     step poll-gemms 100 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours poll
     step poll-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 6

@@ -42,9 +42,11 @@ def launch(cfg, a_q, sa, b_q, sb, b_rows=False, out_dtype=torch.bfloat16):
                                  GemmConfig(tile_m=256, tile_n=128, tile_k=128, cluster_m=2),
                                  # both operands multicast; each CTA still loads its own scales
                                  GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, cluster_n=2),
-                                 GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_n=2)],
+                                 GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_n=2),
+                                 # the pick polling its stage barriers (GemmConfig.poll_full, an experiment)
+                                 GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, poll_full=True)],
                          ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128", "coop-256x128-waves",
-                              "coop-128x128-c2x2", "coop-128x128-c1x2"])
+                              "coop-128x128-c2x2", "coop-128x128-c1x2", "coop-128x128-c2x1-poll"])
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (4096, 4096, 4096), (200, 136, 128)])
 @pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_block_scaled_gemm_is_the_dequantized_product(cfg, m, n, k, a_dtype):

@@ -45,6 +45,8 @@ FP8_CONFIGS = [
     GemmConfig(256, 128, 128, "cooperative", 1, 1, split_tail=True),
     # the FP8 MLP's ping-pong pick with both operands multicast (scripts/exp_large_gemms.py)
     GemmConfig(128, 128, 128, "pingpong", 2, 2, fp8_fast_accum=True),
+    # the FP8 MLP's ping-pong pick polling its stage barriers (GemmConfig.poll_full, an experiment)
+    GemmConfig(128, 128, 128, "pingpong", 2, 1, fp8_fast_accum=True, poll_full=True),
 ]
 
 
