@@ -26,9 +26,14 @@ operands:
   forward (an H100, 2026-12-05) 2x2 cut L2-bound time by 8 %; on this kernel in pairs (an H100,
   2026-12-06) it cost 10-12 %. torch's block-wise kernel runs 1x2 (ncu, 2026-12-06: the A tile
   multicast along N, six stages) and moved 20 % fewer DRAM bytes than the pick at K = 14336.
-* with ``--poll`` (forward form): the kernel as built with its mainloop polling
-  ``mbarrier.try_wait`` instead of sleeping between polls (``GemmConfig.poll_full``),
-  as ``--clusters``' variants are;
+* with ``--poll``: the kernel as built with its mainloop's stage waits turned the other way
+  (``GemmConfig.poll_full``: polling ``mbarrier.try_wait`` or sleeping between polls; the forward
+  form's picks poll, the weight-gradient form's sleep), as ``--clusters``' variants are; with
+  ``--wgrad``, the pick so turned;
+* with ``--around SPEC ...`` (forward form): the kernel as built on its pick changed by each
+  SPEC, space-separated tokens: ``MxN`` (cluster), ``poll`` / ``sleep`` (``poll_full``), ``gN``
+  (raster band), ``one-buffer`` (the epilogue in 64-column sub-tiles through one buffer, the
+  shared memory it frees going to A/B stages), e.g. ``--around "1x2" "g16" "one-buffer"``;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -41,7 +46,8 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 (as the FP8 MLP writes its weight gradients, and like for like with torch's), and every other
 block-scaled config (a log line per shape).
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2] [--once [M,N,K]]
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2]
+        [--poll] [--around "1x2 sleep" g16 one-buffer] [--once [M,N,K]]
 """
 
 from __future__ import annotations
@@ -121,7 +127,26 @@ def one_buffer_plan(tree, a, b, config, scales, b_rows=False):
     return plan, stages
 
 
-def wgrad(console, rounds, stages=False):
+def _around(cfg, spec: str):
+    """(the config ``spec`` makes of ``cfg``, whether its epilogue takes one 64-column buffer):
+    ``--around``'s tokens, in the module docstring."""
+    one_buffer = False
+    for tok in spec.split():
+        if tok in ("poll", "sleep"):
+            cfg = cfg.with_(poll_full=tok == "poll")
+        elif tok == "one-buffer":
+            one_buffer = True
+        elif tok[0] == "g" and tok[1:].isdigit():
+            cfg = cfg.with_(raster_group=int(tok[1:]))
+        elif len(tok.split("x")) == 2 and all(x.isdigit() for x in tok.split("x")):
+            cm, cn = (int(x) for x in tok.split("x"))
+            cfg = cfg.with_(cluster_m=cm, cluster_n=cn)
+        else:
+            raise SystemExit(f"--around: {tok!r} in {spec!r} is none of MxN, poll, sleep, gN, one-buffer")
+    return cfg, one_buffer
+
+
+def wgrad(console, rounds, stages=False, poll=False):
     """The weight-gradient form's variants (module docstring), TFLOP/s."""
     tree, tree16 = gemm_tree("none", "none", "float32"), gemm_tree("none", "none", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
@@ -156,9 +181,11 @@ def wgrad(console, rounds, stages=False):
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, scales)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
             console.log(f"wgrad {m}x{n}x{k} {name}: config {plan.config.name}, rel err {float(err):.2e} (first 256 rows)")
-        others = [c for c in dispatch.block_scaled_config_space() if c.tile_m == 128 or c.tile_n == 128]
+        others = [c for c in dispatch.block_scaled_config_space(True) if c.tile_m == 128 or c.tile_n == 128]
+        if poll:  # the pick with its stage waits turned the other way
+            others.append(base.with_(poll_full=not base.poll_full))
         for c in others:  # the other schedules and clusters: ping-pong overlaps one warpgroup's
-            if c == base:  # promotion arithmetic with the other's WGMMAs
+            if c == base:  # promotion arithmetic with the other's WGMMAs (the last: the pick turned)
                 continue
             fns[c.name] = lambda c=c: E.run(tree, a_q, b_q.t(), {}, config=c, block_scales=scales, b_block="1x128")
             err = (fns[c.name]()["out"][:256].double() - want).norm() / want.norm()
@@ -196,21 +223,24 @@ def main():
     ap.add_argument("--clusters", nargs="+", default=[], metavar="MxN",
                     help="forward form: the kernel as built on its pick and on these clusters (no other variant)")
     ap.add_argument("--poll", action="store_true",
-                    help="forward form: also the kernel as built with its mainloop polling its stage barriers "
-                         "(GemmConfig.poll_full; with --clusters' variants, no other)")
+                    help="also the kernel as built with its stage waits turned the other way (GemmConfig.poll_full: "
+                         "polling or sleeping; forward form: with --clusters' variants, no other; --wgrad: the pick)")
+    ap.add_argument("--around", nargs="+", default=[], metavar="SPEC",
+                    help="forward form: the kernel as built on its pick changed by each SPEC (module docstring)")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
     console = Console(width=160)
     if args.wgrad:
-        return wgrad(console, args.rounds, args.stages)
+        return wgrad(console, args.rounds, args.stages, args.poll)
     if args.once:
         return once(*(int(x) for x in args.once.split(",")))
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
-    around = [*args.clusters, *(["poll"] if args.poll else [])]
+    probe = runner.choose_config(tree, *SHAPES[0], 1, True, False, sms, True)
+    around = [*args.clusters, *(["sleep" if probe.poll_full else "poll"] if args.poll else []), *args.around]
     names = [built, *(f"{built} {c}" for c in around)] if around else list(VARIANTS)
     row_variants = () if around else ROW_VARIANTS
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
@@ -238,15 +268,12 @@ def main():
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in names:
-            variant, cfg = name, base
-            if name != built and around:  # "<built> MxN" or "<built> poll"
-                variant, change = built, name[len(built) + 1:]
-                if change == "poll":
-                    cfg = base.with_(poll_full=True)
-                else:
-                    cm, cn = (int(x) for x in change.split("x"))
-                    cfg = base.with_(cluster_m=cm, cluster_n=cn)
-            plan = _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
+            variant, cfg, one_buffer = name, base, False
+            if name != built and around:  # "<built> <spec>"
+                variant = built
+                cfg, one_buffer = _around(base, name[len(built) + 1:])
+            plan = one_buffer_plan(tree, a_q, b_q.t(), cfg, (sa, sb))[0] if one_buffer else \
+                _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()

@@ -21,7 +21,11 @@ old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
         [--also CONFIG_NAME ...] [--cluster MxN ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
-        [--forward]
+        [--forward] [--energy]
+
+``--energy``: also cuBLAS's plain product, our plain GEMM and the pick's tree back to back for
+600 ms each: joules per call, mean watts and milliseconds per call (``coda_cute.sol.energy``). A
+tree whose extra time follows its extra joules at the power cap costs energy, not stalls.
 
 ``--cluster 2x2``: the pick with both operands multicast (each CTA reads a third less of a k-tile
 from L2; on an H100 the FP8 gate/up forward's plain GEMM kept L2 85.9 % busy, 2026-12-05). With
@@ -62,6 +66,7 @@ from coda_cute.ops.fp8_gemms import FP8, row_scaled  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree  # noqa: E402
+from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 #: (label, tokens, d, ffn)
@@ -143,6 +148,8 @@ def main():
     ap.add_argument("--fp8-row-fast", action="store_true",
                     help="the row-wise FP8 tree (the backward's without h), fast accumulation, against _scaled_mm")
     ap.add_argument("--forward", action="store_true", help="the gate/up GEMM's RMSNorm + SwiGLU tree instead")
+    ap.add_argument("--energy", action="store_true",
+                    help="also joules per call of cuBLAS, our plain GEMM and the pick, back to back (module docstring)")
     args = ap.parse_args()
     console = Console(width=150)
     sms = dispatch.num_sms(torch.device("cuda"))
@@ -190,6 +197,13 @@ def main():
         for name, ms in t.items():
             table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")
             console.log(f"{label} {name}: {ms / t['cublas']:.3f}")
+        for name in ["cublas", "plain", *(n for n in fns if n.endswith(" (pick)"))] if args.energy else ():
+            e = joules_over_run(fns[name], t[name], run_ms=600)
+            if e is None:
+                console.log("no energy counter: --energy measures nothing here")
+                break
+            console.log(f"{label} {name}: {e['j_per_call']:.3f} J per call, {e['watts']:.0f} W, "
+                        f"{e['ms_per_call']:.3f} ms per call back to back")
     console.print(table)
 
 

@@ -99,11 +99,22 @@
 #             test_block_scaled_gpu -k poll), then the row-wise FP8 short-K GEMMs and the
 #             block-scaled forward form with it against the kernels as built and torch, in turns,
 #             then the FP8 MLP's "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
+#   poll-profile  the row-wise FP8 MLP's six GEMMs with and without polling, the block-scaled forward
+#             form again, then bench_fp8.py --poll --profile (each MLP kernel's time, polling or not)
+#   block-poll  the block-scaled forward form polling by default: the GPU tests of every op that
+#             runs it (block-scaled GEMM, FP8 MLP, attention, LM head), its variants around the
+#             pick (exp_block_scaled.py --poll --around: sleeping, 1x2, raster bands, one-buffer
+#             epilogue), bench_fp8.py --fast-accum all (the block recipe's row), memcheck of
+#             sanitize_fp8.py, then the weight-gradient form's pick polling (--wgrad --poll)
+#   block-poll-rest  the other GPU tests that run the block-scaled forward form: polling against
+#             sleeping bit for bit, the epilogue quantize sinks, the FP8 HF model
 #   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
 #             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
 #             and 128 x 256 on 2x2), in turns
 #   epi-k     the row-wise FP8 SwiGLU backward tree (down dgrad) at K = 4096, 6144, 8192, 12288:
 #             its cost over the plain GEMM as the mainloop per tile grows (exp_swiglu_epilogues.py)
+#   epi-k-energy  epi-k's first and third shapes (K 4096, 8192) with each launch's joules, watts and
+#             back-to-back time (exp_swiglu_epilogues.py --energy): power-capped tree or stalled one
 #   drift     the persistent slots' drift apart: the row-wise FP8 short-K GEMMs' pick on M cut into
 #             2, 4 and 8 launches against one (exp_large_gemms.py --fp8 --split), timed in turns,
 #             then ncu's DRAM bytes and cycles of each launch
@@ -321,6 +332,28 @@ stage_poll() {
     step poll-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --json "$OUT/poll-mlp.json"
 }
 
+stage_poll_profile() {
+    step pollp-gemms 150 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --variants ours poll
+    step pollp-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 8
+    step pollp-mlp 300 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --profile \
+        --json "$OUT/pollp-mlp.json"
+}
+
+stage_block_poll() {
+    step bpoll-tests 240 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" tests/test_block_scaled_gpu.py \
+        tests/test_mlp_fp8_gpu.py tests/test_attention_fp8_gpu.py tests/test_lm_head_fp8_gpu.py
+    step bpoll-variants 120 python3 scripts/exp_block_scaled.py --poll --around 1x2 g4 g16 one-buffer --rounds 8
+    step bpoll-mlp 130 python3 scripts/bench_fp8.py --fast-accum all --rounds 5 --json "$OUT/bpoll-mlp.json"
+    step bpoll-memcheck 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+    step bpoll-wgrad 200 python3 scripts/exp_block_scaled.py --wgrad --poll --rounds 4
+}
+
+stage_block_poll_rest() {
+    step bpoll-rest 300 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" tests/test_block_scaled_gpu.py \
+        tests/test_epilogue_quantize_gpu.py tests/test_hf_gpu.py -k "polling or quantize or fp8"
+}
+
 stage_tiles() {
     step tiles-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours tile "cluster 2x2"
@@ -331,6 +364,11 @@ stage_epi_k() {
     # epilogue longer than the other warpgroup's mainloop shows as a cost that shrinks with K
     step epi-k 240 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 5 --configs 1 \
         --shape 16384,4096,14336 --shape 16384,6144,14336 --shape 16384,8192,14336 --shape 8192,12288,14336
+}
+
+stage_epi_k_energy() {
+    step epi-k-energy 240 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 5 --configs 1 --energy \
+        --shape 16384,4096,14336 --shape 16384,8192,14336
 }
 
 stage_drift() {
@@ -459,8 +497,12 @@ for s in "$@"; do
         block-ncu) stage_block_ncu ;;
         block-built) stage_block_built ;;
         poll) stage_poll ;;
+        poll-profile) stage_poll_profile ;;
+        block-poll) stage_block_poll ;;
+        block-poll-rest) stage_block_poll_rest ;;
         tiles) stage_tiles ;;
         epi-k) stage_epi_k ;;
+        epi-k-energy) stage_epi_k_energy ;;
         drift) stage_drift ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"

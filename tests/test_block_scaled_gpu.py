@@ -43,7 +43,7 @@ def launch(cfg, a_q, sa, b_q, sb, b_rows=False, out_dtype=torch.bfloat16):
                                  # both operands multicast; each CTA still loads its own scales
                                  GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, cluster_n=2),
                                  GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_n=2),
-                                 # the pick polling its stage barriers (GemmConfig.poll_full, an experiment)
+                                 # the pick as the forward form runs it: polling its stage barriers
                                  GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, poll_full=True)],
                          ids=["coop-128x128-c2x1", "coop-128x64", "pingpong-64x128", "coop-256x128-waves",
                               "coop-128x128-c2x2", "coop-128x128-c1x2", "coop-128x128-c2x1-poll"])
@@ -59,6 +59,18 @@ def test_block_scaled_gemm_is_the_dequantized_product(cfg, m, n, k, a_dtype):
     # fp32 accumulation of exact FP8 products, promoted per 128-deep block, then one bf16 rounding
     assert bool((err <= 2.0 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()), float(err.max())
     assert rel_err(out.double(), want) < 4e-3
+
+
+@pytest.mark.parametrize("m, n, k", [(1000, 776, 1040), (16384, 4096, 4096)])
+def test_polling_changes_no_bit(m, n, k):
+    """The forward form polls its stage barriers (``dispatch.block_scaled_config_space``): how the
+    consumers and the producer wait changes no arithmetic, so the output is the sleeping kernel's
+    bit for bit."""
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128), torch.float8_e4m3fn)
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (128, 128), torch.float8_e4m3fn)
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2)
+    polled = launch(cfg.with_(poll_full=True), a_q, sa, b_q, sb)
+    assert not polled.isnan().any() and torch.equal(polled, launch(cfg, a_q, sa, b_q, sb))
 
 
 @pytest.mark.parametrize("m, n, k", [(16384, 4096, 4096), (777, 1000, 1040)])

@@ -353,7 +353,9 @@ def test_promotion_waves(cfg, waves):
 def test_config_space_has_two_level_in_waves():
     waves = [c for c in dispatch.config_space(True) if not c.fp8_fast_accum and c.promotion_waves > 1]
     assert waves == [GemmConfig(256, 128, 128, "cooperative", 2, 1, split_tail=True)]
-    assert GemmConfig(256, 128, 128, "cooperative", 2, 1) in dispatch.block_scaled_config_space()
+    assert GemmConfig(256, 128, 128, "cooperative", 2, 1) in dispatch.block_scaled_config_space(wgrad_form=True)
+    # the forward form polls its stage barriers (dispatch.block_scaled_config_space)
+    assert GemmConfig(256, 128, 128, "cooperative", 2, 1, poll_full=True) in dispatch.block_scaled_config_space()
 
 
 def test_two_level_in_waves_builds():

@@ -342,7 +342,7 @@ def test_fused_quantization_trees_build_without_spills_on_the_block_scaled_kerne
     t, (n, k) = ((mlp_fp8.norm_swiglu_fp8_tree(False), (28672, 4096)) if tree == "forward"
                  else (mlp_fp8.swiglu_backward_fp8_tree("float8_e4m3fn", False), (14336, 4096)))
     cfg = ranked_configs(t, 16384, n, k, 1, True, False, 132, block_scaled=True)[0]
-    assert cfg.schedule == "cooperative" and cfg.tile_m == 128
+    assert cfg.schedule == "cooperative" and cfg.tile_m == 128 and cfg.poll_full  # the forward form polls
     assert not spills(t, cfg, True, 132, block_scaled=True)
 
 

@@ -151,7 +151,9 @@ SPILL_CHECKS = 8
 #: it on shapes beyond these two.
 FP8_PINGPONG_2X2 = False
 #: Every pick with ``GemmConfig.poll_full`` (its mainloop polls its stage barriers instead of
-#: sleeping between polls): an experiment switch, ``bench_fp8.py``'s "..., polling" row.
+#: sleeping between polls; the block-scaled forward form's picks always do): an experiment switch,
+#: ``bench_fp8.py``'s "..., polling" row. In the row-wise FP8 MLP (three H100s, 2026-12-06) it
+#: moved the step by -0.3 % and +0.5 %, its ping-pong short-K GEMMs by -5 % to +3 %: no rule.
 POLL_FULL = False
 
 
@@ -161,7 +163,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's work
     (:func:`_epilogue_factor`); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
-    space = dispatch.block_scaled_config_space() if block_scaled else dispatch.config_space(fp8)
+    space = dispatch.block_scaled_config_space(b_rows) if block_scaled else dispatch.config_space(fp8)
     if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
         space = [c.with_(split_tail=False) for c in space]
     cands = [c for c in space if (not fp8 or c.fp8_fast_accum == fast_accum) and fits(tree, c, 1 if fp8 else 2)

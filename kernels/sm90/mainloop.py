@@ -71,7 +71,7 @@ def wait_full(ab_pipe, state, poll: cutlass.Constexpr = False):
     a 10 ms suspend-time hint, which ptxas lowers to a sleep (``NANOSLEEP.SYNCS``) between polls;
     ncu (H100, 2026-12-06) put 9 % of the block-scaled GEMM's stall samples on those sleeps in its
     consumers (and 4 % in its producer's wait for a free stage), where torch's kernel showed none
-    in its k-loop. ``poll`` (``GemmConfig.poll_full``, an experiment): poll instead."""
+    in its k-loop. ``poll`` (``GemmConfig.poll_full``, the block-scaled forward form's): poll instead."""
     if const_expr(poll):
         _poll(ab_pipe.producer_get_barrier(state), state.phase)  # the stage's full barrier
     else:
