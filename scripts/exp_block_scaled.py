@@ -34,6 +34,9 @@ operands:
   SPEC, space-separated tokens: ``MxN`` (cluster), ``poll`` / ``sleep`` (``poll_full``), ``gN``
   (raster band), ``one-buffer`` (the epilogue in 64-column sub-tiles through one buffer, the
   shared memory it frees going to A/B stages), e.g. ``--around "1x2" "g16" "one-buffer"``;
+* with ``--energy`` (forward form): torch's block-wise kernel and each variant of ours back to
+  back for 600 ms: joules per call, mean watts, milliseconds per call (``coda_cute.sol.energy``):
+  whether a variant's time in turns follows its power;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -47,7 +50,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 block-scaled config (a log line per shape).
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2]
-        [--poll] [--around "1x2 sleep" g16 one-buffer] [--once [M,N,K]]
+        [--poll] [--around "1x2 sleep" g16 one-buffer] [--energy] [--once [M,N,K]]
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
+from coda_cute.sol.energy import joules_over_run  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
@@ -227,6 +231,8 @@ def main():
                          "polling or sleeping; forward form: with --clusters' variants, no other; --wgrad: the pick)")
     ap.add_argument("--around", nargs="+", default=[], metavar="SPEC",
                     help="forward form: the kernel as built on its pick changed by each SPEC (module docstring)")
+    ap.add_argument("--energy", action="store_true",
+                    help="forward form: also joules, watts and ms per call of torch's kernel and ours, back to back")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
@@ -284,6 +290,13 @@ def main():
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}",
                       *(f"{tf[f'row {v}']:.0f}" for v in row_variants), f"{tf['torch block']:.0f}",
                       *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
+        for name in ["torch block", *names] if args.energy else ():
+            e = joules_over_run(fns[name], ms[name], run_ms=600)
+            if e is None:
+                console.log("no energy counter: --energy measures nothing here")
+                break
+            console.log(f"{m}x{n}x{k} {name}: {e['j_per_call']:.3f} J per call, {e['watts']:.0f} W, "
+                        f"{e['ms_per_call']:.3f} ms per call back to back")
         if args.stages:
             console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(
                 f"{name} {tf[name]:.0f}" for name in tf if " s" in name))

@@ -108,6 +108,9 @@
 #             sanitize_fp8.py, then the weight-gradient form's pick polling (--wgrad --poll)
 #   block-poll-rest  the other GPU tests that run the block-scaled forward form: polling against
 #             sleeping bit for bit, the epilogue quantize sinks, the FP8 HF model
+#   block-energy  the block-scaled forward form polling and sleeping against torch's block-wise
+#             kernel, in turns and then each back to back with its joules and watts
+#             (exp_block_scaled.py --poll --energy): does polling cost power at the cap
 #   tiles     the row-wise FP8 short-K GEMMs on wider tiles and clusters than the pick
 #             (exp_large_gemms.py --fp8 --variants tile: ping-pong 64 x 256, cooperative 256 x 128
 #             and 128 x 256 on 2x2), in turns
@@ -354,6 +357,10 @@ stage_block_poll_rest() {
         tests/test_epilogue_quantize_gpu.py tests/test_hf_gpu.py -k "polling or quantize or fp8"
 }
 
+stage_block_energy() {
+    step block-energy 200 python3 scripts/exp_block_scaled.py --poll --energy --rounds 6
+}
+
 stage_tiles() {
     step tiles-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours tile "cluster 2x2"
@@ -500,6 +507,7 @@ for s in "$@"; do
         poll-profile) stage_poll_profile ;;
         block-poll) stage_block_poll ;;
         block-poll-rest) stage_block_poll_rest ;;
+        block-energy) stage_block_energy ;;
         tiles) stage_tiles ;;
         epi-k) stage_epi_k ;;
         epi-k-energy) stage_epi_k_energy ;;
