@@ -75,7 +75,7 @@ from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
-from coda_cute.sol.energy import joules_over_run  # noqa: E402
+from coda_cute.sol.energy import joules_lines  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
@@ -290,13 +290,8 @@ def main():
         table.add_row(f"{m} x {n} x {k}", base.name, f"{tf['ours row']:.0f}",
                       *(f"{tf[f'row {v}']:.0f}" for v in row_variants), f"{tf['torch block']:.0f}",
                       *(f"{tf[name]:.0f}" for name in names), f"{best / tf['torch block']:.3f}")
-        for name in ["torch block", *names] if args.energy else ():
-            e = joules_over_run(fns[name], ms[name], run_ms=600)
-            if e is None:
-                console.log("no energy counter: --energy measures nothing here")
-                break
-            console.log(f"{m}x{n}x{k} {name}: {e['j_per_call']:.3f} J per call, {e['watts']:.0f} W, "
-                        f"{e['ms_per_call']:.3f} ms per call back to back")
+        for line in joules_lines(fns, ms, ["torch block", *names], run_ms=600) if args.energy else ():
+            console.log(f"{m}x{n}x{k} {line}")
         if args.stages:
             console.log(f"{m}x{n}x{k} one stage fewer: " + ", ".join(
                 f"{name} {tf[name]:.0f}" for name in tf if " s" in name))

@@ -66,7 +66,7 @@ from coda_cute.ops.fp8_gemms import FP8, row_scaled  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree  # noqa: E402
-from coda_cute.sol.energy import joules_over_run  # noqa: E402
+from coda_cute.sol.energy import joules_lines  # noqa: E402
 from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 
 #: (label, tokens, d, ffn)
@@ -197,13 +197,9 @@ def main():
         for name, ms in t.items():
             table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")
             console.log(f"{label} {name}: {ms / t['cublas']:.3f}")
-        for name in ["cublas", "plain", *(n for n in fns if n.endswith(" (pick)"))] if args.energy else ():
-            e = joules_over_run(fns[name], t[name], run_ms=600)
-            if e is None:
-                console.log("no energy counter: --energy measures nothing here")
-                break
-            console.log(f"{label} {name}: {e['j_per_call']:.3f} J per call, {e['watts']:.0f} W, "
-                        f"{e['ms_per_call']:.3f} ms per call back to back")
+        picks = [name for name in fns if name.endswith(" (pick)")]
+        for line in joules_lines(fns, t, ["cublas", "plain", *picks], run_ms=600) if args.energy else ():
+            console.log(f"{label} {line}")
     console.print(table)
 
 

@@ -71,3 +71,22 @@ def test_joules_over_run_sizes_the_run_by_the_timing(monkeypatch, ms, run_ms, ca
     monkeypatch.setattr(energy, "joules_per_call", lambda fn, n, device=None: seen.append((n, device)) or {"n": n})
     assert energy.joules_over_run(lambda: None, ms, "cuda:1", run_ms=run_ms) == {"n": calls}
     assert seen == [(calls, "cuda:1")]
+
+
+def test_joules_lines_report_each_name_in_order(monkeypatch):
+    board = SimulatedBoard()
+    monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: board))
+    monkeypatch.setattr(energy, "time", board.time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(energy, "SETTLE_S", 0.1)
+    monkeypatch.setattr(energy, "IDLE_S", 0.1)
+    fns = {"a": board.call, "b": board.call, "c": board.call}
+    lines = energy.joules_lines(fns, {"a": 1e3 * CALL_S, "b": 1e3 * CALL_S, "c": 1.0}, ["b", "a"], run_ms=100)
+    # 100 ms of 20 ms calls: 5 each; a call's joules, the busy board's watts
+    assert lines == [f"{n}: {BUSY_W * CALL_S:.3f} J per call, {BUSY_W:.0f} W, {1e3 * CALL_S:.3f} ms per call back to back"
+                     for n in ("b", "a")]
+
+
+def test_joules_lines_say_so_without_a_counter(monkeypatch):
+    monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: None))
+    assert energy.joules_lines({"a": lambda: None}, {"a": 1.0}, ["a"]) == ["no energy counter: nothing measured"]

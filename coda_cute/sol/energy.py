@@ -116,3 +116,17 @@ def joules_over_run(fn: Callable[[], object], ms_per_call: Optional[float], devi
     ``ms_per_call`` (a timing of ``fn``; None or 0: 5 calls): a run many counter updates long."""
     calls = max(5, math.ceil(run_ms / ms_per_call)) if ms_per_call else 5
     return joules_per_call(fn, calls, device)
+
+
+def joules_lines(fns: dict, ms_per_call: dict, names, run_ms: float = RUN_MS) -> list:
+    """For each of ``names``: ``fns[name]`` back to back for about ``run_ms``
+    (:func:`joules_over_run`, sized by its timing ``ms_per_call[name]``) as one line, "name: J per
+    call, mean watts, ms per call back to back"; one line saying so without an energy counter."""
+    lines = []
+    for name in names:
+        e = joules_over_run(fns[name], ms_per_call[name], run_ms=run_ms)
+        if e is None:
+            return ["no energy counter: nothing measured"]
+        lines.append(f"{name}: {e['j_per_call']:.3f} J per call, {e['watts']:.0f} W, "
+                     f"{e['ms_per_call']:.3f} ms per call back to back")
+    return lines
