@@ -34,6 +34,18 @@ class SimulatedBoard:
         self.busy = False
 
 
+@pytest.fixture
+def board(monkeypatch):
+    """The module's counter, clock and settle times on a :class:`SimulatedBoard`."""
+    board = SimulatedBoard()
+    monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: board))
+    monkeypatch.setattr(energy, "time", board.time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(energy, "SETTLE_S", 0.1)
+    monkeypatch.setattr(energy, "IDLE_S", 0.1)
+    return board
+
+
 def test_no_counter_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU machine")
@@ -46,13 +58,7 @@ def test_calls_must_be_positive():
         energy.joules_per_call(lambda: None, 0)
 
 
-def test_joules_per_call_takes_the_idle_share_off(monkeypatch):
-    board = SimulatedBoard()
-    monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: board))
-    monkeypatch.setattr(energy, "time", board.time)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(energy, "SETTLE_S", 0.1)
-    monkeypatch.setattr(energy, "IDLE_S", 0.1)
+def test_joules_per_call_takes_the_idle_share_off(board):
     out = energy.joules_per_call(board.call, 5)
     assert out["calls"] == 5
     # the counter reads whole millijoules: the figures hold to that
@@ -73,13 +79,7 @@ def test_joules_over_run_sizes_the_run_by_the_timing(monkeypatch, ms, run_ms, ca
     assert seen == [(calls, "cuda:1")]
 
 
-def test_joules_lines_report_each_name_in_order(monkeypatch):
-    board = SimulatedBoard()
-    monkeypatch.setattr(energy.EnergyMeter, "open", staticmethod(lambda device=None: board))
-    monkeypatch.setattr(energy, "time", board.time)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(energy, "SETTLE_S", 0.1)
-    monkeypatch.setattr(energy, "IDLE_S", 0.1)
+def test_joules_lines_report_each_name_in_order(board):
     fns = {"a": board.call, "b": board.call, "c": board.call}
     lines = energy.joules_lines(fns, {"a": 1e3 * CALL_S, "b": 1e3 * CALL_S, "c": 1.0}, ["b", "a"], run_ms=100)
     # 100 ms of 20 ms calls: 5 each; a call's joules, the busy board's watts
