@@ -76,7 +76,7 @@ from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
 from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
-from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
 
 SHAPES = [(16384, 6144, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
 #: (N_out, N_in, tokens) of the weight gradients: QKV, gate/up, down at the 8B-like widths, then
@@ -312,18 +312,12 @@ def once(m, n, k):
     """One call each of our row-wise GEMM, the block-scaled op, torch's block-wise kernel and its
     row-wise one, inside the NVTX range ``gemms`` (ncu: ``--nvtx --nvtx-include gemms/``)."""
     a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
-    calls = [lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
-             lambda: torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb),
-             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16),
-             lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16)]
-    for call in calls:  # compiled and loaded outside the range
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("gemms")
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    calls_in_range({"ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
+                    "ours block": lambda: torch.ops.coda.gemm_blockwise(a_q, sa, b_q, sb),
+                    "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),
+                                                            out_dtype=torch.bfloat16),
+                    "torch row": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ra, scale_b=rb,
+                                                          out_dtype=torch.bfloat16)})
 
 
 def _fewer_stages(tree, rtree, block_cfg, row_cfg) -> dict:

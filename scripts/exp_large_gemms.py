@@ -62,7 +62,7 @@ from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.ops.fp8_gemms import FP8  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
-from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_gemms as BTG  # noqa: E402  (the training layouts' operands)
@@ -225,17 +225,8 @@ def once(cases, console):
     warmed up outside it), in the order the console logs."""
     for label, make in cases:
         base, _, fns = make()
-        calls = {"baseline": base, **fns}
-        for call in calls.values():
-            call()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("gemms")
-        for name, call in calls.items():
-            console.log(f"{label}: {name}")
-            call()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
-        del base, fns, calls
+        calls_in_range({"baseline": base, **fns}, log=lambda name: console.log(f"{label}: {name}"))
+        del base, fns
         torch.cuda.empty_cache()
 
 

@@ -21,7 +21,10 @@ old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
         [--also CONFIG_NAME ...] [--cluster MxN ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
-        [--forward] [--energy]
+        [--forward] [--energy] [--once]
+
+``--once`` (for ncu): instead of timing, one call each of cuBLAS's plain product, our plain GEMM
+and the pick's tree per shape inside the NVTX range ``gemms`` (``--nvtx --nvtx-include gemms/``).
 
 ``--energy``: also cuBLAS's plain product, our plain GEMM and the pick's tree back to back for
 600 ms each: joules per call, mean watts and milliseconds per call (``coda_cute.sol.energy``). A
@@ -67,7 +70,7 @@ from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
-from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
 
 #: (label, tokens, d, ffn)
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
@@ -148,6 +151,8 @@ def main():
     ap.add_argument("--fp8-row-fast", action="store_true",
                     help="the row-wise FP8 tree (the backward's without h), fast accumulation, against _scaled_mm")
     ap.add_argument("--forward", action="store_true", help="the gate/up GEMM's RMSNorm + SwiGLU tree instead")
+    ap.add_argument("--once", action="store_true",
+                    help="for ncu: one call each of cuBLAS, our plain GEMM and the pick per shape, no timing")
     ap.add_argument("--energy", action="store_true",
                     help="also joules per call of cuBLAS, our plain GEMM and the pick, back to back (module docstring)")
     args = ap.parse_args()
@@ -177,6 +182,11 @@ def main():
                                           torch.bfloat16, True)) if fp8 else (lambda: gemm_impl(a, b))
         for c in ranked:
             fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: run(tree, c)
+        picks = [name for name in fns if name.endswith(" (pick)")]
+        if args.once:
+            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks)},
+                           log=lambda name: console.log(f"{label} {m}x{n}x{k}: {name}"))
+            continue
         for shape in args.cluster:
             cm, cn = (int(x) for x in shape.split("x"))
             c = pick.with_(cluster_m=cm, cluster_n=cn)
@@ -197,10 +207,10 @@ def main():
         for name, ms in t.items():
             table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")
             console.log(f"{label} {name}: {ms / t['cublas']:.3f}")
-        picks = [name for name in fns if name.endswith(" (pick)")]
         for line in joules_lines(fns, t, ["cublas", "plain", *picks], run_ms=600) if args.energy else ():
             console.log(f"{label} {line}")
-    console.print(table)
+    if not args.once:
+        console.print(table)
 
 
 if __name__ == "__main__":

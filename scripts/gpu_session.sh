@@ -118,6 +118,9 @@
 #             its cost over the plain GEMM as the mainloop per tile grows (exp_swiglu_epilogues.py)
 #   epi-k-energy  epi-k's first and third shapes (K 4096, 8192) with each launch's joules, watts and
 #             back-to-back time (exp_swiglu_epilogues.py --energy): power-capped tree or stalled one
+#   tree-ncu  ncu of the row-wise fast down dgrad at K 4096 and 8192: cuBLAS's plain product, our
+#             plain GEMM and the SwiGLU backward tree (exp_swiglu_epilogues.py --once): DRAM bytes,
+#             L2 hit rates and the mainloop's stalls, the details page and each kernel's hot lines
 #   drift     the persistent slots' drift apart: the row-wise FP8 short-K GEMMs' pick on M cut into
 #             2, 4 and 8 launches against one (exp_large_gemms.py --fp8 --split), timed in turns,
 #             then ncu's DRAM bytes and cycles of each launch
@@ -378,6 +381,15 @@ stage_epi_k_energy() {
         --shape 16384,4096,14336 --shape 16384,8192,14336
 }
 
+stage_tree_ncu() {
+    step tree-ncu 300 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
+        --section Occupancy --export "$OUT/tree-ncu" python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --configs 1 --once \
+        --shape 16384,4096,14336 --shape 16384,8192,14336
+    ncu_pages tree-ncu 60 90
+}
+
 stage_drift() {
     step drift-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours split --split 2 4 8
@@ -511,6 +523,7 @@ for s in "$@"; do
         tiles) stage_tiles ;;
         epi-k) stage_epi_k ;;
         epi-k-energy) stage_epi_k_energy ;;
+        tree-ncu) stage_tree_ncu ;;
         drift) stage_drift ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"

@@ -1,6 +1,7 @@
 """GPU timing: median CUDA-event time of a launch, after warm-up, with L2 flushed between runs.
 
-:func:`interleaved_medians` times several launches round-robin, for ratios between them.
+:func:`interleaved_medians` times several launches round-robin, for ratios between them;
+:func:`calls_in_range` runs each once where a profiler's NVTX filter takes them alone.
 
 Uses ``triton.testing.do_bench`` when Triton is installed (as ``scripts/bench_gemm.py`` does);
 otherwise the same procedure with ``torch.cuda.Event``: estimate one call, warm up for
@@ -102,3 +103,21 @@ def interleaved_medians(fns: dict, rounds: int = 30, warmup: int = 3, settle_ms:
     for name, start, end in runs:
         times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def calls_in_range(fns: dict, nvtx_range: str = "gemms", log: Callable[[str], object] | None = None) -> None:
+    """Each of ``fns`` once to compile and warm up, then each once more inside the push/pop NVTX
+    range ``nvtx_range`` (ncu: ``--nvtx --nvtx-include <range>/``), in order, ``log(name)`` before
+    each: the profiler's kernels in the order they were named. A push/pop range holds the
+    pushing thread's launches alone, so the calls launch no kernel from another thread (autograd
+    runs a backward on one of its own)."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(nvtx_range)
+    for name, fn in fns.items():
+        if log is not None:
+            log(name)
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
