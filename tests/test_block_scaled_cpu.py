@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import coda_cute
+from coda_cute import dispatch
 from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
 from coda_cute.kernels.common.config import GemmConfig
@@ -58,6 +59,18 @@ def test_block_scaled_kernel_builds(cfg, a, b):
     # a k-tile's row scales and its weight-block scale, from the stage's shared memory
     assert ptx.count("ld.shared") >= 3 and "ld.global" not in ptx
     assert expected_tx(ptx) == {stage_tx(cfg, False)}, expected_tx(ptx)
+
+
+@pytest.mark.parametrize("cfg", dispatch.block_scaled_config_space(), ids=lambda c: c.name)
+def test_every_forward_form_config_polls_without_spills(cfg):
+    """The forward form's configs poll their stage barriers (``dispatch.block_scaled_config_space``):
+    every one builds with ``mbarrier.try_wait`` polls that carry no suspend-time hint, spill-free
+    and with unserialized WGMMAs, so no pick of the heuristic falls back to a spilling build."""
+    assert cfg.poll_full
+    k = compile_gemm(spec(cfg), keep_artifacts=True)
+    assert spill_bytes(k) == 0 and not k.stats["wgmma_serialized"], k.stats
+    polls = re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cta\.shared::cta\.b64 [^;]*;", k.ptx)
+    assert polls and all(p.count(",") == 2 for p in polls)  # (pred, [bar], phase): no hint
 
 
 def test_block_scaled_name_differs_from_row_scaled():

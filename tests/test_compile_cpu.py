@@ -301,7 +301,7 @@ def test_invalid_config_rejected(kw, match):
 
 @pytest.mark.parametrize("poll", [False, True])
 def test_poll_full_builds_unhinted_consumer_waits(poll):
-    """``GemmConfig.poll_full`` (an experiment): the consumers' full-stage waits and the producer's
+    """``GemmConfig.poll_full`` (the block-scaled forward form's): the consumers' full-stage waits and the producer's
     free-stage waits become ``mbarrier.try_wait`` polls without the pipeline's 10 ms suspend hint,
     in the fast ping-pong
     kernel, in the block-scaled one's two-level loop and under the row-wise FP8 SwiGLU backward
