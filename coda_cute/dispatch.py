@@ -148,8 +148,9 @@ def block_scaled_config_space(wgrad_form: bool = False) -> list[GemmConfig]:
     The forward form (not ``wgrad_form``) polls its stage barriers (``GemmConfig.poll_full``): the
     pipeline's own wait sleeps between polls, where ncu put 9 % of this kernel's stall samples
     (H100, 2026-12-06). Polling, at the 8B shapes 16384 x 6144 / 28672 / 4096 x 4096 / 4096 /
-    14336, in turns on two H100s: +3.5 / +0.9 / +2.5 % and +2.7 / +0.9 / +3.3 %
-    (``exp_block_scaled.py --poll``)."""
+    14336, in turns on three H100s: +3.5 / +0.9 / +2.5 %, +2.7 / +0.9 / +3.3 % and +3.7 / +1.1 /
+    +2.5 % (``exp_block_scaled.py --poll``), the output bit for bit the same. The weight-gradient
+    form measured -2.4 to +4.3 % over six shapes (``--wgrad --poll``), so it sleeps."""
     return [c.with_(split_tail=False, poll_full=not wgrad_form) for c in config_space(True)
             if not c.fp8_fast_accum and 128 % c.tile_n == 0]
 

@@ -41,10 +41,10 @@ class GemmConfig:
     the whole K loop; otherwise each k-tile's partial sum is promoted into a separate fp32
     accumulator (two-level accumulation, the accurate default). ``split_tail`` (cooperative only)
     cuts the tiles of a nearly empty last round along K over the idle slots
-    (``kernels.common.tile_scheduler``). ``poll_full``: the consumers wait for a full A/B stage, and the producer for a free one,
-    by polling ``mbarrier.try_wait`` without a suspend-time hint (``kernels.sm90.mainloop``); on
-    in the block-scaled forward form's configs (``dispatch.block_scaled_config_space``), off in
-    every other config the heuristic picks.
+    (``kernels.common.tile_scheduler``). ``poll_full``: the consumers wait for a full A/B stage,
+    and the producer for a free one, by polling ``mbarrier.try_wait`` without a suspend-time hint
+    (``kernels.sm90.mainloop``); on in the block-scaled forward form's configs
+    (``dispatch.block_scaled_config_space``), off in every other config the heuristic picks.
     """
 
     tile_m: int = 128
