@@ -189,7 +189,7 @@ def wgrad(console, rounds, stages=False, poll=False):
         if poll:  # the pick with its stage waits turned the other way
             others.append(base.with_(poll_full=not base.poll_full))
         for c in others:  # the other schedules and clusters: ping-pong overlaps one warpgroup's
-            if c == base:  # promotion arithmetic with the other's WGMMAs (the last: the pick turned)
+            if c == base:  # promotion arithmetic with the other's WGMMAs
                 continue
             fns[c.name] = lambda c=c: E.run(tree, a_q, b_q.t(), {}, config=c, block_scales=scales, b_block="1x128")
             err = (fns[c.name]()["out"][:256].double() - want).norm() / want.norm()
@@ -245,8 +245,8 @@ def main():
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
     built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
-    probe = runner.choose_config(tree, *SHAPES[0], 1, True, False, sms, True)
-    around = [*args.clusters, *(["sleep" if probe.poll_full else "poll"] if args.poll else []), *args.around]
+    polls = dispatch.block_scaled_config_space()[0].poll_full  # how the forward form's picks wait
+    around = [*args.clusters, *(["sleep" if polls else "poll"] if args.poll else []), *args.around]
     names = [built, *(f"{built} {c}" for c in around)] if around else list(VARIANTS)
     row_variants = () if around else ROW_VARIANTS
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,

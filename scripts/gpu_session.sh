@@ -96,18 +96,15 @@
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
 #             instead of sleeping between polls): its GPU tests (test_gemm_gpu and
-#             test_block_scaled_gpu -k poll), then the row-wise FP8 short-K GEMMs and the
-#             block-scaled forward form with it against the kernels as built and torch, in turns,
-#             then the FP8 MLP's "..., polling" row (runner.POLL_FULL, bench_fp8.py --poll)
-#   poll-profile  the row-wise FP8 MLP's six GEMMs with and without polling, the block-scaled forward
-#             form again, then bench_fp8.py --poll --profile (each MLP kernel's time, polling or not)
+#             test_block_scaled_gpu -k poll), then the row-wise FP8 MLP's six GEMMs and the
+#             block-scaled forward form polling and sleeping, against torch, in turns, then the FP8
+#             MLP's "..., polling" row with each kernel's time (runner.POLL_FULL, bench_fp8.py
+#             --poll --profile)
 #   block-poll  the block-scaled forward form polling by default: the GPU tests of every op that
 #             runs it (block-scaled GEMM, FP8 MLP, attention, LM head), its variants around the
 #             pick (exp_block_scaled.py --poll --around: sleeping, 1x2, raster bands, one-buffer
 #             epilogue), bench_fp8.py --fast-accum all (the block recipe's row), memcheck of
 #             sanitize_fp8.py, then the weight-gradient form's pick polling (--wgrad --poll)
-#   block-poll-rest  the other GPU tests that run the block-scaled forward form: polling against
-#             sleeping bit for bit, the epilogue quantize sinks, the FP8 HF model
 #   block-energy  the block-scaled forward form polling and sleeping against torch's block-wise
 #             kernel, in turns and then each back to back with its joules and watts
 #             (exp_block_scaled.py --poll --energy): does polling cost power at the cap
@@ -332,17 +329,10 @@ stage_block_built() {
 stage_poll() {
     step poll-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_gemm_gpu.py \
         tests/test_block_scaled_gpu.py -k poll
-    step poll-gemms 100 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
-        --variants ours poll
-    step poll-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 6
-    step poll-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --json "$OUT/poll-mlp.json"
-}
-
-stage_poll_profile() {
-    step pollp-gemms 150 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --variants ours poll
-    step pollp-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 8
-    step pollp-mlp 300 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --profile \
-        --json "$OUT/pollp-mlp.json"
+    step poll-gemms 150 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --variants ours poll
+    step poll-block 100 python3 scripts/exp_block_scaled.py --poll --rounds 8
+    step poll-mlp 200 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --poll --profile \
+        --json "$OUT/poll-mlp.json"
 }
 
 stage_block_poll() {
@@ -353,11 +343,6 @@ stage_block_poll() {
     step bpoll-memcheck 100 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
     step bpoll-wgrad 200 python3 scripts/exp_block_scaled.py --wgrad --poll --rounds 4
-}
-
-stage_block_poll_rest() {
-    step bpoll-rest 300 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" tests/test_block_scaled_gpu.py \
-        tests/test_epilogue_quantize_gpu.py tests/test_hf_gpu.py -k "polling or quantize or fp8"
 }
 
 stage_block_energy() {
@@ -516,9 +501,7 @@ for s in "$@"; do
         block-ncu) stage_block_ncu ;;
         block-built) stage_block_built ;;
         poll) stage_poll ;;
-        poll-profile) stage_poll_profile ;;
         block-poll) stage_block_poll ;;
-        block-poll-rest) stage_block_poll_rest ;;
         block-energy) stage_block_energy ;;
         tiles) stage_tiles ;;
         epi-k) stage_epi_k ;;
