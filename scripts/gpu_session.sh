@@ -118,6 +118,9 @@
 #   tree-ncu  ncu of the row-wise fast down dgrad at K 4096 and 8192: cuBLAS's plain product, our
 #             plain GEMM and the SwiGLU backward tree (exp_swiglu_epilogues.py --once): DRAM bytes,
 #             L2 hit rates and the mainloop's stalls, the details page and each kernel's hot lines
+#   active-ncu  each SM's cycles holding a CTA (min / avg / max) against the kernel's span: the
+#             row-wise fast down dgrad and gate/up forward (cuBLAS, plain, tree) and the
+#             block-scaled forward form: do the static schedule's slots finish apart
 #   drift     the persistent slots' drift apart: the row-wise FP8 short-K GEMMs' pick on M cut into
 #             2, 4 and 8 launches against one (exp_large_gemms.py --fp8 --split), timed in turns,
 #             then ncu's DRAM bytes and cycles of each launch
@@ -366,6 +369,19 @@ stage_epi_k_energy() {
         --shape 16384,4096,14336 --shape 16384,8192,14336
 }
 
+stage_active_ncu() {
+    # how long each SM holds a CTA against the kernel's span (sm__cycles_active min / avg / max
+    # against sm__cycles_elapsed.max): a static persistent schedule whose slots drift apart
+    # leaves SMs idle at its end. The down dgrad and gate/up forward (row-wise fast: cuBLAS, our
+    # plain GEMM, the pick's tree) and the block-scaled forward form at 16384 x 4096 x 14336.
+    local m=gpu__time_duration.sum,sm__cycles_elapsed.max,sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max
+    step active-ncu-dgrad 120 ncu --clock-control none --nvtx --nvtx-include "gemms/" --metrics "$m" \
+        python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --configs 1 --once --shape 16384,4096,14336
+    step active-ncu-fwd 120 ncu --clock-control none --nvtx --nvtx-include "gemms/" --metrics "$m" \
+        python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --configs 1 --once --shape 16384,4096,14336
+    step active-ncu-block 120 ncu --clock-control none --nvtx --nvtx-include "gemms/" --metrics "$m" \
+        python3 scripts/exp_block_scaled.py --once
+}
 stage_tree_ncu() {
     step tree-ncu 300 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -507,6 +523,7 @@ for s in "$@"; do
         epi-k) stage_epi_k ;;
         epi-k-energy) stage_epi_k_energy ;;
         tree-ncu) stage_tree_ncu ;;
+        active-ncu) stage_active_ncu ;;
         drift) stage_drift ;;
         cluster22-mlp) stage_cluster22_mlp ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
