@@ -8,13 +8,17 @@ operands (``plain``: what the epilogue costs) and as ``torch.mm`` (``cuBLAS``), 
 L2 flushed (``coda_cute.sol.timing.interleaved_medians``). The sums weighted by how often each
 launch ran say how far the step's GEMMs are from the shadow's, and which trees carry the gap.
 
+``--cooperative``: also each ping-pong launch's tree on the cooperative 128 x 256 tile the step's
+other bf16 launches run (``fused coop``, in the same turns): on an H100 (2026-12-06) the ping-pong
+trees cost 14-38 % over cuBLAS where the cooperative ones cost at most 1.4 %.
+
 ``--energy``: also each launch's joules per call, the three run back to back for about
 ``ENERGY_RUN_MS`` each (``coda_cute.sol.energy.joules_over_run``). Under the H200's power cap a
 step's time follows its joules, so a launch as fast as cuBLAS from idle but hungrier falls behind
 it in a sustained step; fused / plain says what the epilogue costs in joules, plain / cuBLAS what
 the mainloop does.
 
-    python scripts/bench_step_gemms.py [--configs 1b 8b] [--rounds 10] [--energy] [--json out.json]
+    python scripts/bench_step_gemms.py [--configs 1b 8b] [--rounds 10] [--cooperative] [--energy] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_models as TM  # noqa: E402  (the benchmark models of scripts/bench_train.py)
 
 from coda_cute.epilogue import runner  # noqa: E402
+from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
@@ -40,6 +45,8 @@ from coda_cute.sol.timing import interleaved_medians  # noqa: E402
 #: milliseconds of back-to-back calls per launch and variant for its joules (``--energy``)
 ENERGY_RUN_MS = 1000
 VARIANTS = ("fused", "plain", "cublas")
+#: ``--cooperative``: the tile a ping-pong launch's tree is also timed on
+COOPERATIVE = GemmConfig(128, 256, 64, "cooperative", 2, 1)
 
 
 def record_launches(step) -> list:
@@ -88,13 +95,27 @@ def step_launches(name: str, layers: int, precision=None) -> list:
     return record_launches(step)
 
 
-def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False) -> list:
+def cooperative_plan(plan, a, b, inputs):
+    """``plan``'s tree on :data:`COOPERATIVE`, or None where it runs there already or cannot."""
+    if plan.config.schedule != "pingpong" or a.dtype != torch.bfloat16:
+        return None
+    try:
+        return runner._make_plan(plan.tree, a, b, inputs, COOPERATIVE, False, plan.op + " (cooperative)")
+    except ValueError:  # the tree's shared memory or segment widths rule the tile out (EpilogueError)
+        return None
+
+
+def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False,
+                cooperative: bool = False) -> list:
     rows = []
     for plan, a, b_, inputs, outputs, scales, count in step_launches(name, layers):
         mm = torch.bmm if a.dim() == 3 else torch.mm
         fns = {"fused": lambda p=plan, a=a, b=b_, i=inputs, o=outputs, s=scales: p.launch(a, b, i, o or None, s),
                "plain": lambda a=a, b=b_: gemm_impl(a, b),
                "cublas": lambda a=a, b=b_, mm=mm: mm(a, b)}
+        coop = cooperative_plan(plan, a, b_, inputs) if cooperative else None
+        if coop is not None:
+            fns["fused_coop"] = lambda p=coop, a=a, b=b_, i=inputs, o=outputs: p.launch(a, b, i, o or None)
         t = interleaved_medians(fns, rounds=rounds, settle_ms=300)
         m, k = a.shape[-2:]
         n = b_.shape[-1]
@@ -108,6 +129,7 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
                 r[f"{key}_j"] = None if e is None else e["j_per_call"]
         console.log(f"{name} {r['launch']} {m}x{n}x{k} x{count}: fused {r['fused_ms']:.3f} plain "
                     f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}"
+                    + (f" fused coop {r['fused_coop_ms']:.3f}" if 'fused_coop_ms' in r else "")
                     + ("".join(f", {key} {r[f'{key}_j']:.4f} J" for key in VARIANTS if r.get(f"{key}_j"))))
     return rows
 
@@ -145,6 +167,16 @@ def print_launches(name: str, sel: list, unit: str, console: Console):
     console.print(f"{name}: {lead}: fused {tot['fused']:.2f}{u}, plain {tot['plain']:.2f}{u}, cuBLAS "
                   f"{tot['cublas']:.2f}{u} (fused / cuBLAS {tot['fused'] / tot['cublas']:.3f}, plain / cuBLAS "
                   f"{tot['plain'] / tot['cublas']:.3f})")
+    coop = [r for r in sel if f"fused_coop_{unit}" in r]
+    if coop:
+        best = tot["fused"] - sum((r[f"fused_{unit}"] - min(r[f"fused_{unit}"], r[f"fused_coop_{unit}"])) * r["count"]
+                                  for r in coop)
+        for r in coop:
+            console.print(f"  {r['launch']} {r['m']}x{r['n']}x{r['k']}: {r['tile']} {fmt.format(r[f'fused_{unit}'])}, "
+                          f"cooperative {fmt.format(r[f'fused_coop_{unit}'])} "
+                          f"({r[f'fused_coop_{unit}'] / r[f'cublas_{unit}']:.3f} of cuBLAS)")
+        console.print(f"{name}: each ping-pong tree on the faster of its tile and the cooperative one: "
+                      f"{best:.2f}{u} (/ cuBLAS {best / tot['cublas']:.3f})")
 
 
 def main(argv=None):
@@ -152,6 +184,8 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=["1b", "8b"], choices=sorted(TM.SPECS))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--cooperative", action="store_true",
+                    help="also each ping-pong tree on the cooperative 128 x 256 tile (module docstring)")
     ap.add_argument("--energy", action="store_true", help="also each launch's joules per call (module docstring)")
     ap.add_argument("--json", help="write every measurement here")
     args = ap.parse_args(argv)
@@ -160,7 +194,7 @@ def main(argv=None):
     console = Console(width=180)
     rows = []
     for name in args.configs:
-        rows += time_config(name, args.layers, args.rounds, console, args.energy)
+        rows += time_config(name, args.layers, args.rounds, console, args.energy, args.cooperative)
         torch.cuda.empty_cache()
     report(rows, console)
     if args.json:

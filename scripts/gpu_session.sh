@@ -36,6 +36,8 @@
 #             8b) with HF + torch.compile, Liger, HF eager, CODA bf16 and FP8 row-wise fast, in
 #             turns (a call of its own: compile takes minutes)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
+#   train-recipes  bench_train.py at 8b: the bf16 step, the block-scaled FP8 step (--fp8) and row-wise
+#             fast (--fp8-row-fast all) in turns, HF eager beside them (no compile, no Liger)
 #   mlp-gaps  trace_step.py --model mlp-fp8: the FP8 MLP sublayer's idle gaps, host calls and
 #             clocks against its shadow's
 #   fp8-ncu   ncu of the quantize, amax and transpose kernels of one FP8 MLP step (row-wise, fast
@@ -250,6 +252,11 @@ stage_train_compile() {
 stage_train_fp8() {
     step train-fp8 560 python3 scripts/bench_train.py --configs 8b --no-compile --rounds 6 --fp8-row-fast all \
         --json "$OUT/train-fp8.json"
+}
+
+stage_train_recipes() {
+    step train-recipes 560 python3 scripts/bench_train.py --configs 8b --no-compile --no-liger --rounds 5 --fp8 \
+        --fp8-row-fast all --json "$OUT/train-recipes.json"
 }
 
 stage_mlp_gaps() {
@@ -491,6 +498,7 @@ for s in "$@"; do
         swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
         train) stage_train ;;
         train-compile) stage_train_compile ;;
+        train-recipes) stage_train_recipes ;;
         train-fp8) stage_train_fp8 ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;

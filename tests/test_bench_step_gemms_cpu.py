@@ -54,3 +54,28 @@ def test_layout_names_the_training_layouts(sg):
     assert sg.layout_of(x.stride(), w.t().stride()) == "kk"  # x @ W.T
     assert sg.layout_of(torch.empty(64, 48).stride(), w.stride()) == "kn"  # dY @ W
     assert sg.layout_of(torch.empty(64, 48).t().stride(), x.stride()) == "mn"  # dY.T @ X
+
+
+def test_report_with_cooperative_takes_the_faster_tile_per_launch(sg):
+    rows = _rows(False)
+    rows[0]["fused_coop_ms"] = 3.2  # slower on the cooperative tile: the pick's 3.0 counts
+    rows[1]["fused_coop_ms"] = 6.0  # faster: 4 x 6.0 instead of 4 x 6.5
+    console = Console(record=True, width=220)
+    sg.report(rows, console)
+    text = console.export_text()
+    assert "sum over the step's launches: fused 32.00 ms" in text
+    # 2 x 3.0 + 4 x 6.0 = 30.0 ms, over cuBLAS's 31.4
+    assert "each ping-pong tree on the faster of its tile and the cooperative one: 30.00 ms (/ cuBLAS 0.955)" in text
+    assert "cooperative 6.000 (0.938 of cuBLAS)" in text
+
+
+def test_cooperative_plan_only_for_bf16_ping_pong_picks(sg):
+    import torch
+
+    class Plan:
+        config = sg.COOPERATIVE
+
+    a = torch.empty(256, 128, dtype=torch.bfloat16)
+    assert sg.cooperative_plan(Plan(), a, a.t(), {}) is None  # cooperative already
+    Plan.config = sg.COOPERATIVE.with_(schedule="pingpong", tile_n=128)
+    assert sg.cooperative_plan(Plan(), a.float(), a.t().float(), {}) is None  # not bf16

@@ -115,6 +115,7 @@ def test_sass_instructions(fam, spec):
     assert sass.gmma == (want,)
     assert sass.tma_loads >= 2
     assert (sass.tma_stores >= 1) == stores(spec)
+    assert sass.vector_descriptors == 0
 
 
 @pytest.mark.parametrize("fam,spec", SPECS, ids=IDS)
@@ -249,6 +250,22 @@ def test_scan_sass_opcodes():
     c = scan_sass(sass)
     assert c.gmma == ("QGMMA.64x128x32.F32.E4M3.E4M3",)
     assert (c.tma_loads, c.tma_stores, c.multicast_loads) == (2, 1, 1)
+    assert c.vector_descriptors == 0
+    # WGMMAs fed from vector registers: those whose gdesc[URn .. URn+3] an R2UR wrote last
+    sass = """
+    /*3370*/  R2UR UR16, R18 ;
+    /*3380*/  WARPGROUP.ARRIVE ;
+    /*3390*/  R2UR UR17, R19 ;
+    /*33a0*/  R2UR UR22, R152 ;
+    /*3490*/  QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR16], R88, UP0 ;
+    /*3520*/  QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], R24, UP0 ;
+    /*3530*/  UIADD3 UR16, UR10, 0x200, URZ ;
+    /*3540*/  @!UP0 UMOV UR17, 0x40000040 ;
+    /*3550*/  R2UR UR4, R16 ;
+    /*3560*/  QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR16], R88, gsb0 ;
+    /*3770*/  WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+    """
+    assert scan_sass(sass).vector_descriptors == 2
 
 
 # -- config rules and unsupported requests -------------------------------------------------------
