@@ -53,6 +53,8 @@ class ModelSpec:
 SPECS = {
     "1b": ModelSpec("1b", dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192),
     "8b": ModelSpec("8b", dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
+    # Llama-3.2-3B's widths: shapes no heuristic was fitted on (neither benchmark's default)
+    "3b": ModelSpec("3b", dim=3072, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192),
 }
 #: --smoke: small enough for the CPU references, same structure (GQA 2:1, head_dim != dim / heads)
 SMOKE_SPEC = ModelSpec("tiny", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128, vocab_size=512)

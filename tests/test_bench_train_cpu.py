@@ -167,7 +167,7 @@ def test_patch_undo_and_reapply(bt):
 
 
 # -- the HF <-> coda config mapping (needs transformers) --------------------------------------------
-@pytest.mark.parametrize("name", ["1b", "8b", "tiny"])
+@pytest.mark.parametrize("name", ["1b", "3b", "8b", "tiny"])
 def test_config_mapping(bt, name):
     pytest.importorskip("transformers")
     spec = bt.SMOKE_SPEC if name == "tiny" else bt.SPECS[name]
