@@ -498,8 +498,8 @@ for s in "$@"; do
         swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
         train) stage_train ;;
         train-compile) stage_train_compile ;;
-        train-recipes) stage_train_recipes ;;
         train-fp8) stage_train_fp8 ;;
+        train-recipes) stage_train_recipes ;;
         mlp-gaps) stage_mlp_gaps ;;
         fp8-ncu) stage_fp8_ncu ;;
         verify) stage_verify ;;
