@@ -84,11 +84,11 @@ def _wgmmas_fed_from_vector_registers(sass: str) -> int:
     for m in _INSTR.finditer(sass):
         op, dest = m.group(1), m.group(2)
         if op.startswith(("HGMMA", "QGMMA")):
-            base = int(_GDESC.search(m.group(0)).group(1))
-            fed += bool(from_vector & set(range(base, base + 4)))
+            desc = _GDESC.search(m.group(0))
+            fed += desc is not None and bool(from_vector & set(range(int(desc.group(1)), int(desc.group(1)) + 4)))
         elif op == "R2UR" and dest is not None:
             from_vector.add(int(dest))
-        elif op.startswith("U") and dest is not None:
+        elif dest is not None:  # any other writer of URn (UMOV, ULEA, S2UR, ...)
             width = 2 if op.endswith(".64") else 1
             from_vector -= set(range(int(dest), int(dest) + width))
     return fed

@@ -9,8 +9,8 @@ L2 flushed (``coda_cute.sol.timing.interleaved_medians``). The sums weighted by 
 launch ran say how far the step's GEMMs are from the shadow's, and which trees carry the gap.
 
 ``--cooperative``: also each ping-pong launch's tree on the cooperative 128 x 256 tile the step's
-other bf16 launches run (``fused coop``, in the same turns): on an H100 (2026-12-06) the ping-pong
-trees cost 14-38 % over cuBLAS where the cooperative ones cost at most 1.4 %.
+other bf16 launches run (``fused coop``, in the same turns): on H100s (2026-12-06) ping-pong trees
+took up to 1.38x cuBLAS's time where the cooperative ones took at most 1.015x.
 
 ``--energy``: also each launch's joules per call, the three run back to back for about
 ``ENERGY_RUN_MS`` each (``coda_cute.sol.energy.joules_over_run``). Under the H200's power cap a

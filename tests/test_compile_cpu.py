@@ -262,6 +262,8 @@ def test_scan_sass_opcodes():
     /*3530*/  UIADD3 UR16, UR10, 0x200, URZ ;
     /*3540*/  @!UP0 UMOV UR17, 0x40000040 ;
     /*3550*/  R2UR UR4, R16 ;
+    /*3555*/  S2UR UR4, SR_CgaCtaId ;
+    /*3558*/  QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR4], R88 ;
     /*3560*/  QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR16], R88, gsb0 ;
     /*3770*/  WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
     """
