@@ -87,6 +87,28 @@ def num_sms_or_default(device, default: int = 132) -> int:
         return default
 
 
+#: The card every rates table below was measured on, and the one a device whose name names no
+#: other card (or whose properties cannot be read: fake tensors without a GPU) takes.
+DEFAULT_CARD = "h200"
+#: Card names as ``card_of`` gives them, by the marks in the device's name that select them: the
+#: H100 and H800 (GH100 with HBM3, 3.35 TB/s against the H200's 4.8 TB/s).
+_CARD_MARKS = {"h100": ("H100", "H800")}
+
+
+def card_of(device) -> str:
+    """Which card's measurements the config heuristic uses for ``device`` (``PINGPONG_16_SCALE``):
+    "h100" where the device's name marks an H100 or H800, else :data:`DEFAULT_CARD`, also for CPU
+    and for fake CUDA tensors on a machine without a GPU (where no launch follows: tracing on a
+    GPU machine reads that GPU's name, as the launch will)."""
+    if getattr(device, "type", device) != "cuda":
+        return DEFAULT_CARD
+    try:
+        name = _device_props(device.index if getattr(device, "index", None) is not None else _current_device())[2]
+    except (AssertionError, RuntimeError):
+        return DEFAULT_CARD
+    return next((card for card, marks in _CARD_MARKS.items() if any(m in name for m in marks)), DEFAULT_CARD)
+
+
 def _current_device() -> int:
     import torch
 
@@ -257,12 +279,29 @@ _RATES_FP8_FAST = _at_cap({
 COOP_EPILOGUE_K_FP8_FAST = 375
 
 
-def _rate(cfg: GemmConfig, fp8: bool, wgrad_form: bool = False) -> float:
+#: A card's 16-bit ping-pong rates relative to the H200's, cooperative rates held (``card_of``).
+#: On an H100 at the power cap, ping-pong 128 x 128 2x1 falls further behind cooperative 128 x 256
+#: 2x1 than on the H200 (``scripts/exp_energy_tiles.py --fused``, 2026-12-06, the 8b step's 19
+#: bf16 launches with their trees on three tiles, back to back): fitted rates 585 against 762
+#: TFLOP/s (H200 683 / 736), so 0.77 of it against 0.93: 0.83. It loses most where K or the
+#: output is large (plain 28672 x 4096 x 16384: 1.53x cooperative's time; 16384 x 6144 x 4096
+#: from cool it is 0.92x, at the cap 1.03-1.05x). With it, the picks of the 8b step came within
+#: 0.12 % of the least time measured per launch among the three tiles (the H200's rates: 5.2 %
+#: over); on the 1b and 3b steps, not fitted on, within 0.31 % and 0.87 % (4.6 % and 5.8 %). The
+#: FP8 fast-accumulation picks already came within 0.43 % on the H100 (the 8b step's 14 FP8
+#: launches): they keep their rates. Every 16-bit ping-pong config takes the factor; only 128 x
+#: 128 2x1 was measured (the small ones serve small M, where the cooperative tiles leave SMs idle).
+PINGPONG_16_SCALE = {"h100": 0.83}
+
+
+def _rate(cfg: GemmConfig, fp8: bool, wgrad_form: bool = False, card: str = DEFAULT_CARD) -> float:
     key = (cfg.schedule, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n)
     if fp8 and wgrad_form:
         return _RATES_FP8_WGRAD.get(key, _RATES_FP8.get(key, 0.0) * _WGRAD_UNTIMED_SCALE)
-    table = (_RATES_FP8_FAST if cfg.fp8_fast_accum else _RATES_FP8) if fp8 else _RATES_16
-    return table.get(key, 0.0)
+    if fp8:
+        return (_RATES_FP8_FAST if cfg.fp8_fast_accum else _RATES_FP8).get(key, 0.0)
+    scale = PINGPONG_16_SCALE.get(card, 1.0) if cfg.schedule == "pingpong" else 1.0
+    return _RATES_16.get(key, 0.0) * scale
 
 
 #: 16-bit operands (A + B, bytes) past which a config's rate scales with its L2 intensity
@@ -288,9 +327,10 @@ def _large_operands(m: int, n: int, k: int, batch: int, fp8: bool) -> bool:
 
 
 def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int, fp8: bool,
-                   wgrad_form: bool = False) -> float:
+                   wgrad_form: bool = False, card: str = DEFAULT_CARD) -> float:
     """Wave-quantization model of a config's run time (arbitrary units); ``wgrad_form``: the
-    block-scaled kernel's weight-gradient form (its own rates).
+    block-scaled kernel's weight-gradient form (its own rates); ``card``: whose rates
+    (:func:`card_of`).
 
     Every CTA runs its tiles back to back at the config's measured full-GPU rate, so the time is
     the busiest CTA's tile count x the tile's work / the per-SM rate; a cooperative tile's work is
@@ -299,7 +339,7 @@ def predicted_time(cfg: GemmConfig, m: int, n: int, k: int, batch: int, sms: int
     ``LARGE_OPERAND_BYTES`` the rate is scaled by the config's L2 intensity over the densest
     config's (the measured ratios there follow it).
     """
-    rate = _rate(cfg, fp8, wgrad_form)
+    rate = _rate(cfg, fp8, wgrad_form, card)
     if _large_operands(m, n, k, batch, fp8):
         rate *= l2_intensity(cfg) / max(l2_intensity(c) for c in config_space(False))
     tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
@@ -325,9 +365,10 @@ def coop_epilogue_k(cfg: GemmConfig, fp8: bool) -> int:
     return COOP_EPILOGUE_K_FP8_FAST if cfg.fp8_fast_accum else 0
 
 
-def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
+def select_config(m: int, n: int, k: int, batch: int, fp8: bool, fast_accum: bool, sms: int,
+                  card: str = DEFAULT_CARD) -> GemmConfig:
     """The config with the least predicted time (:func:`predicted_time`); no timing on the call
     path. Large problems land on the fastest big tiles; small or oddly sized ones trade tile
     efficiency for fewer idle SMs in the last wave."""
     candidates = [c for c in config_space(fp8) if not fp8 or c.fp8_fast_accum == fast_accum]
-    return min(candidates, key=lambda c: predicted_time(c, m, n, k, batch, sms, fp8))
+    return min(candidates, key=lambda c: predicted_time(c, m, n, k, batch, sms, fp8, card=card))

@@ -473,7 +473,7 @@ def run_ops(m: int, n: int, k: int, arch: str) -> list[dict]:
             theirs = lambda: torch.mm(a, b)  # noqa: E731
         ref = gemm_ref(a, b, sa, sb, round_output=False)
         row = {"kind": "run", "op": label, "arch": arch, "m": m, "n": n, "k": k,
-               "config": dispatch.select_config(m, n, k, 1, fp8, False, sms).name,
+               "config": dispatch.select_config(m, n, k, 1, fp8, False, sms, dispatch.card_of(device)).name,
                "torch_op": "torch._scaled_mm" if fp8 else "torch.mm"}
         for who, fn in (("coda", ours), ("torch", theirs)):
             try:

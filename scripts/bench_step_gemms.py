@@ -10,7 +10,13 @@ launch ran say how far the step's GEMMs are from the shadow's, and which trees c
 
 ``--cooperative``: also each ping-pong launch's tree on the cooperative 128 x 256 tile the step's
 other bf16 launches run (``fused coop``, in the same turns): on H100s (2026-12-06) ping-pong trees
-took up to 1.38x cuBLAS's time where the cooperative ones took at most 1.015x.
+took up to 1.38x cuBLAS's time where the cooperative ones took at most 1.015x. With it, our plain
+GEMM is also timed on the ping-pong pick's own tile (``plain tile``): what that tile's mainloop
+costs on the shape, so that fused / plain tile is the tree's own cost there.
+
+``--once``: no timing; each launch of the ops ``--only`` names (every launch without it) runs each
+variant once inside the NVTX range ``gemms`` (and within it ``<op> <variant>``), for ncu (``--nvtx --nvtx-include
+"gemms/"``), after a warm-up call outside it.
 
 ``--energy``: also each launch's joules per call, the three run back to back for about
 ``ENERGY_RUN_MS`` each (``coda_cute.sol.energy.joules_over_run``). Under the H200's power cap a
@@ -19,6 +25,7 @@ it in a sustained step; fused / plain says what the epilogue costs in joules, pl
 the mainloop does.
 
     python scripts/bench_step_gemms.py [--configs 1b 8b] [--rounds 10] [--cooperative] [--energy] [--json out.json]
+    python scripts/bench_step_gemms.py --configs 8b --cooperative --once --only coda.lm_head_ce coda.norm_swiglu
 """
 
 from __future__ import annotations
@@ -105,17 +112,40 @@ def cooperative_plan(plan, a, b, inputs):
         return None
 
 
+def launch_functions(plan, a, b, inputs, outputs, scales, cooperative: bool) -> dict:
+    """The variants of one recorded launch, by name (:data:`VARIANTS`; with ``cooperative`` and a
+    ping-pong pick also ``fused_coop`` and ``plain_tile``)."""
+    mm = torch.bmm if a.dim() == 3 else torch.mm
+    fns = {"fused": lambda: plan.launch(a, b, inputs, outputs or None, scales),
+           "plain": lambda: gemm_impl(a, b),
+           "cublas": lambda: mm(a, b)}
+    coop = cooperative_plan(plan, a, b, inputs) if cooperative else None
+    if coop is not None:
+        fns["fused_coop"] = lambda: coop.launch(a, b, inputs, outputs or None)
+        fns["plain_tile"] = lambda: gemm_impl(a, b, config=plan.config)
+    return fns
+
+
+def profile_config(name: str, layers: int, only: list, console: Console):
+    """``--once``: each variant of the launches whose op is one of ``only`` (all without it),
+    once to warm up and once inside the NVTX range ``gemms``."""
+    for plan, a, b_, inputs, outputs, scales, _count in step_launches(name, layers):
+        if only and plan.op not in only:
+            continue
+        for variant, fn in launch_functions(plan, a, b_, inputs, outputs, scales, True).items():
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.nvtx.range("gemms"), torch.cuda.nvtx.range(f"{plan.op} {variant}"):
+                fn()
+            torch.cuda.synchronize()
+            console.log(f"{name} {label(plan)} {tuple(a.shape)} x {tuple(b_.shape)}: {variant} ({plan.config.name})")
+
+
 def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False,
                 cooperative: bool = False) -> list:
     rows = []
     for plan, a, b_, inputs, outputs, scales, count in step_launches(name, layers):
-        mm = torch.bmm if a.dim() == 3 else torch.mm
-        fns = {"fused": lambda p=plan, a=a, b=b_, i=inputs, o=outputs, s=scales: p.launch(a, b, i, o or None, s),
-               "plain": lambda a=a, b=b_: gemm_impl(a, b),
-               "cublas": lambda a=a, b=b_, mm=mm: mm(a, b)}
-        coop = cooperative_plan(plan, a, b_, inputs) if cooperative else None
-        if coop is not None:
-            fns["fused_coop"] = lambda p=coop, a=a, b=b_, i=inputs, o=outputs: p.launch(a, b, i, o or None)
+        fns = launch_functions(plan, a, b_, inputs, outputs, scales, cooperative)
         t = interleaved_medians(fns, rounds=rounds, settle_ms=300)
         m, k = a.shape[-2:]
         n = b_.shape[-1]
@@ -129,7 +159,8 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
                 r[f"{key}_j"] = None if e is None else e["j_per_call"]
         console.log(f"{name} {r['launch']} {m}x{n}x{k} x{count}: fused {r['fused_ms']:.3f} plain "
                     f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}"
-                    + (f" fused coop {r['fused_coop_ms']:.3f}" if 'fused_coop_ms' in r else "")
+                    + (f" fused coop {r['fused_coop_ms']:.3f} plain tile {r['plain_tile_ms']:.3f}"
+                       if 'fused_coop_ms' in r else "")
                     + ("".join(f", {key} {r[f'{key}_j']:.4f} J" for key in VARIANTS if r.get(f"{key}_j"))))
     return rows
 
@@ -174,7 +205,8 @@ def print_launches(name: str, sel: list, unit: str, console: Console):
         for r in coop:
             console.print(f"  {r['launch']} {r['m']}x{r['n']}x{r['k']}: {r['tile']} {fmt.format(r[f'fused_{unit}'])}, "
                           f"cooperative {fmt.format(r[f'fused_coop_{unit}'])} "
-                          f"({r[f'fused_coop_{unit}'] / r[f'cublas_{unit}']:.3f} of cuBLAS)")
+                          f"({r[f'fused_coop_{unit}'] / r[f'cublas_{unit}']:.3f} of cuBLAS); plain on "
+                          f"{r['tile']} {r[f'plain_tile_{unit}'] / r[f'cublas_{unit}']:.3f} of cuBLAS")
         console.print(f"{name}: each ping-pong tree on the faster of its tile and the cooperative one: "
                       f"{best:.2f}{u} (/ cuBLAS {best / tot['cublas']:.3f})")
 
@@ -188,10 +220,17 @@ def main(argv=None):
                     help="also each ping-pong tree on the cooperative 128 x 256 tile (module docstring)")
     ap.add_argument("--energy", action="store_true", help="also each launch's joules per call (module docstring)")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--once", action="store_true", help="no timing: each variant once in an NVTX range (ncu)")
+    ap.add_argument("--only", nargs="+", default=[], metavar="OP",
+                    help="--once: the launches of these ops (e.g. coda.norm_swiglu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_step_gemms needs a CUDA GPU")
     console = Console(width=180)
+    if args.once:
+        for name in args.configs:
+            profile_config(name, args.layers, args.only, console)
+        return
     rows = []
     for name in args.configs:
         rows += time_config(name, args.layers, args.rounds, console, args.energy, args.cooperative)

@@ -128,6 +128,17 @@
 #             then ncu's DRAM bytes and cycles of each launch
 #   cluster22-mlp  runner.FP8_PINGPONG_2X2 in the FP8 MLP: its GPU test (2x2 bit for bit the 2x1
 #             op), then bench_fp8.py --fast-accum all --profile (its "..., 2x2 clusters" row in turns)
+#   tree-tiles  the 8b step's bf16 trees on the card this call got (the heuristic's charges for a
+#             tree were fitted on the H200): each launch on ping-pong 128 x 128 2x1 and cooperative
+#             128 x 256 / 192 / 128 2x1 from cool and at the cap (exp_energy_tiles.py --fused), ncu
+#             of the LM head's and norm + SwiGLU's launches on both tiles, plain on each and
+#             cuBLAS (bench_step_gemms.py --once), then bench_step_gemms.py --cooperative (the
+#             plain GEMM on the ping-pong pick's own tile too)
+#   card-picks  the H100's card (dispatch.card_of): the block and training GPU tests, the 8b step's
+#             launches (bench_step_gemms.py), then the 8b step against its shadow with row-wise fast
+#             FP8 beside it (bench_train.py, no compile, no Liger)
+#   tree-tiles-more  the same four tiles from cool and at the cap on the 1b step's bf16 trees, the
+#             8b step's row-wise fast FP8 trees, and the 3b step's bf16 trees (exp_energy_tiles.py --fused)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -398,6 +409,35 @@ stage_tree_ncu() {
     ncu_pages tree-ncu 60 90
 }
 
+stage_tree_tiles() {
+    step tree-tiles-cap 240 python3 scripts/exp_energy_tiles.py --fused --configs 8b --rounds 4 --run-ms 250 \
+        --only "pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1" --json "$OUT/tree-tiles-cap.json"
+    step tree-tiles-ncu 150 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,dram__bytes_write.sum \
+        python3 scripts/bench_step_gemms.py --configs 8b --once --only coda.lm_head_ce coda.norm_swiglu
+    step tree-tiles-time 200 python3 scripts/bench_step_gemms.py --configs 8b --cooperative --rounds 5 \
+        --json "$OUT/tree-tiles-time.json"
+}
+
+stage_card_picks() {
+    step card-picks-tests 300 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" \
+        tests/test_coda_block_gpu.py tests/test_train_gpu.py
+    step card-picks-gemms 90 python3 scripts/bench_step_gemms.py --configs 8b --rounds 5 --json "$OUT/card-picks-gemms.json"
+    step card-picks-train 400 python3 scripts/bench_train.py --configs 8b --no-compile --no-liger --rounds 5 \
+        --fp8-row-fast all --json "$OUT/card-picks-train.json"
+}
+
+stage_tree_tiles_more() {
+    local only=("pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1")
+    step tree-tiles-1b 170 python3 scripts/exp_energy_tiles.py --fused --configs 1b --rounds 4 --run-ms 250 \
+        --only "${only[@]}" --json "$OUT/tree-tiles-1b.json"
+    step tree-tiles-fp8 200 python3 scripts/exp_energy_tiles.py --fused --fp8 --configs 8b --rounds 4 --run-ms 250 \
+        --only "${only[@]}" --json "$OUT/tree-tiles-fp8.json"
+    step tree-tiles-3b 200 python3 scripts/exp_energy_tiles.py --fused --configs 3b --rounds 4 --run-ms 250 \
+        --only "${only[@]}" --json "$OUT/tree-tiles-3b.json"
+}
+
 stage_drift() {
     step drift-time 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --only gate_up.fwd down.dgrad \
         --variants ours split --split 2 4 8
@@ -534,6 +574,9 @@ for s in "$@"; do
         active-ncu) stage_active_ncu ;;
         drift) stage_drift ;;
         cluster22-mlp) stage_cluster22_mlp ;;
+        tree-tiles) stage_tree_tiles ;;
+        card-picks) stage_card_picks ;;
+        tree-tiles-more) stage_tree_tiles_more ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

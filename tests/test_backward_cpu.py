@@ -350,7 +350,7 @@ def test_reference_ops_compile_no_kernel(case, monkeypatch):
     def no_build(*a, **k):
         raise AssertionError("the CPU reference path asked a kernel build about spills")
     monkeypatch.setattr(runner, "spills", no_build)
-    rmsnorm.tile_n_of.cache_clear()
+    rmsnorm._tile_n_on.cache_clear()
     name, args, _ = case
     with coda_cute.reference_on_cpu():
         getattr(torch.ops.coda, base(name))(*args)

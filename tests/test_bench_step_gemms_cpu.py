@@ -58,15 +58,15 @@ def test_layout_names_the_training_layouts(sg):
 
 def test_report_with_cooperative_takes_the_faster_tile_per_launch(sg):
     rows = _rows(False)
-    rows[0]["fused_coop_ms"] = 3.2  # slower on the cooperative tile: the pick's 3.0 counts
-    rows[1]["fused_coop_ms"] = 6.0  # faster: 4 x 6.0 instead of 4 x 6.5
+    rows[0].update(fused_coop_ms=3.2, plain_tile_ms=2.8)  # slower on the cooperative tile: the pick's 3.0 counts
+    rows[1].update(fused_coop_ms=6.0, plain_tile_ms=6.72)  # faster: 4 x 6.0 instead of 4 x 6.5
     console = Console(record=True, width=220)
     sg.report(rows, console)
     text = console.export_text()
     assert "sum over the step's launches: fused 32.00 ms" in text
     # 2 x 3.0 + 4 x 6.0 = 30.0 ms, over cuBLAS's 31.4
     assert "each ping-pong tree on the faster of its tile and the cooperative one: 30.00 ms (/ cuBLAS 0.955)" in text
-    assert "cooperative 6.000 (0.938 of cuBLAS)" in text
+    assert "cooperative 6.000 (0.938 of cuBLAS); plain on pingpong 128x128 1.050 of cuBLAS" in text
 
 
 def test_cooperative_plan_only_for_bf16_ping_pong_picks(sg):

@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 import torch
 
+from coda_cute import dispatch
 from coda_cute import reference as R
 from coda_cute.epilogue.runner import choose_config
 from coda_cute.nn import CodaLlama, LlamaConfig, embedding_norm_stats
@@ -740,14 +741,15 @@ def test_small_model_trains():
 def test_lm_head_config_choices_do_not_spill():
     """The training LM head's GEMMs at the benchmark's chunk shapes (4096 rows, d 2048 and 4096):
     the exp-form logits tree on its fixed config and the dgrad tree on the runner's pick build
-    without spills for this device's SM count."""
+    without spills for this device's SM count and card."""
     from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    card = dispatch.card_of(torch.device("cuda", 0))
     for d in (2048, 4096):
         for tree, cfg, majors in ((LH.exp_logits_tree(), LH.EXP_CONFIG, "kk"),
                                   (LH.exp_dgrad_tree(True), choose_config(LH.exp_dgrad_tree(True), 4096, d, 128256,
-                                                                          1, False, False, sms), "kn")):
+                                                                          1, False, False, sms, card=card), "kn")):
             spec = KernelSpec.of("bfloat16", "bfloat16", *majors, cfg, tree, "sm_90a", sms)
             assert spill_bytes(get_gemm(spec)) == 0, (d, cfg)
 

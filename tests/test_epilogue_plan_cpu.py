@@ -8,7 +8,7 @@ from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
 from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, COOP_TREE_K,
-                                       COOP_WIDE_TILE_INPUT_COST_FP8, _epilogue_factor, choose_config,
+                                       COOP_WIDE_TILE_INPUT_COST, _epilogue_factor, choose_config,
                                        computes, ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
@@ -195,6 +195,66 @@ def test_heuristic_charges_cooperative_configs_for_tree_work_and_tile_inputs():
     assert ranked_configs(res, 4096, 4096, 128256, 1, False, False, 132)[0] == COOP
 
 
+def test_h100_picks_cooperative_for_every_bf16_tree_but_the_wide_tile_input():
+    """On an H100's card (``dispatch.card_of``) 16-bit ping-pong tiles run at PINGPONG_16_SCALE of
+    their H200 rate: at the 8b step's shapes the trees the H200 keeps on ping-pong (norm + SwiGLU,
+    norm + RoPE + QKV, the residual at K = 4096, the norm backward at K = 6144, the LM head's
+    weight-gradient chunks) go cooperative 128 x 256, where they ran 3-25 % faster at the H100's
+    cap; the SwiGLU backward's double-width z keeps it on ping-pong; FP8 picks do not change."""
+    from coda_cute.ops.lm_head_ce import accumulate_tree, finish_dw_tree
+    from coda_cute.ops.rmsnorm import norm_backward_tree
+    from coda_cute.ops.swiglu import swiglu_backward_tree
+
+    assert 0 < dispatch.PINGPONG_16_SCALE["h100"] < 1
+    moved = [(norm_swiglu_tree(), 16384, 28672, 4096), (norm_rope_qkv_tree(4096, 128, False), 16384, 6144, 4096),
+             (residual_norm_stats_tree(), 16384, 4096, 4096), (norm_backward_tree(True), 16384, 4096, 6144),
+             (accumulate_tree("bfloat16"), 128256, 4096, 4096), (finish_dw_tree("bfloat16"), 128256, 4096, 4096)]
+    for tree, m, n, k in moved:
+        assert ranked_configs(tree, m, n, k, 1, False, False, 132)[0] == PP
+        assert ranked_configs(tree, m, n, k, 1, False, False, 132, card="h100")[0] == COOP
+    swiglu = swiglu_backward_tree()
+    for card in ("h200", "h100"):
+        assert ranked_configs(swiglu, 16384, 14336, 4096, 1, False, False, 132, card=card)[0] == PP
+    fp8 = [ranked_configs(t, m, n, k, 1, True, True, 132, card=card)[0] for t, m, n, k in moved[:3]
+           for card in ("h200", "h100")]
+    assert fp8[0::2] == fp8[1::2]
+
+
+def test_card_of_reads_the_device_name(monkeypatch):
+    """H100 and H800 names take the H100's card; an H200, another name, a CPU device and a CUDA
+    device whose properties cannot be read (fake tensors without a GPU) the default."""
+    import torch
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA H800", 3: "NVIDIA H100 PCIe"}
+
+    def props(index):
+        if index not in names:
+            raise RuntimeError("no such device")
+        return (9, 0), 132, names[index]
+    monkeypatch.setattr(dispatch, "_device_props", props)
+    assert [dispatch.card_of(torch.device("cuda", i)) for i in range(5)] == ["h100", "h200", "h100", "h100", "h200"]
+    assert dispatch.card_of(torch.device("cpu")) == dispatch.card_of("cpu") == dispatch.DEFAULT_CARD == "h200"
+
+
+def test_fake_path_sizes_partials_by_the_card(monkeypatch):
+    """The tile width the fake implementations size per-tile partials by (``rmsnorm.tile_n_of``)
+    follows the device's card, as the launch's config does: the residual tree's norm-statistics
+    partials at 16384 x 4096 x 4096 are 128 columns on the H200 (ping-pong) and 256 on an H100."""
+    import torch
+
+    from coda_cute.ops import rmsnorm
+
+    monkeypatch.setattr(runner, "spills", lambda *a, **k: False)  # no build asked on the CPU
+    rmsnorm._tile_n_on.cache_clear()
+    cuda = torch.device("cuda", 0)
+    widths = {}
+    for card in ("h200", "h100"):
+        monkeypatch.setattr(dispatch, "card_of", lambda device, card=card: card)
+        widths[card] = rmsnorm.tile_n_of(residual_norm_stats_tree(), 16384, 4096, 4096, cuda)
+    rmsnorm._tile_n_on.cache_clear()
+    assert widths == {"h200": 128, "h100": 256}
+
+
 def test_computes_tells_a_scaled_store_from_a_tree_that_computes():
     """The plain GEMM's trees (any scale modes and output dtype) and a store scaled by an
     RMSNorm's r (row-uniform, however it is computed) do not compute; a sum with a tile or a
@@ -221,17 +281,17 @@ def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block
     """On the FP8 kernels (block-scaled, and the plain one the row-wise recipe's trees run on) a
     double-width tile input (the SwiGLU backward's z) costs a cooperative config its measured
     extra and moves the tree to ping-pong 64 x 128; the trees with plain tile inputs (the
-    residual, the norm backward) stay cooperative, where they ran faster; the bf16 factors do not
-    change."""
+    residual, the norm backward) stay cooperative, where they ran faster; the bf16 kernels pay the
+    same share for it, in place of a plain tile input's depth."""
     from coda_cute.ops.fp8_gemms import row_scaled
     from coda_cute.ops.rmsnorm import norm_backward_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree
 
     coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
     swiglu = swiglu_backward_tree()
-    assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
+    assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST
     assert _epilogue_factor(swiglu, coop, d) == pytest.approx(
-        1.0 + (COOP_TREE_K + COOP_TILE_INPUT_K) / (d + dispatch.COOP_EPILOGUE_K))
+        1.0 + COOP_TREE_K / (d + dispatch.COOP_EPILOGUE_K) + COOP_WIDE_TILE_INPUT_COST)
     assert _epilogue_factor(norm_backward_tree(True), coop, 2 * f, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
     trees = (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
              ("residual", residual_norm_stats_tree(), (m, d, f)))
@@ -258,7 +318,7 @@ def test_fast_fp8_trees_take_the_16_bit_depths_and_the_wide_tile_its_factor():
     assert _epilogue_factor(norm, fast, 28672, True) == pytest.approx(1.0 + (COOP_TREE_K + 2 * COOP_TILE_INPUT_K) / depth)
     swiglu = row_scaled(swiglu_backward_tree())
     assert _epilogue_factor(swiglu, fast, 4096, True) == pytest.approx(
-        1.0 + COOP_TREE_K / (4096 + dispatch.COOP_EPILOGUE_K_FP8_FAST) + COOP_WIDE_TILE_INPUT_COST_FP8)
+        1.0 + COOP_TREE_K / (4096 + dispatch.COOP_EPILOGUE_K_FP8_FAST) + COOP_WIDE_TILE_INPUT_COST)
     assert _epilogue_factor(norm, fast.with_(schedule="pingpong", tile_n=128), 28672, True) == 1.0
 
     def pick(tree, m, n, k):

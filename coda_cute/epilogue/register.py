@@ -52,7 +52,8 @@ def register_op(name: str, tree: Epilogue, namespace: str = "coda"):
         # the launch's argument rules (inputs' shapes, dtypes and layouts too), then the outputs
         # of the config the launch will take (tracing must size per-tile partials as it does)
         m, n, k, batch, fp8, _ = check_launch(tree, a, b, bind(rest), qual)
-        cfg = config_on(a.device, tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device))
+        cfg = config_on(a.device, tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device),
+                        card=dispatch.card_of(a.device))
         res = [a.new_empty(shape, dtype=dtype)
                for _, shape, dtype, _ in output_shapes(tree, m, n, batch, a.dim() == 3, cfg)]
         return res[0] if n_out == 1 else tuple(res)

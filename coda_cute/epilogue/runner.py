@@ -94,26 +94,29 @@ def computes(tree: N.Epilogue) -> bool:
 #: cool, one GEMM at a time at K >= 4096, as their rates and epilogue depth (0) were. The fast-
 #: accumulation kernels take the 16-bit depths instead (:func:`_epilogue_factor`).
 COOP_TILE_INPUT_COST = 0.07
-#: The extra a double-width tile input costs on the FP8 kernels' cooperative configs, whose
-#: mainloop runs twice as fast. Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_
-#: trees.py``, in turns): the SwiGLU backward (a double-width z, heavy arithmetic) ran on
-#: cooperative 128x128 2x1 at 1.17x / 1.11x / 1.04x the time of ping-pong 64x128 2x1 (16384 x 8192
-#: x 2048 / 16384 x 14336 x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x
-#: its predicted time. Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST``
-#: ranks them: the residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at
-#: 0.77x (8b). The plain FP8 kernel with fast accumulation (the row-wise recipe's trees) takes it
-#: on top of its depths: at the cap its SwiGLU backward spent 1.36x ``_scaled_mm``'s joules on
-#: ping-pong 128 x 128 against 1.58-1.65x on cooperative tiles (:func:`_epilogue_factor`).
-COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
+#: The extra a double-width tile input costs a cooperative config, as a share of its time.
+#: Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_trees.py``, in
+#: turns): the SwiGLU backward (a double-width z, heavy arithmetic) ran on cooperative 128x128 2x1
+#: at 1.17x / 1.11x / 1.04x the time of ping-pong 64x128 2x1 (16384 x 8192 x 2048 / 16384 x 14336
+#: x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x its predicted time.
+#: Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST`` ranks them: the
+#: residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at 0.77x (8b). The
+#: plain FP8 kernel with fast accumulation (the row-wise recipe's trees) takes it on top of its
+#: depths: at the cap its SwiGLU backward spent 1.36x ``_scaled_mm``'s joules on ping-pong 128 x
+#: 128 against 1.58-1.65x on cooperative tiles. So do the 16-bit kernels, in place of a plain tile
+#: input's depth: on an H100 at the cap (``exp_energy_tiles.py --fused``, 2026-12-06) the bf16
+#: SwiGLU backward took 1.21x / 1.12x / 1.05x on cooperative 128 x 192 2x1 the time of ping-pong
+#: 128 x 128 2x1 (16384 x 8192 x 2048 / 3072, 16384 x 14336 x 4096), where H100 rates with a depth
+#: had it 6-11 % faster (on the H200's rates ping-pong wins either way).
+COOP_WIDE_TILE_INPUT_COST = 0.6
 
 
 def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
     """The tree's share of a cooperative config's time (1 for ping-pong). 16-bit and FP8 with fast
     accumulation: its depths over the plain tile's (``k`` + ``dispatch.coop_epilogue_k``):
-    ``COOP_TREE_K`` for a tree that computes, ``COOP_TILE_INPUT_K`` per tile input (on FP8 only
-    per plain one: a double-width one adds ``COOP_WIDE_TILE_INPUT_COST_FP8`` to the factor
-    instead). The promoted FP8 kernels: their tile inputs' factors (``COOP_TILE_INPUT_COST``,
-    ``COOP_WIDE_TILE_INPUT_COST_FP8``).
+    ``COOP_TREE_K`` for a tree that computes, ``COOP_TILE_INPUT_K`` per plain tile input, and a
+    double-width one adds ``COOP_WIDE_TILE_INPUT_COST`` to the factor. The promoted FP8 kernels:
+    their tile inputs' factors (``COOP_TILE_INPUT_COST``, ``COOP_WIDE_TILE_INPUT_COST``).
 
     The fast kernels' depths are the 16-bit ones, not fitted again: at the cap (8b step in the
     row-wise recipe with fast accumulation, ``scripts/exp_energy_tiles.py --fused --fp8``,
@@ -129,11 +132,9 @@ def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
     tiles = [i for i in tree.inputs if i.kind == "tile"]
     n_wide = sum(1 for i in tiles if i.wide)
     if fp8 and not cfg.fp8_fast_accum:
-        return 1.0 + n_wide * COOP_WIDE_TILE_INPUT_COST_FP8 + (len(tiles) - n_wide) * COOP_TILE_INPUT_COST
-    wide_factor = n_wide * COOP_WIDE_TILE_INPUT_COST_FP8 if fp8 else 0.0
-    depth_tiles = len(tiles) - (n_wide if fp8 else 0)
-    extra = COOP_TREE_K * computes(tree) + depth_tiles * COOP_TILE_INPUT_K
-    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + wide_factor
+        return 1.0 + n_wide * COOP_WIDE_TILE_INPUT_COST + (len(tiles) - n_wide) * COOP_TILE_INPUT_COST
+    extra = COOP_TREE_K * computes(tree) + (len(tiles) - n_wide) * COOP_TILE_INPUT_K
+    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + n_wide * COOP_WIDE_TILE_INPUT_COST
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
@@ -158,10 +159,10 @@ POLL_FULL = False
 
 
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
-                   b_rows: bool = False) -> list:
+                   b_rows: bool = False, card: str = dispatch.DEFAULT_CARD) -> list:
     """The configs whose shared memory the tree leaves room for, fastest first by the GEMM's
-    predicted time (``dispatch.predicted_time``), cooperative configs charged for the tree's work
-    (:func:`_epilogue_factor`); ``block_scaled``: those of
+    predicted time (``dispatch.predicted_time`` on ``card``'s rates), cooperative configs charged
+    for the tree's work (:func:`_epilogue_factor`); ``block_scaled``: those of
     :func:`dispatch.block_scaled_config_space`, ``b_rows`` on the weight-gradient form's rates."""
     space = dispatch.block_scaled_config_space(b_rows) if block_scaled else dispatch.config_space(fp8)
     if any(i.kind == "tile" for i in tree.inputs):  # a split tail's load warp cannot skip tile loads
@@ -170,7 +171,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
              and (not quantizes(tree) or quantize_config(c))]
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
-    return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows)
+    return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows, card)
                   * _epilogue_factor(tree, c, k, fp8))
 
 
@@ -185,14 +186,14 @@ def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled:
 
 
 def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
-                  b_rows: bool = False) -> GemmConfig:
+                  b_rows: bool = False, card: str = dispatch.DEFAULT_CARD) -> GemmConfig:
     """The heuristic's config for the tree: the first of :func:`ranked_configs` whose build does
     not spill (among the first ``SPILL_CHECKS``), else the first. Spills follow no register count
     the heuristic could predict (an accumulator plus a few values per row spills on some tile
     shapes and not on larger ones), so the builds themselves are asked. Deterministic for a given
-    build of the kernels, which the fake implementations rely on: they call this to size per-tile
-    outputs."""
-    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
+    build of the kernels and card (``dispatch.card_of``), which the fake implementations rely on:
+    they call this to size per-tile outputs."""
+    ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows, card)
     pick = next((c for c in ranked[:SPILL_CHECKS] if not spills(tree, c, fp8, sms, block_scaled, b_rows)), None)
     pick = ranked[0] if pick is None else _two_by_two(tree, pick, fp8, fast_accum, sms)
     return pick.with_(poll_full=True) if POLL_FULL else pick
@@ -209,15 +210,16 @@ def _two_by_two(tree, cfg: GemmConfig, fp8: bool, fast_accum: bool, sms: int) ->
 
 
 def config_on(device, tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
-              b_rows: bool = False) -> GemmConfig:
-    """The config whose tile sizes an op's outputs take on ``device``: :func:`choose_config` for
-    CUDA tensors, real or fake (tracing must size per-tile partials exactly as the launch will);
+              b_rows: bool = False, card: str = dispatch.DEFAULT_CARD) -> GemmConfig:
+    """The config whose tile sizes an op's outputs take on ``device`` (a ``card``,
+    ``dispatch.card_of``): :func:`choose_config` for CUDA tensors, real or fake (tracing must size
+    per-tile partials exactly as the launch will);
     on the CPU reference path, which runs no kernel, the first of :func:`ranked_configs`, so
     that no build is compiled to ask ptxas about spills (about 2 s per op and process on a
     machine without a GPU). The two differ only where that first candidate spills."""
     if getattr(device, "type", device) == "cpu":
-        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)[0]
-    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows)
+        return ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows, card)[0]
+    return choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows, card)
 
 
 class Plan:
@@ -413,7 +415,8 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
     plan.batched = batched
     sms = dispatch.num_sms(a.device)
     if config is None:
-        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked, b_rows)
+        config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked, b_rows,
+                               dispatch.card_of(a.device))
     elif fp8 and use_fast_accum != config.fp8_fast_accum:
         config = config.with_(fp8_fast_accum=use_fast_accum)
     if not fp8:

@@ -78,7 +78,6 @@ FLASH, CUDNN = 1, 3
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _backend_for(head_dim: int, groups: int, deterministic: bool, flags: tuple = ()) -> int:
     """The backend ``scaled_dot_product_attention`` picks for causal bf16 attention with this
     head_dim and GQA group size on the current GPU (cuDNN on an H200 with torch 2.11: 0.64 ms

@@ -167,8 +167,7 @@ def residual_stats_tiles(m: int, d: int, k: int, device, row: bool = False, fast
     ``row`` the plain FP8 kernel's (``fast``: with fast accumulation) (the fake implementations
     size their ``ss`` output by it)."""
     tree = row_scaled(residual_norm_stats_tree()) if row else residual_norm_stats_tree()
-    sms = dispatch.num_sms_or_default(device)
-    return -(-d // tile_n_of(tree, m, d, k, sms, device.type, block_scaled=not row, fp8=True, fast_accum=fast))
+    return -(-d // tile_n_of(tree, m, d, k, device, block_scaled=not row, fp8=True, fast_accum=fast))
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,

@@ -52,8 +52,7 @@ def stats_tile_n(a, w) -> int:
     """The column-tile width of the ss partials: that of the config the runner will pick. The
     heuristic depends on (M, N, K), so symbolic shapes are specialized here (int())."""
     (m, k), n = a.shape, w.shape[0]
-    return tile_n_of(residual_norm_stats_tree(), int(m), int(n), int(k), dispatch.num_sms_or_default(a.device),
-                     a.device.type)
+    return tile_n_of(residual_norm_stats_tree(), int(m), int(n), int(k), a.device)
 
 
 def residual_impl(a, w, residual):

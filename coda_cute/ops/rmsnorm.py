@@ -45,14 +45,20 @@ def rstd_node():
     return E.rsqrt(E.row_sum("ss") * E.scalar("inv_d") + E.scalar("eps"))
 
 
+def tile_n_of(tree: E.Epilogue, m: int, n: int, k: int, device, block_scaled: bool = False, fp8: bool = False,
+              fast_accum: bool = False) -> int:
+    """The tile width of the config the runner picks for ``tree`` at (M, N, K) on ``device``
+    (``config_on``; ``block_scaled``: the block-scaled FP8 GEMM's, ``fp8``: the plain FP8 GEMM's,
+    ``fast_accum`` with fast accumulation): the width of its row-reduction partials (which the
+    fake implementations must size)."""
+    return _tile_n_on(tree, m, n, k, dispatch.num_sms_or_default(device), device.type, dispatch.card_of(device),
+                      block_scaled, fp8, fast_accum)
+
+
 @functools.lru_cache(maxsize=1024)
-def tile_n_of(tree: E.Epilogue, m: int, n: int, k: int, sms: int, device_type: str = "cuda",
-              block_scaled: bool = False, fp8: bool = False, fast_accum: bool = False) -> int:
-    """The tile width of the config the runner picks for ``tree`` at (M, N, K) on a device of
-    ``device_type`` (``config_on``; ``block_scaled``: the block-scaled FP8 GEMM's, ``fp8``: the
-    plain FP8 GEMM's, ``fast_accum`` with fast accumulation): the width of its row-reduction
-    partials (which the fake implementations must size)."""
-    return config_on(device_type, tree, m, n, k, 1, block_scaled or fp8, fast_accum, sms, block_scaled).tile_n
+def _tile_n_on(tree, m, n, k, sms, device_type, card, block_scaled, fp8, fast_accum) -> int:
+    return config_on(device_type, tree, m, n, k, 1, block_scaled or fp8, fast_accum, sms, block_scaled,
+                     card=card).tile_n
 
 
 def norm_inputs(d: int, ss, eps: float) -> dict:

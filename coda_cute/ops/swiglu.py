@@ -175,7 +175,7 @@ def swiglu_backward(dy: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor, ss:
 def zdz_tile_n(dy, w_down) -> int:
     """The column-tile width of the zdz partials: that of the config the runner picks."""
     m, f, d = int(dy.shape[0]), int(w_down.shape[1]), int(w_down.shape[0])
-    return tile_n_of(swiglu_backward_tree(), m, f, d, dispatch.num_sms_or_default(dy.device), dy.device.type)
+    return tile_n_of(swiglu_backward_tree(), m, f, d, dy.device)
 
 
 @swiglu_backward.register_fake
