@@ -8,7 +8,7 @@ from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.epilogue import runner
 from coda_cute.epilogue.runner import (COOP_TILE_INPUT_COST, COOP_TILE_INPUT_K, COOP_TREE_K,
-                                       COOP_WIDE_TILE_INPUT_COST, _epilogue_factor, choose_config,
+                                       COOP_WIDE_TILE_INPUT_COST_FP8, _epilogue_factor, choose_config,
                                        computes, ranked_configs, spills, tree_smem_bytes)
 from coda_cute.kernels.common.config import GemmConfig, pipeline_stages
 from coda_cute.kernels.epilogue.codegen import assumed_walk, lookups_ahead, tile_uniform_split
@@ -200,7 +200,8 @@ def test_h100_picks_cooperative_for_every_bf16_tree_but_the_wide_tile_input():
     their H200 rate: at the 8b step's shapes the trees the H200 keeps on ping-pong (norm + SwiGLU,
     norm + RoPE + QKV, the residual at K = 4096, the norm backward at K = 6144, the LM head's
     weight-gradient chunks) go cooperative 128 x 256, where they ran 3-25 % faster at the H100's
-    cap; the SwiGLU backward's double-width z keeps it on ping-pong; FP8 picks do not change."""
+    cap; the SwiGLU backward's double-width z keeps it on ping-pong at the 1b, 3b and 8b steps'
+    shapes (``runner.COOP_WIDE_TILE_INPUT_K_16``); FP8 picks do not change."""
     from coda_cute.ops.lm_head_ce import accumulate_tree, finish_dw_tree
     from coda_cute.ops.rmsnorm import norm_backward_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree
@@ -214,7 +215,8 @@ def test_h100_picks_cooperative_for_every_bf16_tree_but_the_wide_tile_input():
         assert ranked_configs(tree, m, n, k, 1, False, False, 132, card="h100")[0] == COOP
     swiglu = swiglu_backward_tree()
     for card in ("h200", "h100"):
-        assert ranked_configs(swiglu, 16384, 14336, 4096, 1, False, False, 132, card=card)[0] == PP
+        for f, d in ((8192, 2048), (8192, 3072), (14336, 4096)):
+            assert ranked_configs(swiglu, 16384, f, d, 1, False, False, 132, card=card)[0] == PP
     fp8 = [ranked_configs(t, m, n, k, 1, True, True, 132, card=card)[0] for t, m, n, k in moved[:3]
            for card in ("h200", "h100")]
     assert fp8[0::2] == fp8[1::2]
@@ -281,17 +283,19 @@ def test_fp8_heuristic_puts_only_the_wide_tile_input_on_ping_pong(m, d, f, block
     """On the FP8 kernels (block-scaled, and the plain one the row-wise recipe's trees run on) a
     double-width tile input (the SwiGLU backward's z) costs a cooperative config its measured
     extra and moves the tree to ping-pong 64 x 128; the trees with plain tile inputs (the
-    residual, the norm backward) stay cooperative, where they ran faster; the bf16 kernels pay the
-    same share for it, in place of a plain tile input's depth."""
+    residual, the norm backward) stay cooperative, where they ran faster; the bf16 factors take
+    it as a depth, a plain tile input's on the H200's card and its own on an H100's."""
     from coda_cute.ops.fp8_gemms import row_scaled
     from coda_cute.ops.rmsnorm import norm_backward_tree
     from coda_cute.ops.swiglu import swiglu_backward_tree
 
     coop = GemmConfig(128, 128, 128, "cooperative", 2, 1)
     swiglu = swiglu_backward_tree()
-    assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST
+    assert _epilogue_factor(swiglu, coop, d, True) == 1.0 + COOP_WIDE_TILE_INPUT_COST_FP8
     assert _epilogue_factor(swiglu, coop, d) == pytest.approx(
-        1.0 + COOP_TREE_K / (d + dispatch.COOP_EPILOGUE_K) + COOP_WIDE_TILE_INPUT_COST)
+        1.0 + (COOP_TREE_K + COOP_TILE_INPUT_K) / (d + dispatch.COOP_EPILOGUE_K))
+    assert _epilogue_factor(swiglu, coop, d, card="h100") == pytest.approx(
+        1.0 + (COOP_TREE_K + runner.COOP_WIDE_TILE_INPUT_K_16["h100"]) / (d + dispatch.COOP_EPILOGUE_K))
     assert _epilogue_factor(norm_backward_tree(True), coop, 2 * f, True) == 1.0 + 2 * COOP_TILE_INPUT_COST
     trees = (("swiglu", swiglu, (m, f, d)), ("norm", norm_backward_tree(True), (m, d, 2 * f)),
              ("residual", residual_norm_stats_tree(), (m, d, f)))
@@ -318,7 +322,7 @@ def test_fast_fp8_trees_take_the_16_bit_depths_and_the_wide_tile_its_factor():
     assert _epilogue_factor(norm, fast, 28672, True) == pytest.approx(1.0 + (COOP_TREE_K + 2 * COOP_TILE_INPUT_K) / depth)
     swiglu = row_scaled(swiglu_backward_tree())
     assert _epilogue_factor(swiglu, fast, 4096, True) == pytest.approx(
-        1.0 + COOP_TREE_K / (4096 + dispatch.COOP_EPILOGUE_K_FP8_FAST) + COOP_WIDE_TILE_INPUT_COST)
+        1.0 + COOP_TREE_K / (4096 + dispatch.COOP_EPILOGUE_K_FP8_FAST) + COOP_WIDE_TILE_INPUT_COST_FP8)
     assert _epilogue_factor(norm, fast.with_(schedule="pingpong", tile_n=128), 28672, True) == 1.0
 
     def pick(tree, m, n, k):

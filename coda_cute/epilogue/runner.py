@@ -94,29 +94,36 @@ def computes(tree: N.Epilogue) -> bool:
 #: cool, one GEMM at a time at K >= 4096, as their rates and epilogue depth (0) were. The fast-
 #: accumulation kernels take the 16-bit depths instead (:func:`_epilogue_factor`).
 COOP_TILE_INPUT_COST = 0.07
-#: The extra a double-width tile input costs a cooperative config, as a share of its time.
-#: Measured on the block-scaled kernel on the H200 (``scripts/exp_block_scaled_trees.py``, in
-#: turns): the SwiGLU backward (a double-width z, heavy arithmetic) ran on cooperative 128x128 2x1
-#: at 1.17x / 1.11x / 1.04x the time of ping-pong 64x128 2x1 (16384 x 8192 x 2048 / 16384 x 14336
-#: x 4096 / 8192 x 28672 x 8192), whose plain rate is 1.47x lower: 1.53-1.71x its predicted time.
-#: Trees with plain tile inputs stay on cooperative, as ``COOP_TILE_INPUT_COST`` ranks them: the
-#: residual tree ran there at 0.73-0.77x ping-pong's time, the norm backward at 0.77x (8b). The
-#: plain FP8 kernel with fast accumulation (the row-wise recipe's trees) takes it on top of its
-#: depths: at the cap its SwiGLU backward spent 1.36x ``_scaled_mm``'s joules on ping-pong 128 x
-#: 128 against 1.58-1.65x on cooperative tiles. So do the 16-bit kernels, in place of a plain tile
-#: input's depth: on an H100 at the cap (``exp_energy_tiles.py --fused``, 2026-12-06) the bf16
-#: SwiGLU backward took 1.21x / 1.12x / 1.05x on cooperative 128 x 192 2x1 the time of ping-pong
-#: 128 x 128 2x1 (16384 x 8192 x 2048 / 3072, 16384 x 14336 x 4096), where H100 rates with a depth
-#: had it 6-11 % faster (on the H200's rates ping-pong wins either way).
-COOP_WIDE_TILE_INPUT_COST = 0.6
+#: The extra a double-width tile input costs the FP8 kernels' cooperative configs, whose
+#: mainloop runs twice as fast, as a share of their time. Measured on the block-scaled kernel on
+#: the H200 (``scripts/exp_block_scaled_trees.py``, in turns): the SwiGLU backward (a double-width
+#: z, heavy arithmetic) ran on cooperative 128x128 2x1 at 1.17x / 1.11x / 1.04x the time of
+#: ping-pong 64x128 2x1 (16384 x 8192 x 2048 / 16384 x 14336 x 4096 / 8192 x 28672 x 8192), whose
+#: plain rate is 1.47x lower: 1.53-1.71x its predicted time. Trees with plain tile inputs stay on
+#: cooperative, as ``COOP_TILE_INPUT_COST`` ranks them: the residual tree ran there at 0.73-0.77x
+#: ping-pong's time, the norm backward at 0.77x (8b). The plain FP8 kernel with fast accumulation
+#: (the row-wise recipe's trees) takes it on top of its depths: at the cap its SwiGLU backward
+#: spent 1.36x ``_scaled_mm``'s joules on ping-pong 128 x 128 against 1.58-1.65x on cooperative
+#: tiles (:func:`_epilogue_factor`).
+COOP_WIDE_TILE_INPUT_COST_FP8 = 0.6
+#: The depth (elements of K) a double-width tile input adds to a 16-bit cooperative tile, by card
+#: (``dispatch.card_of``); cards not named take ``COOP_TILE_INPUT_K``, as any tile input. On an H100
+#: at the cap (``scripts/exp_energy_tiles.py --fused``, 2026-12-06) the bf16 SwiGLU backward took
+#: 1.21x / 1.12x / 1.05x on cooperative 128 x 192 2x1 the time of ping-pong 128 x 128 2x1 at
+#: 16384 x 8192 x 2048 / 16384 x 8192 x 3072 / 16384 x 14336 x 4096: with that card's rates, a depth
+#: of 1140-1430 in all, falling as K grows (a cost per tile, not a share of the k-loop), of which
+#: the tree and its epilogue hold 350. With 950 the 1b, 3b and 8b steps' picks keep it on ping-pong.
+COOP_WIDE_TILE_INPUT_K_16 = {"h100": 950}
 
 
-def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
+def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False,
+                     card: str = dispatch.DEFAULT_CARD) -> float:
     """The tree's share of a cooperative config's time (1 for ping-pong). 16-bit and FP8 with fast
     accumulation: its depths over the plain tile's (``k`` + ``dispatch.coop_epilogue_k``):
-    ``COOP_TREE_K`` for a tree that computes, ``COOP_TILE_INPUT_K`` per plain tile input, and a
-    double-width one adds ``COOP_WIDE_TILE_INPUT_COST`` to the factor. The promoted FP8 kernels:
-    their tile inputs' factors (``COOP_TILE_INPUT_COST``, ``COOP_WIDE_TILE_INPUT_COST``).
+    ``COOP_TREE_K`` for a tree that computes, ``COOP_TILE_INPUT_K`` per plain tile input; a
+    double-width one adds ``COOP_WIDE_TILE_INPUT_K_16`` on ``card`` (16-bit) or
+    ``COOP_WIDE_TILE_INPUT_COST_FP8`` to the factor (FP8). The promoted FP8 kernels: their tile
+    inputs' factors (``COOP_TILE_INPUT_COST``, ``COOP_WIDE_TILE_INPUT_COST_FP8``).
 
     The fast kernels' depths are the 16-bit ones, not fitted again: at the cap (8b step in the
     row-wise recipe with fast accumulation, ``scripts/exp_energy_tiles.py --fused --fp8``,
@@ -132,9 +139,11 @@ def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False) -> float:
     tiles = [i for i in tree.inputs if i.kind == "tile"]
     n_wide = sum(1 for i in tiles if i.wide)
     if fp8 and not cfg.fp8_fast_accum:
-        return 1.0 + n_wide * COOP_WIDE_TILE_INPUT_COST + (len(tiles) - n_wide) * COOP_TILE_INPUT_COST
-    extra = COOP_TREE_K * computes(tree) + (len(tiles) - n_wide) * COOP_TILE_INPUT_K
-    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + n_wide * COOP_WIDE_TILE_INPUT_COST
+        return 1.0 + n_wide * COOP_WIDE_TILE_INPUT_COST_FP8 + (len(tiles) - n_wide) * COOP_TILE_INPUT_COST
+    wide_k, wide_share = (0, COOP_WIDE_TILE_INPUT_COST_FP8) if fp8 else \
+        (COOP_WIDE_TILE_INPUT_K_16.get(card, COOP_TILE_INPUT_K), 0.0)
+    extra = COOP_TREE_K * computes(tree) + (len(tiles) - n_wide) * COOP_TILE_INPUT_K + n_wide * wide_k
+    return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + n_wide * wide_share
 
 
 #: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
@@ -172,7 +181,7 @@ def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: boo
     if not cands:
         raise N.EpilogueError(f"{tree!r}: no GEMM config leaves room for this epilogue's shared memory")
     return sorted(cands, key=lambda c: dispatch.predicted_time(c, m, n, k, batch, sms, fp8, b_rows, card)
-                  * _epilogue_factor(tree, c, k, fp8))
+                  * _epilogue_factor(tree, c, k, fp8, card))
 
 
 def spills(tree: N.Epilogue, cfg: GemmConfig, fp8: bool, sms: int, block_scaled: bool = False,
