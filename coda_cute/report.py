@@ -10,6 +10,8 @@ Kernel families compiled (no GPU needed):
     ``kn`` (dY @ W, dgrad), ``mn`` (dY.T @ X, wgrad) and ``mk``;
   * ``coda``     - the fused CODA block ops (``torch.ops.coda.*``): each op's epilogue tree on the
     config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T);
+  * ``coda_h100`` - those whose pick differs on an H100 (``dispatch.card_of``: its 16-bit ping-pong
+    rates are lower), on that card's config;
   * ``coda_fp8`` - the FP8 sublayers' block-scaled kernels (``coda.attention_block_fp8``,
     ``coda.mlp_block_fp8``) and the FP8 LM head's (``coda.lm_head_ce_train_fp8``): forward, dgrad
     (W's FP8 transpose) and the wgrad form, E4M3, each on the block-scaled config its heuristic
@@ -70,6 +72,7 @@ FAMILIES = {
     "fp8": "fp8 e4m3 x @ W.T: A and B K-major, row-wise fp32 scales, bf16 out",
     "training": "bf16 training layouts (A major, B major): kn = dY @ W (dgrad), mn = dY.T @ X (wgrad), mk",
     "coda": "CODA block ops, bf16 x @ W.T, each at its Llama-3-8B layer (16384 tokens) on the heuristic's config",
+    "coda_h100": "the CODA block ops whose config differs on an H100 (dispatch.card_of), on that card's pick",
     "coda_fp8": "FP8 sublayer ops, block-scaled e4m3 (1 x 128 activations, 128 x 128 weights; wgrad 1 x 128 both), "
                 "each at its Llama-3-8B layer",
     "coda_fp8_row": "FP8 sublayer ops, row-wise recipe (one scale per row along K, applied to the accumulator), "
@@ -102,15 +105,19 @@ def kernel_specs(configs: str = "all") -> list[tuple[str, GemmSpec | KernelSpec]
     cfg = default_config(False)
     out += [("training", GemmSpec("bfloat16", "bfloat16", "bfloat16", am, bm, cfg, arch=ARCH))
             for am, bm in TRAINING_LAYOUTS]
-    return (out + [("coda", spec) for spec in coda_op_specs()] + [("coda_fp8", s) for s in coda_fp8_specs()]
+    coda = coda_op_specs()
+    h100 = [s for s, h200 in zip(coda_op_specs(card="h100"), coda) if s.config != h200.config]
+    return (out + [("coda", spec) for spec in coda] + [("coda_h100", spec) for spec in h100]
+            + [("coda_fp8", s) for s in coda_fp8_specs()]
             + [("coda_fp8_row", s) for s in coda_fp8_specs(row=True)]
             + [("coda_fp8_row_fast", s) for s in coda_fp8_specs(row=True, fast=True)])
 
 
-def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
+def coda_op_specs(model: str = "llama3-8b", sms: int = 132, card: str = dispatch.DEFAULT_CARD) -> list[KernelSpec]:
     """One kernel per CODA op's GEMM (labelled with the op), forward and backward: its tree on
-    the config the op's heuristic picks at the ``model`` layer it fuses into, with the operand
-    majors it runs with (dgrad ``dY @ W``: B n-major; wgrad ``dY.T @ X``: A m-major)."""
+    the config the op's heuristic picks on ``card`` (``dispatch.card_of``) at the ``model`` layer
+    it fuses into, with the operand majors it runs with (dgrad ``dY @ W``: B n-major; wgrad
+    ``dY.T @ X``: A m-major)."""
     from .ops import lm_head_ce as lm
     from .ops import proj, qkv, residual, rmsnorm, swiglu
     from .sol.shapes import LLAMA3, llama_block
@@ -139,7 +146,7 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132) -> list[KernelSpec]:
            ("lm_head_ce_train.dw", lm.accumulate_tree("bfloat16"), (c.vocab, c.d, fwd["lm_head"][0]), "mn"))
     fixed = {"lm_head_ce_train.logits": lm.EXP_CONFIG}  # its tile is the exp form's tile
     return [KernelSpec.of("bfloat16", "bfloat16", majors[0], majors[1],
-                          fixed.get(op) or choose_config(tree, *mnk, 1, False, False, sms), tree, ARCH, sms,
+                          fixed.get(op) or choose_config(tree, *mnk, 1, False, False, sms, card=card), tree, ARCH, sms,
                           label=op)
             for op, tree, mnk, majors in ops]
 

@@ -57,6 +57,13 @@ def test_spec_list_covers_the_config_spaces():
         "swiglu_backward", "norm_backward.gate_up", "norm_backward.qkv", "norm_backward.lm_head",
         "lm_head_ce_train.dgrad", "lm_head_ce_train.dw"]
     # the backward GEMMs run in the layouts their operands arrive in: dgrad B n-major, wgrad A m-major
+    # the picks an H100 makes differently (dispatch.card_of): the computing trees at K = d on
+    # cooperative 128 x 256, each with the same tree and majors as its H200 build
+    coda = {s.label: s for f, s in SPECS if f == "coda"}
+    h100 = {s.label: s for f, s in SPECS if f == "coda_h100"}
+    assert {"norm_swiglu", "norm_rope_qkv", "norm_backward.qkv"} <= set(h100) <= set(coda)
+    assert all(s.config != coda[lb].config and s.config.schedule == "cooperative" and s.tree is coda[lb].tree
+               and s.a_major + s.b_major == coda[lb].a_major + coda[lb].b_major for lb, s in h100.items())
     majors = {s.label: s.a_major + s.b_major for f, s in SPECS if f == "coda"}
     assert majors["swiglu_backward"] == majors["norm_backward.qkv"] == "kn"
     assert majors["lm_head_ce_train.dw"] == "mn"
