@@ -15,8 +15,8 @@ GEMM is also timed on the ping-pong pick's own tile (``plain tile``): what that 
 costs on the shape, so that fused / plain tile is the tree's own cost there.
 
 ``--once``: no timing; each launch of the ops ``--only`` names (every launch without it) runs each
-variant once inside the NVTX range ``gemms`` (and within it ``<op> <variant>``), for ncu (``--nvtx --nvtx-include
-"gemms/"``), after a warm-up call outside it.
+variant once inside the NVTX range ``gemms``, for ncu (``--nvtx --nvtx-include "gemms/"``), after a
+warm-up call outside it: the profiler's kernels in the order the log names them.
 
 ``--energy``: also each launch's joules per call, the three run back to back for about
 ``ENERGY_RUN_MS`` each (``coda_cute.sol.energy.joules_over_run``). Under the H200's power cap a
@@ -47,7 +47,7 @@ from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
-from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
 
 #: milliseconds of back-to-back calls per launch and variant for its joules (``--energy``)
 ENERGY_RUN_MS = 1000
@@ -128,17 +128,13 @@ def launch_functions(plan, a, b, inputs, outputs, scales, cooperative: bool) -> 
 
 def profile_config(name: str, layers: int, only: list, console: Console):
     """``--once``: each variant of the launches whose op is one of ``only`` (all without it),
-    once to warm up and once inside the NVTX range ``gemms``."""
+    once to warm up and once inside the NVTX range ``gemms`` (``sol.timing.calls_in_range``)."""
     for plan, a, b_, inputs, outputs, scales, _count in step_launches(name, layers):
         if only and plan.op not in only:
             continue
-        for variant, fn in launch_functions(plan, a, b_, inputs, outputs, scales, True).items():
-            fn()
-            torch.cuda.synchronize()
-            with torch.cuda.nvtx.range("gemms"), torch.cuda.nvtx.range(f"{plan.op} {variant}"):
-                fn()
-            torch.cuda.synchronize()
-            console.log(f"{name} {label(plan)} {tuple(a.shape)} x {tuple(b_.shape)}: {variant} ({plan.config.name})")
+        what = f"{name} {label(plan)} {tuple(a.shape)} x {tuple(b_.shape)} ({plan.config.name})"
+        fns = launch_functions(plan, a, b_, inputs, outputs, scales, True)
+        calls_in_range(fns, log=lambda variant, what=what: console.log(f"{what}: {variant}"))
 
 
 def time_config(name: str, layers: int, rounds: int, console: Console, energy: bool = False,
