@@ -29,7 +29,9 @@ factor measured from cool (``runner.COOP_TILE_INPUT_COST``) to the 16-bit depths
 ``--fit`` fits the heuristic's model to a run's back-to-back times (:func:`fit`): one rate per
 config, one epilogue depth for the cooperative ones and, on a ``--fused`` run, the depths a
 computing tree and each tile input add to it, by least squares on the log of the times; then,
-fitted on each model's rows alone, how close its picks come on the other's.
+fitted on each model's rows alone, how close its picks come on the other's. On a 16-bit run it
+also gives the card's ping-pong scale against the H200's table (``dispatch.PINGPONG_16_SCALE``:
+0.83 from the H100's 8b ``--fused`` run, 2026-12-06).
 
 ``pp128x128 1x2`` is ``_scaled_mm``'s own tile with fast accumulation (nvjet 128 x 128, 6
 stages, 1x2 cluster). On our kernel it did no better than the 2x1 cluster (H200, 2026-12-05,
@@ -57,6 +59,7 @@ import train_models as TM  # noqa: E402  (the benchmark models' names)
 from bench_gemm import fp8_inputs  # noqa: E402
 from bench_step_gemms import label as launch_label, layout_of, step_launches  # noqa: E402
 
+from coda_cute import dispatch  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
@@ -318,6 +321,12 @@ def report_fit(rows: list, console: Console):
     console.print(f"all {len(rows)} rows: cooperative epilogue depth {f.depth}, per tile input {f.tile_depth}, "
                   f"for a computing tree {f.tree_depth}, rms error {100 * f.rms:.1f} %; TFLOP/s back to back: "
                   + ", ".join(f"{lb} {v:.0f}" for lb, v in f.rates.items()))
+    pp, coop = "pp128x128 2x1", "coop128x256 2x1"
+    if not (rows and rows[0].get("fp8")) and pp in f.rates and coop in f.rates:
+        table = dispatch._rate(CANDIDATES[pp], False) / dispatch._rate(CANDIDATES[coop], False)
+        ratio = f.rates[pp] / f.rates[coop]
+        console.print(f"{pp} / {coop}: {ratio:.3f} here, {table:.3f} in the H200's table: this card's "
+                      f"dispatch.PINGPONG_16_SCALE would be {ratio / table:.2f}")
     models = list(dict.fromkeys(r["config"] for r in rows))
     for train in models:
         for test in models:

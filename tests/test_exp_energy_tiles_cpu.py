@@ -111,6 +111,17 @@ def test_fit_recovers_the_rates_and_epilogue_depth_it_was_made_from(et):
     assert picked == pytest.approx(best, rel=1e-9)
 
 
+def test_fit_reports_the_cards_ping_pong_scale(et):
+    """A 16-bit run's fit gives the card's ping-pong scale against the H200's table: rows made
+    with ping-pong at 0.8 of its table ratio to cooperative 128 x 256 2x1 give back 0.80."""
+    table = {lb: et.dispatch._rate(cfg, False) for lb, cfg in et.CANDIDATES.items()}
+    truth = {**table, "pp128x128 2x1": 0.8 * table["pp128x128 2x1"]}
+    rows = _model_rows(et, "8b", [(16384, 4096, 4096), (16384, 28672, 4096), (28672, 4096, 16384)], truth, 175)
+    console = Console(record=True, width=300)
+    et.report_fit(rows, console)
+    assert "dispatch.PINGPONG_16_SCALE would be 0.80" in console.export_text()
+
+
 def test_fit_separates_the_tile_inputs_depth(et):
     """Fused rows (``--fused``) with 0, 1 and 2 tile inputs at several K give back the depth each
     tile input adds to a cooperative tile, apart from the epilogue's own."""
