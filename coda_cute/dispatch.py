@@ -2,8 +2,9 @@
 
 ``arch_of(device)`` maps a CUDA device to the compile target (``sm_90a`` for Hopper); CPU tensors
 run the torch references only inside :func:`reference_on_cpu` (``reference_on_cpu_enabled``,
-``require_reference``). The config heuristic is a fixed, fast function of the problem shape and
-dtype; it never times anything on the call path. ``config_space()`` lists every config the
+``require_reference``). The config heuristic is a fixed, fast function of the problem shape,
+dtype and card (``card_of(device)``: whose measured rates apply, the H200's unless the device is
+an H100); it never times anything on the call path. ``config_space()`` lists every config the
 report compiles and the tuner may try.
 """
 
