@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     for b, s, h, hkv, hd in SHAPES:
         m, n = b * s, (h + 2 * hkv) * hd
         q, k, v = qkv_heads(rand(m, n), b, h, hkv, hd)
-        o, lse, ra, rb = attention_forward(q, k, v)
-        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse, ra, rb)
+        o, lse = attention_forward(q, k, v)
+        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse)
         qkv, pre = rand(m, n), rand(m, n)
         r = torch.rand(m, device="cuda") + 0.5
         pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)

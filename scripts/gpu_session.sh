@@ -139,6 +139,13 @@
 #             FP8 beside it (bench_train.py, no compile, no Liger)
 #   tree-tiles-more  the same four tiles from cool and at the cap on the 1b step's bf16 trees, the
 #             8b step's row-wise fast FP8 trees, and the 3b step's bf16 trees (exp_energy_tiles.py --fused)
+#   attn-core  the attention core's outputs, one form for both SDPA backends: its GPU tests (each
+#             backend's forward with each one's backward, a graph compiled on one run on the
+#             other, the RoPE backward's, the compiled training step, the graphed one), then
+#             compute-sanitizer memcheck of every backward kernel (sanitize_backward.py)
+#   coop128   the 8b step's bf16 trees on ping-pong 128 x 128 and cooperative 128 x 256 / 192 / 128
+#             2x1, at the cap and from cool (tree-tiles without its ncu), then
+#             bench_step_gemms.py --cooperative
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -428,6 +435,20 @@ stage_card_picks() {
         --fp8-row-fast all --json "$OUT/card-picks-train.json"
 }
 
+stage_attn_core() {
+    step attn-core-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 4)" tests/test_coda_block_gpu.py \
+        tests/test_train_gpu.py -k "attention_core or rope_backward_op or compiled_training_step or graphed"
+    step attn-core-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_backward.py
+}
+
+stage_coop128() {
+    step coop128-cap 240 python3 scripts/exp_energy_tiles.py --fused --configs 8b --rounds 4 --run-ms 250 \
+        --only "pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1" --json "$OUT/coop128-cap.json"
+    step coop128-time 200 python3 scripts/bench_step_gemms.py --configs 8b --cooperative --rounds 5 \
+        --json "$OUT/coop128-time.json"
+}
+
 stage_tree_tiles_more() {
     local only=("pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1")
     step tree-tiles-1b 170 python3 scripts/exp_energy_tiles.py --fused --configs 1b --rounds 4 --run-ms 250 \
@@ -577,6 +598,8 @@ for s in "$@"; do
         tree-tiles) stage_tree_tiles ;;
         card-picks) stage_card_picks ;;
         tree-tiles-more) stage_tree_tiles_more ;;
+        attn-core) stage_attn_core ;;
+        coop128) stage_coop128 ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

@@ -37,8 +37,8 @@ def rope_kernels(b, s, h, hkv):
     for hd, qk in ((64, False), (128, True)):
         n = (h + 2 * hkv) * hd
         q, k, v = qkv_heads(rand(b * s, n), b, h, hkv, hd)
-        o, lse, ra, rb = attention_forward(q, k, v)
-        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse, ra, rb)
+        o, lse = attention_forward(q, k, v)
+        dq, dk, dv = attention_backward(rand(b, h, s, hd), q, k, v, o, lse)
         pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)
         extra = (rand(b * s, n), 1 + rand(hd, scale=0.1), 1 + rand(hd, scale=0.1), 1e-6) if qk else ()
         torch.ops.coda.rope_backward(dq, dk, dv, rand(b * s, n), torch.rand(b * s, device="cuda") + 0.5, pos,

@@ -299,9 +299,9 @@ def core_cases():
     other chunks, without one, without gamma)."""
     q, k, v = (rand(B, n, S, HD) for n in (H, HKV, HKV))
     with coda_cute.reference_on_cpu():
-        o, lse, ra, rb = torch.ops.coda.attention_forward(q, k, v)
+        o, lse = torch.ops.coda.attention_forward(q, k, v)
     yield "attention_forward", torch.ops.coda.attention_forward, (q, k, v)
-    yield "attention_backward", torch.ops.coda.attention_backward, (rand(B, H, S, HD), q, k, v, o, lse, ra, rb)
+    yield "attention_backward", torch.ops.coda.attention_backward, (rand(B, H, S, HD), q, k, v, o, lse)
     # a vocabulary whose dl rows are whole 16-byte words (opcheck re-creates inputs contiguous;
     # the training op passes a column slice of a padded buffer otherwise)
     dl, y, g, scale = rand(M, VW), rand(M, D), 1 + rand(D, scale=0.1), torch.tensor(0.37)
@@ -453,19 +453,17 @@ def _bad():
     yield "lm_bwd dlse expanded", lambda: lm_bwd(dlse=torch.tensor(0.5).expand(M))()[0].shape, None, None
     yield "lm_bwd scalar dloss", lambda: lm_bwd(dloss=torch.tensor(0.5), reduction="sum")()[0].shape, None, None
     ab = torch.ops.coda.attention_backward
-    do, cq, ck, cv, co, clse, ra, rb_ = next(args for n, _, args in core_cases() if n == "attention_backward")
+    do, cq, ck, cv, co, clse = next(args for n, _, args in core_cases() if n == "attention_backward")
 
     def att_bwd(do=do, o=co, lse=clse):
-        return lambda: ab(do, cq, ck, cv, o, lse, ra, rb_)
+        return lambda: ab(do, cq, ck, cv, o, lse)
     yield "attention_bwd do fp32", att_bwd(do=do.float()), TypeError, "do must be a 4-D bf16 tensor"
     yield "attention_bwd do shape", att_bwd(do=do[:, :, :-1]), ValueError, r"do must be \(B, H, S, hd\) like q"
     yield "attention_bwd o fp32", att_bwd(o=co.float()), TypeError, "o must be a 4-D bf16 tensor"
     yield "attention_bwd o strided head_dim", att_bwd(o=co.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "o must be contiguous along head_dim"
-    yield "attention_bwd lse shape", att_bwd(lse=torch.randn(B, H, S + 1)), ValueError, r"lse must be the forward's log-sum-exp as its kernel returns it.*here \(2, 4, 19\)"
-    yield "attention_bwd lse shape 4-D", att_bwd(lse=torch.randn(B, H, S, 2)), ValueError, r"lse must be the forward's log-sum-exp as its kernel returns it.*here \(2, 4, 19, 1\)"
+    yield "attention_bwd lse shape", att_bwd(lse=torch.randn(B, H, S + 1)), ValueError, r"lse must be the forward's log-sum-exp, \(B, H, S\) = \(2, 4, 19\)"
+    yield "attention_bwd lse 4-D", att_bwd(lse=clse.unsqueeze(-1)), ValueError, r"lse must be the forward's log-sum-exp, \(B, H, S\) = \(2, 4, 19\), got \(2, 4, 19, 1\)"
     yield "attention_bwd lse dtype", att_bwd(lse=clse.bfloat16()), TypeError, "lse must be a float32 tensor"
-    # flash's (3-D) lse is read densely; built here, not taken from the forward, whose backend
-    # (and so lse's rank) depends on the host's GPU
     yield "attention_bwd lse strided", att_bwd(lse=torch.randn(B, S, H).transpose(1, 2)), ValueError, "lse must be contiguous"
     yield "attention_bwd do strided", lambda: att_bwd(do=do.transpose(1, 2).contiguous().transpose(1, 2))()[0].shape, None, None
 
@@ -556,10 +554,9 @@ def _bad_fake():
 
     def attention_bwd(do=None, o=None, lse=None):
         q, k, v = t(B, H, S, HD), t(B, HKV, S, HD), t(B, HKV, S, HD)
-        o_, lse_, ra, rb = torch.ops.coda.attention_forward(q, k, v)
+        o_, lse_ = torch.ops.coda.attention_forward(q, k, v)
         do = t(B, H, S, HD) if do is None else do
-        return torch.ops.coda.attention_backward(do, q, k, v, o_ if o is None else o, lse_ if lse is None else lse,
-                                                 ra, rb)
+        return torch.ops.coda.attention_backward(do, q, k, v, o_ if o is None else o, lse_ if lse is None else lse)
     yield "attention_bwd do on the host", lambda: attention_bwd(do=t(B, H, S, HD, device="cpu")), ValueError, "all tensors must be on one device"
     yield "attention_bwd do fp32", lambda: attention_bwd(do=t(B, H, S, HD, dtype=F32)), TypeError, "do must be a 4-D bf16 tensor"
     yield "attention_bwd o shape", lambda: attention_bwd(o=t(B, H, S + 1, HD)), ValueError, r"o must be \(B, H, S, hd\) like q"
@@ -590,6 +587,22 @@ def test_dw_ops_on_cpu_need_the_reference_switch(op):
     with pytest.raises(ValueError, match=rf"coda\.{op} runs on CUDA tensors .*reference_on_cpu"):
         getattr(torch.ops.coda, op)(dl, y, g, acc, scale)
     assert acc.equal(before)
+
+
+@pytest.mark.parametrize("layout", ["view of qkv", "contiguous"])
+def test_attention_core_outputs_do_not_depend_on_the_backend(layout):
+    """The attention core's outputs have one shape, dtype and layout whichever SDPA kernel runs
+    (the aten ops' meta implementations, which the fake one shares): the backend is process
+    state that a traced graph and inductor's cache key do not hold."""
+    from coda_cute.ops import attention as A
+    if layout == "contiguous":
+        q, k, v = (torch.empty(B, n, S, HD, dtype=BF16, device="meta") for n in (H, HKV, HKV))
+    else:
+        q, k, v = qkv_heads(torch.empty(M, NQKV, dtype=BF16, device="meta"), B, H, HKV, HD)
+    meta = lambda t: (tuple(t.shape), t.stride(), t.dtype)  # noqa: E731
+    outs = [tuple(map(meta, A._core(q, k, v, backend))) for backend in (A.CUDNN, A.FLASH)]
+    assert outs[0] == outs[1]
+    assert outs[0][1] == ((B, H, S), (H * S, S, 1), torch.float32)
 
 
 def test_attention_backward_ref_equals_autograd():

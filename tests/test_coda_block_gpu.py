@@ -23,6 +23,7 @@ from coda_cute import reference as R
 from coda_cute.epilogue.runner import choose_config
 from coda_cute.nn import CodaLlama, LlamaConfig, embedding_norm_stats
 from coda_cute.ops import lm_head_ce as LH
+from coda_cute.ops import attention
 from coda_cute.ops.attention import attention_backward, attention_forward, qkv_heads
 from coda_cute.ops.residual import stats_tile_n
 from coda_cute.ops.swiglu import zdz_tile_n
@@ -201,8 +202,8 @@ def test_rope_backward_op(qk_norm, qk_eps, w_dtypes, hd):
     qkv = cuda(m, n)
     q, k, v = qkv_heads(cuda(m, n), b, h, hkv, hd)
     do = cuda(b, h, s, hd)
-    o, lse, ra, rb = attention_forward(q, k, v)
-    dq, dk, dv = attention_backward(do, q, k, v, o, lse, ra, rb)
+    o, lse = attention_forward(q, k, v)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse)
     r = torch.rand(m, device="cuda") + 0.5
     pos = torch.arange(s, device="cuda", dtype=torch.int32).repeat(b)
     inv_freq = R.rope_inv_freq(hd, CFG.rope_theta, "cuda")
@@ -342,18 +343,61 @@ def test_rope_backward_without_rows(qk_norm):
         assert dqn.shape == dkn.shape == (hd,) and not dqn.any() and not dkn.any()
 
 
-def test_attention_core_matches_reference():
+#: the SDPA backends the attention core runs on, as ``torch.nn.attention.SDPBackend`` names
+SDPA_BACKENDS = ["CUDNN_ATTENTION", "FLASH_ATTENTION"]
+
+
+def _on_backend(name):
+    """A context running SDPA on that backend alone; skips the test where this GPU's torch
+    would not pick it for the core's shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, name)
+    with sdpa_kernel([backend]):
+        if attention._backend(*qkv_heads(cuda(128, 12 * 64), 1, 8, 2, 64)[:2]) != int(backend.value):
+            pytest.skip(f"SDPA does not run {name} here")
+    return sdpa_kernel([backend])
+
+
+@pytest.mark.parametrize("forward_on", SDPA_BACKENDS)
+@pytest.mark.parametrize("backward_on", SDPA_BACKENDS)
+def test_attention_core_matches_reference(forward_on, backward_on):
+    """Each backend's forward, then each backend's backward from it: the outputs' shapes and
+    layouts are the same whichever kernel ran (a traced graph holds them), and either
+    backward takes either forward's log-sum-exp."""
     b, s, h, hkv, hd = 2, 300, 8, 2, 64
     q, k, v = qkv_heads(cuda(b * s, (h + 2 * hkv) * hd), b, h, hkv, hd)
-    o, lse, ra, rb = attention_forward(q, k, v)
+    with _on_backend(forward_on):
+        o, lse = attention_forward(q, k, v)
     o_ref, lse_ref = R.attention_ref(q, k, v)
-    assert rel_err(o, o_ref) < 1e-2 and rel_err(lse.reshape(lse_ref.shape), lse_ref) < 1e-4
+    assert lse.shape == (b, h, s) and lse.dtype == F32 and lse.is_contiguous()
+    assert rel_err(o, o_ref) < 1e-2 and rel_err(lse, lse_ref) < 1e-4
     # o laid out (B, S, H, hd): the out-proj reads it as (B * S, H * hd) without a copy
     assert o.transpose(1, 2).is_contiguous()
     do = cuda(b, h, s, hd)
-    got = attention_backward(do, q, k, v, o, lse, ra, rb)
+    with _on_backend(backward_on):
+        got = attention_backward(do, q, k, v, o, lse)
     want = R.attention_backward_ref(do, q, k, v)
     _close(got, want, 2e-2, "dq, dk, dv")
+
+
+def test_attention_core_compiled_on_one_backend_runs_on_the_other():
+    """A graph traced while cuDNN runs SDPA, then run while flash does (and back): the fake
+    shapes inductor asserts hold for both kernels' outputs."""
+    b, s, h, hkv, hd = 2, 256, 8, 2, 64
+    q, k, v = qkv_heads(cuda(b * s, (h + 2 * hkv) * hd), b, h, hkv, hd)
+    do = cuda(b, h, s, hd)
+
+    def core(q, k, v, do):
+        o, lse = torch.ops.coda.attention_forward(q, k, v)
+        return (o, lse, *torch.ops.coda.attention_backward(do, q, k, v, o, lse))
+
+    compiled = torch.compile(core, fullgraph=True, dynamic=False)
+    want = R.attention_ref(q, k, v) + R.attention_backward_ref(do, q, k, v)
+    for name in SDPA_BACKENDS + SDPA_BACKENDS[:1]:
+        with _on_backend(name):
+            got = compiled(q, k, v, do)
+        _close(got[:1] + got[2:], want[:1] + want[2:], 2e-2, f"o, dq, dk, dv on {name}")
+        assert rel_err(got[1], want[1]) < 1e-4, name
 
 
 @pytest.mark.parametrize("m", MS)

@@ -82,9 +82,8 @@ def _backend_for(head_dim: int, groups: int, deterministic: bool, flags: tuple =
     """The backend ``scaled_dot_product_attention`` picks for causal bf16 attention with this
     head_dim and GQA group size on the current GPU (cuDNN on an H200 with torch 2.11: 0.64 ms
     against flash's 0.99 ms at 4 x 32 x 4096 x 64), flash where it picks neither or without
-    a GPU (the fake implementations of a CPU-only build only need its output shapes). Cached per
-    (head_dim, groups, deterministic, ``flags``: the current device and torch's SDPA backend
-    switches): the probe allocates and asks torch on every call otherwise."""
+    a GPU. Cached per (head_dim, groups, deterministic, ``flags``: the current device and torch's
+    SDPA backend switches): the probe allocates and asks torch on every call otherwise."""
     if not torch.cuda.is_available():
         return FLASH
     q = torch.empty(1, groups, 128, head_dim, dtype=BF16, device="cuda")
@@ -102,41 +101,55 @@ def _backend(q, k) -> int:
                         torch.are_deterministic_algorithms_enabled(), flags)
 
 
-def _core(q, k, v):
-    """(o, lse, the kernel's two random-number state tensors) of the backend's aten op."""
-    if _backend(q, k) == CUDNN:
+# The ops' outputs must not depend on the backend: the backend is process state (the SDPA
+# switches, the deterministic flag) that no traced graph and no inductor cache key holds, so a
+# graph traced under one backend and run under the other would meet tensors of other shapes.
+# Both kernels' log-sum-exp is the same quantity (natural log, of the scaled scores), which
+# they return as (B, H, S, 1) (cuDNN) or (B, H, S) (flash); the ops carry it as (B, H, S),
+# and each backward takes it from either forward. Without dropout the kernels' random-number
+# state is never read: the backward passes placeholders of the form each kernel takes.
+def _no_rng_state(backend: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders for the kernel's random-number state, unread without dropout (uninitialized:
+    no launch)."""
+    if backend == CUDNN:  # philox seed and offset
+        return (torch.empty((), dtype=torch.int64, device=device),) * 2
+    return (torch.empty(2, dtype=torch.uint64, device=device),  # flash's rng_state, unused slot
+            torch.empty((), dtype=torch.uint64, device=device))
+
+
+def _core(q, k, v, backend: int):
+    """(o, lse (B, H, S) fp32) of the backend's aten op."""
+    b, h, s, _ = q.shape
+    if backend == CUDNN:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
     else:
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
-    return out[0], out[1], out[6], out[7]
+    return out[0], out[1].reshape(b, h, s)
 
 
 @torch.library.custom_op("coda::attention_forward", mutates_args=())
-def attention_forward(q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention with GQA: o = softmax(q k^T / sqrt(hd) + causal mask) v per head, k and v
     heads shared by n_heads / n_kv_heads query heads. q: (B, H, S, hd), k, v: (B, Hkv, S, hd)
-    bf16, head_dim contiguous. Returns (o (B, H, S, hd), lse (B, H, S) fp32, and two tensors
-    of the kernel's random-number state that its backward takes back)."""
+    bf16, head_dim contiguous. Returns o (B, H, S, hd), in q's dimension order, and
+    lse (B, H, S) fp32 contiguous: log sum_j exp(q_i k_j / sqrt(hd)) over the unmasked j, what
+    the backward takes back. Both are the same shapes and layouts whichever kernel ran."""
     check_core(OP_FWD, q, k, v)
-    return _core(q, k, v)
+    return _core(q, k, v, _backend(q, k))
 
 
 @attention_forward.register_fake
 def _core_fake(q, k, v):
     check_core(OP_FWD, q, k, v)
-    return _core(q, k, v)  # the aten op's meta implementation
+    return _core(q, k, v, FLASH)  # the aten op's meta implementation: both backends' layout
 
 
 @attention_forward.register_kernel("cpu")
 def _core_cpu(q, k, v):
     dispatch.require_reference(OP_FWD)
     check_core(OP_FWD, q, k, v)
-    meta = _core(*(t.to("meta") for t in (q, k, v)))
     o, lse = attention_ref(q, k, v)
-    # in the kernel's layout (its meta implementation's): q's dimension order
-    return (_like(q, o), lse.reshape(meta[1].shape), torch.zeros_like(meta[2], device="cpu"),
-            torch.zeros_like(meta[3], device="cpu"))
+    return _like(q, o), lse.reshape(q.shape[:3]).contiguous()
 
 
 def _like(layout: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -144,15 +157,11 @@ def _like(layout: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(layout).copy_(values)
 
 
-def check_core_backward(op: str, do, q, k, v, o, lse) -> int:
-    """:func:`check_core` and what the backend's backward takes besides: do (the output
-    gradient) and o (the forward's output) (B, H, S, hd) bf16 like q, contiguous along head_dim
-    (one rule for both backends: either would otherwise re-lay them out, a copy); lse the
-    forward's fp32 log-sum-exp as its backend returned it, (B, H, S, 1) from cuDNN (which reads
-    its strides), (B, H, S) from flash (read densely: contiguous); all on q's device (the
-    random-number state tensors may lie on the host). Returns the backend, the forward's: read
-    from lse's shape, not probed again (the SDPA switches or the deterministic flag may differ
-    between the forward and the backward)."""
+def check_core_backward(op: str, do, q, k, v, o, lse):
+    """:func:`check_core` and what the backward takes besides: do (the output gradient) and o
+    (the forward's output) (B, H, S, hd) bf16 like q, contiguous along head_dim (one rule for
+    both backends: either would otherwise re-lay them out, a copy); lse the forward's (B, H, S)
+    fp32 log-sum-exp, contiguous; all on q's device."""
     check_core(op, q, k, v)
     for name, t in (("do", do), ("o", o)):
         if not isinstance(t, torch.Tensor) or t.dtype != BF16 or t.dim() != 4:
@@ -162,45 +171,43 @@ def check_core_backward(op: str, do, q, k, v, o, lse) -> int:
             raise ValueError(f"{op}: {name} must be (B, H, S, hd) like q, {tuple(q.shape)}, got {tuple(t.shape)}")
         if t.stride(3) != 1:
             raise ValueError(f"{op}: {name} must be contiguous along head_dim, got strides {tuple(t.stride())}")
-    b, h, s, _ = q.shape
     if not isinstance(lse, torch.Tensor) or lse.dtype != F32:
         raise TypeError(f"{op}: lse must be a float32 tensor (the forward's log-sum-exp), got "
                         f"{getattr(lse, 'dtype', type(lse).__name__)}")
-    backend = CUDNN if lse.dim() == 4 else FLASH
-    want, kernel = ((b, h, s, 1), "cuDNN") if backend == CUDNN else ((b, h, s), "flash")
-    if tuple(lse.shape) != want:
-        raise ValueError(f"{op}: lse must be the forward's log-sum-exp as its kernel returns it, "
-                         f"(B, H, S, 1) from cuDNN or (B, H, S) from flash, here {want}, got {tuple(lse.shape)}")
-    if backend != CUDNN and not lse.is_contiguous():
-        raise ValueError(f"{op}: lse must be contiguous (the {kernel} kernel reads it densely), got strides "
+    if tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"{op}: lse must be the forward's log-sum-exp, (B, H, S) = {tuple(q.shape[:3])}, "
+                         f"got {tuple(lse.shape)}")
+    if not lse.is_contiguous():
+        raise ValueError(f"{op}: lse must be contiguous (the kernels read it densely), got strides "
                          f"{tuple(lse.stride())}")
     check_same_device(op, q=q, do=do, o=o, lse=lse)
-    return backend
 
 
 @torch.library.custom_op("coda::attention_backward", mutates_args=())
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       o: torch.Tensor, lse: torch.Tensor, rng_a: torch.Tensor,
-                       rng_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_forward`'s o for the output gradient ``do`` (B, H, S, hd)
-    bf16; o and lse as the forward returned them (:func:`check_core_backward`)."""
-    backend = check_core_backward(OP_BWD, do, q, k, v, o, lse)
+    bf16; o and lse as the forward returned them (:func:`check_core_backward`), from either
+    backend: this one runs the backend the SDPA switches pick now."""
+    check_core_backward(OP_BWD, do, q, k, v, o, lse)
     s = q.shape[2]
+    backend = _backend(q, k)
+    rng_a, rng_b = _no_rng_state(backend, q.device)
     if backend == CUDNN:
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, o, lse, rng_a, rng_b, None, None, None, s, s, 0.0, True)
+            do, q, k, v, o, lse.unsqueeze(-1), rng_a, rng_b, None, None, None, s, s, 0.0, True)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do, q, k, v, o, lse, None, None, s, s, 0.0, True, rng_a, rng_b)
 
 
 @attention_backward.register_fake
-def _core_bwd_fake(do, q, k, v, o, lse, rng_a, rng_b):
+def _core_bwd_fake(do, q, k, v, o, lse):
     check_core_backward(OP_BWD, do, q, k, v, o, lse)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @attention_backward.register_kernel("cpu")
-def _core_bwd_cpu(do, q, k, v, o, lse, rng_a, rng_b):
+def _core_bwd_cpu(do, q, k, v, o, lse):
     dispatch.require_reference(OP_BWD)
     check_core_backward(OP_BWD, do, q, k, v, o, lse)
     return tuple(_like(t, g) for t, g in zip((q, k, v), attention_backward_ref(do, q, k, v)))
@@ -230,7 +237,7 @@ def attention_block(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, w_o:
                     n_kv_heads: int, head_dim: int, q_norm_w: Optional[torch.Tensor] = None,
                     k_norm_w: Optional[torch.Tensor] = None, qk_eps: float = 1e-6
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                               torch.Tensor, torch.Tensor, torch.Tensor]:
+                               torch.Tensor]:
     """y = x + Attention(RMSNorm(x; gamma)) @ W_o.T: norm, QKV, RoPE, causal GQA attention,
     out-proj and residual (module docstring).
 
@@ -238,8 +245,8 @@ def attention_block(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, w_o:
     ((B * S,) int32/int64, restarting per sequence as the caller wants), inv_freq, q_norm_w,
     k_norm_w, qk_eps as for ``coda.norm_rope_qkv``; w_o: (d, n_heads * head_dim) bf16.
     Returns (y (B, S, d), ss_y (B * S, T2) its norm statistics, then what the backward keeps:
-    qkv, o, lse, the attention core's two state tensors and pre (the pre-QK-norm values, empty
-    without QK-norm)); only y carries a gradient.
+    qkv, o, lse and pre (the pre-QK-norm values, empty without QK-norm)); only y carries a
+    gradient.
     """
     b, s, d = check_attention_block(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads,
                                     n_kv_heads, head_dim, q_norm_w, k_norm_w, qk_eps)
@@ -247,10 +254,10 @@ def attention_block(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, w_o:
     qkv, pre = norm_rope_qkv_impl(x2, w_qkv, ss, eps, positions, inv_freq, n_heads, n_kv_heads,
                                   head_dim, q_norm_w, k_norm_w, qk_eps, store_pre=q_norm_w is not None)
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
-    o, lse, rng_a, rng_b = attention_forward(q, k, v)
+    o, lse = attention_forward(q, k, v)
     y, ss_y = residual_impl(heads_to_rows(o), w_o, x2)
     pre = pre if pre is not None else qkv.new_empty((0,))
-    return y.view(b, s, d), ss_y, qkv, o, lse, rng_a, rng_b, pre
+    return y.view(b, s, d), ss_y, qkv, o, lse, pre
 
 
 @attention_block.register_fake
@@ -261,11 +268,11 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     m, n = b * s, w_qkv.shape[0]
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
-    o, lse, rng_a, rng_b = _core_fake(q, k, v)
+    o, lse = _core_fake(q, k, v)
     o2 = x.new_empty((m, n_heads * head_dim))
     t = -(-d // stats_tile_n(o2, w_o))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
-    return x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre
+    return x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, pre
 
 
 @attention_block.register_kernel("cpu")
@@ -282,23 +289,23 @@ def _cpu(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head_
         r = rms_rstd_ref(ss, d, eps).unsqueeze(1)
         pre = (r * (x2.float() @ w_qkv.float().t())).to(x.dtype)
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
-    o, lse, rng_a, rng_b = _core_cpu(q, k, v)
+    o, lse = _core_cpu(q, k, v)
     o2 = heads_to_rows(o)
     y, ss_y = residual_gemm_norm_stats_ref(o2, w_o, x2, stats_tile_n(o2, w_o))
-    return y.view(b, s, d), ss_y, qkv, o, lse, rng_a, rng_b, pre
+    return y.view(b, s, d), ss_y, qkv, o, lse, pre
 
 
 def _setup(ctx, inputs, output):
     x, ss, w_qkv, w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps = inputs
-    _, _, qkv, o, lse, rng_a, rng_b, pre = output
-    ctx.save_for_backward(x, ss, w_qkv, w_o, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre)
+    _, _, qkv, o, lse, pre = output
+    ctx.save_for_backward(x, ss, w_qkv, w_o, positions, inv_freq, qn, kn, qkv, o, lse, pre)
     ctx.args = (eps, h, hkv, hd, qk_eps)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
 
 
 def _backward(ctx, dy, *_):
-    x, ss, w_qkv, w_o, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre = ctx.saved_tensors
+    x, ss, w_qkv, w_o, positions, inv_freq, qn, kn, qkv, o, lse, pre = ctx.saved_tensors
     if dy is None:
         return (None,) * 13
     eps, h, hkv, hd, qk_eps = ctx.args
@@ -308,7 +315,7 @@ def _backward(ctx, dy, *_):
     dy2 = dy.reshape(b * s, d).contiguous()
     do, dw_o, _ = residual_backward(heads_to_rows(o), w_o, dy2, (True, n[3], False))
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
-    dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
+    dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse)
     dx, dw_qkv, dqn, dkn = qkv_backward(x2, w_qkv, ss, eps, positions, inv_freq, qkv, dq, dk, dv,
                                         pre if qn is not None else None, qn, kn, qk_eps,
                                         residual_grad=dy2, needs=(n[0], n[2]))

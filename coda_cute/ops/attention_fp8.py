@@ -79,8 +79,7 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
                         o_qt: Optional[torch.Tensor] = None, row_scaling: bool = False,
                         fast_accum: str = "none"
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor]:
+                                   torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``coda.attention_block`` with FP8 projections (module docstring). Arguments as that op's,
     ``e5m2_grads``: the backward's gradients in E5M2 rather than E4M3, and ``pow2_scales``: every
     scale rounded up to a power of two (``Fp8Recipe.pow2_scales``); ``qkv_q, qkv_s, qkv_qt``,
@@ -88,7 +87,7 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     returns them, kept by the caller once per version of the weights (``nn.fold.WeightQuantCache``),
     or none of them for the op to quantize; ``row_scaling``: the row-wise recipe; ``fast_accum``:
     which of its GEMMs accumulate in the tensor core (module docstring). d, n_heads *
-    head_dim (hence the QKV width) multiples of 16. Returns the bf16 op's eight outputs, then the
+    head_dim (hence the QKV width) multiples of 16. Returns the bf16 op's six outputs, then the
     quantized weights kept for the backward (W_qkv's FP8 transpose and its scales, 128 x 128 or
     row-wise (N + K, 1), W_o's; empty when the caller passed them,
     which the backward then uses); only y carries a gradient."""
@@ -108,13 +107,13 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs, row=row, fast=fast)
     qkv = out["qkv"]
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
-    o, lse, rng_a, rng_b = attention_forward(q, k, v)
+    o, lse = attention_forward(q, k, v)
     res = project(OP, residual_norm_stats_tree(), *act(heads_to_rows(o)), o_q, o_s, {"residual": x2}, row=row,
                   fast=fast)
     pre = out["pre"] if qk_norm else qkv.new_empty((0,))
     kept = ((*kept_weights(w_qkv, True), *kept_weights(w_o, True)) if given[0] is not None
             else (qkv_qt, qkv_s, o_qt, o_s))
-    return (res["y"].view(b, s, d), res["ss"], qkv, o, lse, rng_a, rng_b, pre, *kept)
+    return (res["y"].view(b, s, d), res["ss"], qkv, o, lse, pre, *kept)
 
 
 @attention_block_fp8.register_fake
@@ -130,19 +129,19 @@ def _fake(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads, head
     m, n, hh = b * s, w_qkv.shape[0], n_heads * head_dim
     qkv = x.new_empty((m, n))
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
-    o, lse, rng_a, rng_b = _core_fake(q, k, v)
+    o, lse = _core_fake(q, k, v)
     t = residual_stats_tiles(m, d, hh, x.device, row_scaling, fast_for(fast_accum, "forward"))
     pre = x.new_empty((m, n) if q_norm_w is not None else (0,))
-    return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, rng_a, rng_b, pre,
+    return (x.new_empty(x.shape), x.new_empty((m, t), dtype=F32), qkv, o, lse, pre,
             *kept_weights(w_qkv, cached, row_scaling), *kept_weights(w_o, cached, row_scaling))
 
 
 def _setup(ctx, inputs, output):
     x, ss, _w_qkv, _w_o, positions, inv_freq, eps, h, hkv, hd, qn, kn, qk_eps, e5m2_grads, pow2 = inputs[:15]
-    _, _, qkv, o, lse, rng_a, rng_b, pre, qkv_qt, qkv_s, o_qt, o_s = output
+    _, _, qkv, o, lse, pre, qkv_qt, qkv_s, o_qt, o_s = output
     if inputs[15] is not None:  # the caller's copies
         qkv_s, qkv_qt, o_s, o_qt = inputs[16], inputs[17], inputs[19], inputs[20]
-    ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
+    ctx.save_for_backward(x, ss, positions, inv_freq, qn, kn, qkv, o, lse, pre,
                           qkv_qt, qkv_s, o_qt, o_s)
     ctx.args = (eps, h, hkv, hd, qk_eps, grad_format(e5m2_grads), pow2, inputs[21], inputs[22])
     ctx.mark_non_differentiable(*output[1:])
@@ -150,7 +149,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dy, *_):
-    (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, rng_a, rng_b, pre,
+    (x, ss, positions, inv_freq, qn, kn, qkv, o, lse, pre,
      qkv_qt, qkv_s, o_qt, o_s) = ctx.saved_tensors
     if dy is None:
         return (None,) * 23
@@ -164,7 +163,7 @@ def _backward(ctx, dy, *_):
     do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True, row=row, fast=fast_d)["out"]
     dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, row, fast=fast_w) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
-    dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse, rng_a, rng_b)
+    dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse)
     r = rms_rstd_ref(ss, d, eps)
     g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre if qn is not None else None,
                                      qn, kn, qk_eps)
