@@ -11,7 +11,7 @@ Kernel families compiled (no GPU needed):
   * ``coda``     - the fused CODA block ops (``torch.ops.coda.*``): each op's epilogue tree on the
     config its heuristic picks at the Llama-3-8B layer it fuses into (16384 tokens, bf16 x @ W.T);
   * ``coda_h100`` - those whose pick differs on an H100 (``dispatch.card_of``: its 16-bit ping-pong
-    rates are lower), on that card's config;
+    rates are lower; ``lm_head_ce.EXP_CONFIGS``), on that card's config;
   * ``coda_fp8`` - the FP8 sublayers' block-scaled kernels (``coda.attention_block_fp8``,
     ``coda.mlp_block_fp8``) and the FP8 LM head's (``coda.lm_head_ce_train_fp8``): forward, dgrad
     (W's FP8 transpose) and the wgrad form, E4M3, each on the block-scaled config its heuristic
@@ -144,7 +144,7 @@ def coda_op_specs(model: str = "llama3-8b", sms: int = 132, card: str = dispatch
            ("norm_backward.lm_head", rmsnorm.norm_backward_tree(False, True), dgrad("lm_head"), "kn"),
            ("lm_head_ce_train.dgrad", lm.exp_dgrad_tree(True), dgrad("lm_head"), "kn"),
            ("lm_head_ce_train.dw", lm.accumulate_tree("bfloat16"), (c.vocab, c.d, fwd["lm_head"][0]), "mn"))
-    fixed = {"lm_head_ce_train.logits": lm.EXP_CONFIG}  # its tile is the exp form's tile
+    fixed = {"lm_head_ce_train.logits": lm.exp_config(card)}  # its tile is the exp form's tile
     return [KernelSpec.of("bfloat16", "bfloat16", majors[0], majors[1],
                           fixed.get(op) or choose_config(tree, *mnk, 1, False, False, sms, card=card), tree, ARCH, sms,
                           label=op)

@@ -791,7 +791,7 @@ def test_lm_head_config_choices_do_not_spill():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     card = dispatch.card_of(torch.device("cuda", 0))
     for d in (2048, 4096):
-        for tree, cfg, majors in ((LH.exp_logits_tree(), LH.EXP_CONFIG, "kk"),
+        for tree, cfg, majors in ((LH.exp_logits_tree(), LH.exp_config(card), "kk"),
                                   (LH.exp_dgrad_tree(True), choose_config(LH.exp_dgrad_tree(True), 4096, d, 128256,
                                                                           1, False, False, sms, card=card), "kn")):
             spec = KernelSpec.of("bfloat16", "bfloat16", *majors, cfg, tree, "sm_90a", sms)

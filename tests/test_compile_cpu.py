@@ -58,10 +58,12 @@ def test_spec_list_covers_the_config_spaces():
         "lm_head_ce_train.dgrad", "lm_head_ce_train.dw"]
     # the backward GEMMs run in the layouts their operands arrive in: dgrad B n-major, wgrad A m-major
     # the picks an H100 makes differently (dispatch.card_of): the computing trees at K = d on
-    # cooperative 128 x 256, each with the same tree and majors as its H200 build
+    # cooperative 128 x 256 and the exp form's logits on cooperative 128 x 128 (its fixed tile
+    # width), each with the same tree and majors as its H200 build
     coda = {s.label: s for f, s in SPECS if f == "coda"}
     h100 = {s.label: s for f, s in SPECS if f == "coda_h100"}
-    assert {"norm_swiglu", "norm_rope_qkv", "norm_backward.qkv"} <= set(h100) <= set(coda)
+    assert {"norm_swiglu", "norm_rope_qkv", "norm_backward.qkv", "lm_head_ce_train.logits"} <= set(h100) <= set(coda)
+    assert h100["lm_head_ce_train.logits"].config.tile_n == coda["lm_head_ce_train.logits"].config.tile_n
     assert all(s.config != coda[lb].config and s.config.schedule == "cooperative" and s.tree is coda[lb].tree
                and s.a_major + s.b_major == coda[lb].a_major + coda[lb].b_major for lb, s in h100.items())
     majors = {s.label: s.a_major + s.b_major for f, s in SPECS if f == "coda"}
@@ -425,7 +427,7 @@ def test_report_json(tmp_path, capsys):
     records = json.loads(path.read_text())
     elementwise = [r for r in records if r["kind"] == "elementwise"]
     records = [r for r in records if r["kind"] != "elementwise"]
-    assert len(records) == len(report.kernel_specs("default")) == 50
+    assert len(records) == len(report.kernel_specs("default")) == 51
     assert len(elementwise) == len(report_elementwise.kernels()) == 23
     for r in elementwise:  # every bandwidth-bound kernel of the step: its intended instructions, no spills
         assert r["ok"] and r["spills"] == 0 and r["problems"] == [] and all(r["instructions"].values()), r
@@ -442,7 +444,7 @@ def test_report_json(tmp_path, capsys):
         assert r["has_multicast"] == (r["config"]["cluster_m"] * r["config"]["cluster_n"] > 1)
         assert 0 < r["smem_bytes"] <= SM90_SMEM_CAPACITY
     out = capsys.readouterr().out
-    assert "pp_128x128x64_c2x1_g8" in out and "50 as intended" in out and "norm_rope_qkv_qk_norm" in out
+    assert "pp_128x128x64_c2x1_g8" in out and "51 as intended" in out and "norm_rope_qkv_qk_norm" in out
     assert "fp8.wgrad.gate_up" in out and "fp8.lm_head.dw" in out and "fp8_row.swiglu_backward" in out
     assert "fp8_row_fast.swiglu_backward" in out and "fastacc" in out
     assert "23 element-wise kernels for sm_90a; 23 as intended, 0 not" in out

@@ -174,17 +174,20 @@ def test_exp_form_kernels_build_spill_free(spec, ops):
         assert re.search(op, k.ptx), op
 
 
+@pytest.mark.parametrize("card", ["h200", "h100"])
 @pytest.mark.parametrize("name, d", [("logits", None), ("dgrad", 2048), ("dgrad", 4096)])
-def test_exp_form_gemm_trees_build_spill_free(name, d):
-    """At the benchmark's chunk shapes (4096 rows, vocabulary 128256), on the configs they run on."""
+def test_exp_form_gemm_trees_build_spill_free(name, d, card):
+    """At the benchmark's chunk shapes (4096 rows, vocabulary 128256), on the configs they run on
+    on each card."""
     from coda_cute.compiler import KernelSpec, get_gemm, spill_bytes
     from coda_cute.epilogue.runner import choose_config
 
-    assert LH.EXP_CONFIG.tile_n == TILE  # the tree's per-tile K and sums are per EXP_TILE columns
+    # the tree's per-tile K and sums are per EXP_TILE columns
+    assert LH.exp_config(card).tile_n == TILE
     if name == "logits":
-        tree, cfg, majors = LH.exp_logits_tree(), LH.EXP_CONFIG, "kk"
+        tree, cfg, majors = LH.exp_logits_tree(), LH.exp_config(card), "kk"
     else:
         tree, majors = LH.exp_dgrad_tree(True), "kn"
-        cfg = choose_config(tree, 4096, d, 128256, 1, False, False, 132)  # the runner's pick
+        cfg = choose_config(tree, 4096, d, 128256, 1, False, False, 132, card=card)  # the runner's pick
     k = get_gemm(KernelSpec.of("bfloat16", "bfloat16", *majors, cfg, tree, "sm_90a", 132))
     assert spill_bytes(k) == 0, (name, cfg)

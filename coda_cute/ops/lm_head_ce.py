@@ -110,9 +110,21 @@ CHUNK_BYTES = 3 << 29  # 1.5 GiB
 CHUNK_ROW_MULTIPLE = 128
 #: the exp form (module docstring): e = exp(logit - K) per EXP_TILE-column tile, K the target's
 #: logit or the tile's max - EXP_GUARD where larger (e <= e^EXP_GUARD: finite in bf16 and in the
-#: GEMMs' fp32 sums), on the logits GEMM's config whose tile is that wide
+#: GEMMs' fp32 sums), on a logits GEMM config whose tile is that wide
 EXP_TILE, EXP_GUARD = 128, 60.0
-EXP_CONFIG = GemmConfig(128, EXP_TILE, 64, "pingpong", 2, 1)
+#: the exp form's logits GEMM config per card (``dispatch.card_of``), fixed: its tile is the exp
+#: form's tile, and of the tiles 128 columns wide only these two hold its tree without spilling.
+#: The H200 runs it on ping-pong 128 x 128. On an H100 ping-pong's mainloop is slow at these
+#: shapes (``dispatch.PINGPONG_16_SCALE``): cooperative 128 x 128 took 7.07 ms against 7.83 (cuBLAS
+#: 6.61) at 4096 x 128256 x 4096, and 1.111 against 1.149 of cuBLAS's joules at the power cap
+#: (2026-12-06, ``bench_step_gemms.py --cooperative``, ``exp_energy_tiles.py --fused``).
+EXP_CONFIGS = {"h200": GemmConfig(128, EXP_TILE, 64, "pingpong", 2, 1),
+               "h100": GemmConfig(128, EXP_TILE, 64, "cooperative", 2, 1)}
+
+
+def exp_config(card: str = dispatch.DEFAULT_CARD) -> GemmConfig:
+    """The exp form's logits GEMM config on ``card`` (:data:`EXP_CONFIGS`; the H200's on others)."""
+    return EXP_CONFIGS.get(card, EXP_CONFIGS[dispatch.DEFAULT_CARD])
 
 
 # -- trees ----------------------------------------------------------------------------------------
@@ -138,7 +150,7 @@ def logits_tree() -> E.Epilogue:
 
 @functools.lru_cache(maxsize=None)
 def exp_logits_tree() -> E.Epilogue:
-    """The training forward's logits GEMM on ``EXP_CONFIG``: e = exp(logits - K) stored bf16,
+    """The training forward's logits GEMM on ``exp_config``: e = exp(logits - K) stored bf16,
     K = max(T, the tile's max - ``EXP_GUARD``) with T the target's logit (a row input), and per
     tile sum e (``reference.exp_logits_ref``). K itself is not stored: T but in the rare tiles
     holding a logit above T + EXP_GUARD, whose sums reach e^EXP_GUARD; the row step recovers it
@@ -600,7 +612,7 @@ def _chunked(y, w_lm, ss, eps, targets, ignore_index, reduction, gamma, dloss=No
         if train:
             tl = target_logits(u[s], w_lm, tgt[s], r[s], out=target_logit[s])
             out = E.run(exp_logits_tree(), u[s], w_lm.t(), dict(stats, target_logit=tl),
-                        outputs={"e": dl}, config=EXP_CONFIG, op=OP_TRAIN)
+                        outputs={"e": dl}, config=exp_config(dispatch.card_of(y.device)), op=OP_TRAIN)
             rs = exp_combine_(dl, out["se"], u[s], w_lm, tl, tgt[s], coef[s], r[s], EXP_TILE, EXP_GUARD, lse[s])
             out = E.run(exp_dgrad_tree(gamma is not None), dl, w_lm, dict(inputs, rs=rs),
                         outputs={"dy": dy[s]}, op=OP_TRAIN)
