@@ -433,11 +433,14 @@ def test_lm_head_train_op(m, reduction, gamma, d, fraction, acc, monkeypatch):
     assert out2[0].equal(out[0]) and all(a.grad.equal(i.grad) for a, i in zip(again, ins))  # deterministic
 
 
-def test_lm_head_train_op_on_confident_and_far_rows():
+@pytest.mark.parametrize("exp_card", sorted(LH.EXP_CONFIGS))
+def test_lm_head_train_op_on_confident_and_far_rows(exp_card, monkeypatch):
     """The exp form's hard rows end to end: targets 15 and 25 nats up (1 - p_t down to 1e-11,
     kept by the others' share at the target), and rows with a logit 70 or 150 nats above the
     target (past EXP_GUARD: their tiles rescale in the row step), next to ordinary and ignored
-    rows; loss, LSE and gradients against float64."""
+    rows; loss, LSE and gradients against float64. With the logits GEMM on each card's config,
+    whichever card runs the test."""
+    monkeypatch.setattr(LH, "exp_config", lambda card: LH.EXP_CONFIGS[exp_card])
     m, d, v = 1000, 256, CFG.vocab_size
     y = cuda(m, d)
     w, ss = cuda(v, d, scale=d ** -0.5), R.norm_stats_partials_ref(y, 128)
