@@ -147,6 +147,10 @@
 #   coop128   the 8b step's bf16 trees on ping-pong 128 x 128 and cooperative 128 x 256 / 192 / 128
 #             2x1, at the cap and from cool (tree-tiles without its ncu), then
 #             bench_step_gemms.py --cooperative
+#   exp-card  the exp-form logits GEMM on its card's config (lm_head_ce.EXP_CONFIGS: cooperative
+#             128 x 128 on an H100): the LM head's GPU tests (its hard rows on both cards'
+#             configs), the 8b step's launches (bench_step_gemms.py), then the 8b step against its
+#             shadow (bench_train.py, no compile, no Liger, no FP8)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -450,6 +454,14 @@ stage_coop128() {
         --json "$OUT/coop128-time.json"
 }
 
+stage_exp_card() {
+    step exp-card-tests 220 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" tests/test_coda_block_gpu.py \
+        -k "lm_head"
+    step exp-card-gemms 90 python3 scripts/bench_step_gemms.py --configs 8b --rounds 5 --json "$OUT/exp-card-gemms.json"
+    step exp-card-train 260 python3 scripts/bench_train.py --configs 8b --no-compile --no-liger --rounds 4 \
+        --json "$OUT/exp-card-train.json"
+}
+
 stage_tree_tiles_more() {
     local only=("pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1")
     step tree-tiles-1b 170 python3 scripts/exp_energy_tiles.py --fused --configs 1b --rounds 4 --run-ms 250 \
@@ -601,6 +613,7 @@ for s in "$@"; do
         tree-tiles-more) stage_tree_tiles_more ;;
         attn-core) stage_attn_core ;;
         coop128) stage_coop128 ;;
+        exp-card) stage_exp_card ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac
