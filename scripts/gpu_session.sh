@@ -462,6 +462,15 @@ stage_exp_card() {
         --json "$OUT/exp-card-train.json"
 }
 
+stage_swiglu_bwd_ncu() {
+    step swiglu-bwd-ncu 200 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
+        --section Occupancy --export "$OUT/swiglu-bwd-ncu" \
+        python3 scripts/bench_step_gemms.py --configs 8b --once --only coda.swiglu_backward
+    ncu_pages swiglu-bwd-ncu 60 90
+}
+
 stage_tree_tiles_more() {
     local only=("pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1")
     step tree-tiles-1b 170 python3 scripts/exp_energy_tiles.py --fused --configs 1b --rounds 4 --run-ms 250 \
@@ -614,6 +623,7 @@ for s in "$@"; do
         attn-core) stage_attn_core ;;
         coop128) stage_coop128 ;;
         exp-card) stage_exp_card ;;
+        swiglu-bwd-ncu) stage_swiglu_bwd_ncu ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac
