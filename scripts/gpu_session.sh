@@ -151,6 +151,10 @@
 #             128 x 128 on an H100): the LM head's GPU tests (its hard rows on both cards'
 #             configs), the 8b step's launches (bench_step_gemms.py), then the 8b step against its
 #             shadow (bench_train.py, no compile, no Liger, no FP8)
+#   swiglu-bwd-ncu  the bf16 SwiGLU backward (16384 x 14336 x 4096, kn; 1.28-1.35x cuBLAS on an
+#             H100 on every tile): ncu of its tree, our plain GEMM on its tile and cuBLAS
+#             (bench_step_gemms.py --once): DRAM bytes and throughput, the mainloop's and the
+#             epilogue's stalls, each kernel's hottest SASS lines
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
