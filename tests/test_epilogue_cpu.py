@@ -635,7 +635,13 @@ def test_scale_acc_is_the_tree_on_the_scaled_accumulator(name):
     assert got.keys() == want.keys()
     for k in got:
         g, w = (got[k], want[k]) if isinstance(got[k], torch.Tensor) else (got[k][0], want[k][0])
-        torch.testing.assert_close(g.float(), w.float(), rtol=2e-5, atol=2e-5)
+        if g.dtype == torch.bfloat16:
+            # the scales multiply in another order than the tree's products: where the fp32 values
+            # differ in their last bits, a bf16 store may round the other way, one bf16 ulp
+            ulp = torch.ldexp(torch.ones_like(w.float()), torch.frexp(w.float()).exponent - 8)
+            assert ((g.float() - w.float()).abs() <= ulp).all(), (k, (g.float() - w.float()).abs().max())
+        else:
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-5, atol=2e-5)
     for sr in (x for s in scaled.sinks for x in N.walk(s.x) if isinstance(x, N.SegmentReduce)):
         assert not any(isinstance(x, N.RowVec) for x in N.walk(sr.children[0]))  # row scale outside
 
