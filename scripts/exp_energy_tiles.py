@@ -76,7 +76,8 @@ CANDIDATES = {
     "coop256x128 2x1": GemmConfig(256, 128, 64, "cooperative", 2, 1),
     "coop128x192 2x1": GemmConfig(128, 192, 64, "cooperative", 2, 1),
     # the one cooperative tile 128 columns wide that holds the exp-form logits tree without
-    # spilling (256 x 128 spills): its candidate beside the fixed ping-pong one on an H100
+    # spilling (256 x 128 spills): the H100's config of that GEMM (lm_head_ce.EXP_CONFIGS,
+    # from this script's --fused run on 2026-12-06: 1.111 of cuBLAS's joules against ping-pong's 1.149)
     "coop128x128 2x1": GemmConfig(128, 128, 64, "cooperative", 2, 1),
 }
 CANDIDATES_FP8 = {
