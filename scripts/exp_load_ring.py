@@ -8,11 +8,12 @@ timed in turns with our plain GEMM and cuBLAS on the same operands:
   (the plain GEMM's count), ring 2 / as fit, and ring 4 / 4 A-B stages (what a lost stage costs).
   Measured first (H200): ring 8 / 4 stages cost as much as ring 4 / 4 stages, 11-12 % over today's.
 
-    CODA_CUTE_CACHE_DIR=0 python scripts/exp_load_ring.py
+    CODA_CUTE_CACHE_DIR=0 python scripts/exp_load_ring.py [--shapes 8b]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ["CODA_CUTE_CACHE_DIR"] = "0"
@@ -35,10 +36,14 @@ VARIANTS = {"ring4_fit": (4, None, 0), "ring2_store1_s6": (2, 1, 6), "ring2_stor
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    args = ap.parse_args()
     console = Console(width=160)
     tree = swiglu_backward_tree()
     sms = dispatch.num_sms(torch.device("cuda"))
-    for label, (m, f, d) in SHAPES.items():
+    for label in args.shapes:
+        m, f, d = SHAPES[label]
         dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(d, f, device="cuda", dtype=torch.bfloat16) * d ** -0.5
         z = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)

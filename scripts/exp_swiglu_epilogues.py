@@ -20,11 +20,17 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
-        [--also CONFIG_NAME ...] [--cluster MxN ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
+        [--also CONFIG_NAME ...] [--cluster MxN ...] [--raster G ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
         [--forward] [--energy] [--once]
 
-``--once`` (for ncu): instead of timing, one call each of cuBLAS's plain product, our plain GEMM
-and the pick's tree per shape inside the NVTX range ``gemms`` (``--nvtx --nvtx-include gemms/``).
+``--once`` (for ncu): instead of timing, one call each of cuBLAS's plain product, our plain GEMM,
+the pick's tree and its ``--cluster`` / ``--raster`` variants per shape inside the NVTX range
+``gemms`` (``--nvtx --nvtx-include gemms/``).
+
+``--raster G``: the pick on raster band G (``GemmConfig.raster_group``). On an H100 (2026-12-06)
+ncu read 7 GB of DRAM traffic in the bf16 SwiGLU backward on its pick (ping-pong 128 x 128 2x1,
+band 8) and 5.3 GB in our plain GEMM on that tile, against 2.5 GB for cuBLAS's plain product:
+the operands' rereads, not the tree's 2.35 GB, fill most of it.
 
 ``--energy``: also cuBLAS's plain product, our plain GEMM and the pick's tree back to back for
 600 ms each: joules per call, mean watts and milliseconds per call (``coda_cute.sol.energy``). A
@@ -146,6 +152,8 @@ def main():
                     help="a ranked config's name (e.g. coop_128x256x128_c2x1_g8_fastacc) to time as well")
     ap.add_argument("--cluster", action="append", default=[], metavar="MxN",
                     help="the pick with this cluster shape as well (e.g. 2x2), outputs checked against the pick's")
+    ap.add_argument("--raster", action="append", default=[], type=int, metavar="G",
+                    help="the pick with this raster band (cluster rows per L2 band) as well, outputs checked")
     ap.add_argument("--shape", action="append", default=[], metavar="TOKENS,D,FFN", type=parse_shape,
                     help="time this MLP shape instead of the 1b and 8b ones (repeatable)")
     ap.add_argument("--fp8-row-fast", action="store_true",
@@ -183,16 +191,17 @@ def main():
         for c in ranked:
             fns[c.name + (" (pick)" if c == pick else "")] = lambda c=c: run(tree, c)
         picks = [name for name in fns if name.endswith(" (pick)")]
-        if args.once:
-            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks)},
-                           log=lambda name: console.log(f"{label} {m}x{n}x{k}: {name}"))
-            continue
-        for shape in args.cluster:
-            cm, cn = (int(x) for x in shape.split("x"))
-            c = pick.with_(cluster_m=cm, cluster_n=cn)
+        around = [pick.with_(cluster_m=int(cm), cluster_n=int(cn))
+                  for cm, cn in (shape.split("x") for shape in args.cluster)]
+        around += [pick.with_(raster_group=g) for g in args.raster]
+        for c in around:
             same = all(torch.equal(x, y) for x, y in zip(run(tree, c).values(), run(tree, pick).values()))
             console.log(f"{label} {c.name}: outputs {'bit-identical to' if same else 'DIFFER from'} the pick's")
             fns[c.name] = lambda c=c: run(tree, c)
+        if args.once:
+            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks, *(c.name for c in around))},
+                           log=lambda name: console.log(f"{label} {m}x{n}x{k}: {name}"))
+            continue
         plan, stages = forced_buffers_plan(tree, a, b, inputs, pick, 2, fp8)
         fns[f"two store buffers, {stages} stages ({pick.name})"] = lambda p=plan: p.launch(a, b, inputs)
         got, want = plan.launch(a, b, inputs), run(tree, pick)

@@ -155,6 +155,15 @@
 #             H100 on every tile): ncu of its tree, our plain GEMM on its tile and cuBLAS
 #             (bench_step_gemms.py --once): DRAM bytes and throughput, the mainloop's and the
 #             epilogue's stalls, each kernel's hottest SASS lines
+#   swiglu-ring  the same launch with the epilogue's z ring 2 or 4 deep, one or two store buffers,
+#             and the A/B stages that leaves (exp_load_ring.py --shapes 8b; measured on the H200
+#             only), in turns with our plain GEMM and cuBLAS
+#   swiglu-sub  the same launch on its pick with some sinks left out (without h, dz' alone) and
+#             with two store buffers, in turns with our plain GEMM and cuBLAS
+#             (exp_swiglu_epilogues.py --configs 1, bf16): what each store costs on this card
+#   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32 and clusters 1x2,
+#             2x2, 1x1, in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
+#             (--once): how much of its DRAM traffic is the operands' rereads
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -475,6 +484,23 @@ stage_swiglu_bwd_ncu() {
     ncu_pages swiglu-bwd-ncu 60 90
 }
 
+stage_swiglu_ring() {
+    step swiglu-ring 240 env CODA_CUTE_CACHE_DIR=0 python3 scripts/exp_load_ring.py --shapes 8b
+}
+
+stage_swiglu_sub() {
+    step swiglu-sub 240 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 --shape 16384,4096,14336
+}
+
+stage_swiglu_raster() {
+    local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1)
+    step swiglu-raster 200 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 \
+        --shape 16384,4096,14336 "${around[@]}"
+    step swiglu-raster-ncu 150 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__cycles_elapsed.avg.per_second,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+        python3 scripts/exp_swiglu_epilogues.py --once --configs 1 --shape 16384,4096,14336 "${around[@]}"
+}
+
 stage_tree_tiles_more() {
     local only=("pp128x128 2x1" "coop128x256 2x1" "coop128x192 2x1" "coop128x128 2x1")
     step tree-tiles-1b 170 python3 scripts/exp_energy_tiles.py --fused --configs 1b --rounds 4 --run-ms 250 \
@@ -628,6 +654,9 @@ for s in "$@"; do
         coop128) stage_coop128 ;;
         exp-card) stage_exp_card ;;
         swiglu-bwd-ncu) stage_swiglu_bwd_ncu ;;
+        swiglu-ring) stage_swiglu_ring ;;
+        swiglu-sub) stage_swiglu_sub ;;
+        swiglu-raster) stage_swiglu_raster ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac
