@@ -20,7 +20,7 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
-        [--also CONFIG_NAME ...] [--cluster MxN ...] [--raster G ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
+        [--also CONFIG_NAME ...] [--cluster MxN ...] [--raster G ...] [--split S ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
         [--forward] [--energy] [--once]
 
 ``--once`` (for ncu): instead of timing, one call each of cuBLAS's plain product, our plain GEMM,
@@ -31,6 +31,11 @@ the pick's tree and its ``--cluster`` / ``--raster`` variants per shape inside t
 ncu read 7 GB of DRAM traffic in the bf16 SwiGLU backward on its pick (ping-pong 128 x 128 2x1,
 band 8) and 5.3 GB in our plain GEMM on that tile, against 2.5 GB for cuBLAS's plain product:
 the operands' rereads, not the tree's 2.35 GB, fill most of it.
+
+``--split S``: the pick's tree as S launches over row bands of M, into one set of outputs. The
+persistent slots drift apart over a launch's waves, and the concurrent tiles' operands then miss
+in L2; the FP8 GEMMs read 2-3x fewer DRAM bytes cut into 4 or 8 launches (2026-12-05), in the
+same time. Whether the bf16 tree, whose DRAM runs at two thirds of its peak, gains from it.
 
 ``--energy``: also cuBLAS's plain product, our plain GEMM and the pick's tree back to back for
 600 ms each: joules per call, mean watts and milliseconds per call (``coda_cute.sol.energy``). A
@@ -127,6 +132,25 @@ def subtrees(tree, forward: bool = False) -> dict:
     return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
+def split_launches(tree, config, a, b, inputs, parts: int, fp8: bool):
+    """A call that runs ``tree`` on ``config`` as ``parts`` launches over consecutive row bands
+    of A (and of every input and output with A's rows), into one set of outputs; returns them.
+    Each launch starts its persistent slots together, so they drift apart over a band's waves
+    only, not over the whole launch's."""
+    m = a.shape[0]
+    outs = E.run(tree, a, b, inputs, config=config, use_fast_accum=fp8)
+    cuts = [m * i // parts for i in range(parts + 1)]
+    rows = lambda d, i, j: {k: v[i:j] if torch.is_tensor(v) and v.dim() and v.shape[0] == m else v  # noqa: E731
+                            for k, v in d.items()}
+    bands = [(a[i:j], rows(inputs, i, j), rows(outs, i, j)) for i, j in zip(cuts, cuts[1:])]
+
+    def call():
+        for a_i, in_i, out_i in bands:
+            E.run(tree, a_i, b, in_i, config=config, use_fast_accum=fp8, outputs=out_i)
+        return outs
+    return call
+
+
 def forced_buffers_plan(tree, dy, w, inputs, config, buffers: int, fp8: bool = False):
     """(plan of ``tree`` on ``config`` with ``buffers`` store buffers per output, compiled
     afresh, its A/B stages)."""
@@ -154,6 +178,8 @@ def main():
                     help="the pick with this cluster shape as well (e.g. 2x2), outputs checked against the pick's")
     ap.add_argument("--raster", action="append", default=[], type=int, metavar="G",
                     help="the pick with this raster band (cluster rows per L2 band) as well, outputs checked")
+    ap.add_argument("--split", action="append", default=[], type=int, metavar="S",
+                    help="the pick's tree as S launches over row bands of M as well, outputs checked")
     ap.add_argument("--shape", action="append", default=[], metavar="TOKENS,D,FFN", type=parse_shape,
                     help="time this MLP shape instead of the 1b and 8b ones (repeatable)")
     ap.add_argument("--fp8-row-fast", action="store_true",
@@ -198,8 +224,15 @@ def main():
             same = all(torch.equal(x, y) for x, y in zip(run(tree, c).values(), run(tree, pick).values()))
             console.log(f"{label} {c.name}: outputs {'bit-identical to' if same else 'DIFFER from'} the pick's")
             fns[c.name] = lambda c=c: run(tree, c)
+        for parts in args.split:
+            name = f"{pick.name} in {parts} launches along M"
+            fns[name] = split_launches(tree, pick, a, b, inputs, parts, fp8)
+            want, got = run(tree, pick), fns[name]()
+            same = all(torch.equal(got[x], want[x]) for x in want)
+            console.log(f"{label} {name}: outputs {'bit-identical to' if same else 'DIFFER from'} the pick's")
         if args.once:
-            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks, *(c.name for c in around))},
+            splits = [f"{pick.name} in {parts} launches along M" for parts in args.split]
+            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks, *(c.name for c in around), *splits)},
                            log=lambda name: console.log(f"{label} {m}x{n}x{k}: {name}"))
             continue
         plan, stages = forced_buffers_plan(tree, a, b, inputs, pick, 2, fp8)

@@ -161,8 +161,8 @@
 #   swiglu-sub  the same launch on its pick with some sinks left out (without h, dz' alone) and
 #             with two store buffers, in turns with our plain GEMM and cuBLAS
 #             (exp_swiglu_epilogues.py --configs 1, bf16): what each store costs on this card
-#   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32 and clusters 1x2,
-#             2x2, 1x1, in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
+#   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32, clusters 1x2,
+#             2x2, 1x1 and as 2 or 4 launches along M (--split), in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
 #             (--once): how much of its DRAM traffic is the operands' rereads
 set -u
 OUT=${OUT:-out}
@@ -493,7 +493,8 @@ stage_swiglu_sub() {
 }
 
 stage_swiglu_raster() {
-    local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1)
+    local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1
+                  --split 2 --split 4)
     step swiglu-raster 200 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 \
         --shape 16384,4096,14336 "${around[@]}"
     step swiglu-raster-ncu 150 ncu --clock-control none --nvtx --nvtx-include "gemms/" \
