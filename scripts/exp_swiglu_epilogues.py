@@ -132,17 +132,24 @@ def subtrees(tree, forward: bool = False) -> dict:
     return {"without h": keep("dz", "zdz"), "dz' alone": keep("dz")}
 
 
+#: tree input kinds with one entry per row of A (sliced with it by ``split_launches``)
+ROW_INPUTS = ("row_vec", "tile", "row_sum")
+
+
 def split_launches(tree, config, a, b, inputs, parts: int, fp8: bool):
     """A call that runs ``tree`` on ``config`` as ``parts`` launches over consecutive row bands
-    of A (and of every input and output with A's rows), into one set of outputs; returns them.
-    Each launch starts its persistent slots together, so they drift apart over a band's waves
-    only, not over the whole launch's."""
-    m = a.shape[0]
+    of A (and of the tree's row-vector, tile and row-sum inputs and of its outputs), into one set
+    of outputs; returns them. Each launch starts its persistent slots together, so they drift
+    apart over a band's waves only, not over the whole launch's. Trees whose outputs all have A's
+    rows only (stores and row reductions)."""
+    other = [o.name for o in tree.outputs if o.kind not in ("store", "row_reduce")]
+    if other:
+        raise SystemExit(f"--split: outputs {other} do not have A's rows (stores and row reductions only)")
+    rows = {i.name for i in tree.inputs if i.kind in ROW_INPUTS}
     outs = E.run(tree, a, b, inputs, config=config, use_fast_accum=fp8)
-    cuts = [m * i // parts for i in range(parts + 1)]
-    rows = lambda d, i, j: {k: v[i:j] if torch.is_tensor(v) and v.dim() and v.shape[0] == m else v  # noqa: E731
-                            for k, v in d.items()}
-    bands = [(a[i:j], rows(inputs, i, j), rows(outs, i, j)) for i, j in zip(cuts, cuts[1:])]
+    cuts = [a.shape[0] * i // parts for i in range(parts + 1)]
+    bands = [(a[i:j], {k: v[i:j] if k in rows else v for k, v in inputs.items()},
+              {k: v[i:j] for k, v in outs.items()}) for i, j in zip(cuts, cuts[1:])]
 
     def call():
         for a_i, in_i, out_i in bands:
