@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 os.environ["CODA_CUTE_CACHE_DIR"] = "0"
 
@@ -27,7 +28,7 @@ from coda_cute.kernels.sm90 import epilogue as EP  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
-from coda_cute.sol.timing import interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import interleaved_times, paired_ratios  # noqa: E402
 
 SHAPES = {"1b": (16384, 8192, 2048), "8b": (16384, 14336, 4096)}  # M, f, d
 #: name: (load ring, store ring or None for today's, A/B stages or 0 for as many as fit)
@@ -61,9 +62,12 @@ def main():
             fns[name] = lambda p=plan: p.launch(dy, w, inputs)
             console.log(f"{label} {name}: config {plan.config.name}")
         EP.LOAD_STAGES, EP.MIN_LOAD_STAGES, EP.epi_stage_count = 4, 2, today
-        t = interleaved_medians(fns, rounds=20, settle_ms=500)
-        console.print(f"{label} {m}x{f}x{d}: " + ", ".join(f"{k} {v:.3f} ms ({v / t['cublas']:.3f}x cuBLAS)"
-                                                          for k, v in t.items()))
+        times = interleaved_times(fns, rounds=20, settle_ms=500)
+        paired = paired_ratios(times, "cublas")
+        for k, v in times.items():
+            med, q1, q3 = paired[k]
+            console.print(f"{label} {m}x{f}x{d} {k}: {statistics.median(v):.3f} ms, per round "
+                          f"{med:.3f}x cuBLAS [quartiles {q1:.3f}, {q3:.3f}]")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ old ring against it, outputs checked bit-identical.
 the pick's tree and its ``--cluster`` / ``--raster`` variants per shape inside the NVTX range
 ``gemms`` (``--nvtx --nvtx-include gemms/``).
 
+The table gives each variant's median time over cuBLAS's median and, since one run's ratios on
+an H100 moved by up to 0.11 between runs (2026-12-06), the median and quartiles of its per-round
+ratios (``sol.timing.paired_ratios``): variants whose quartile ranges overlap are not told apart.
+
 ``--raster G``: the pick on raster band G (``GemmConfig.raster_group``). On an H100 (2026-12-06)
 ncu read 7 GB of DRAM traffic in the bf16 SwiGLU backward on its pick (ping-pong 128 x 128 2x1,
 band 8) and 5.3 GB in our plain GEMM on that tile, against 2.5 GB for cuBLAS's plain product:
@@ -64,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 os.environ["CODA_CUTE_CACHE_DIR"] = "0"
 
@@ -81,7 +86,7 @@ from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
-from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios  # noqa: E402
 
 #: (label, tokens, d, ffn)
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
@@ -206,7 +211,7 @@ def main():
     what = "SwiGLU forward (gate/up + epilogue): time / cuBLAS plain y @ W_gu^T" if fwd else \
         "SwiGLU backward (dgrad + epilogue): time / cuBLAS plain dy @ W_down"
     table = Table(title=what)
-    for col in ("shape", "variant", "ms", "/ cuBLAS"):
+    for col in ("shape", "variant", "ms", "/ cuBLAS", "per round [quartiles]"):
         table.add_column(col, justify="right")
     for label, m, d, f in args.shape or SHAPES:
         a, b, inputs, n, k = _operands(m, d, f, fp8, fwd)
@@ -252,10 +257,14 @@ def main():
             own = runner.choose_config(variant, m, n, k, 1, fp8, fp8, sms)
             for c in dict.fromkeys([own, pick]):  # its own pick, and the full tree's
                 fns[f"{name} ({c.name})"] = lambda v=variant, c=c: run(v, c)
-        t = interleaved_medians(fns, rounds=args.rounds, settle_ms=300)
+        times = interleaved_times(fns, rounds=args.rounds, settle_ms=300)
+        t = {name: statistics.median(v) for name, v in times.items()}
+        paired = paired_ratios(times, "cublas")
         for name, ms in t.items():
-            table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}")
-            console.log(f"{label} {name}: {ms / t['cublas']:.3f}")
+            med, q1, q3 = paired[name]
+            table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}",
+                          f"{med:.3f} [{q1:.3f}, {q3:.3f}]")
+            console.log(f"{label} {name}: {ms / t['cublas']:.3f} (per round {med:.3f} [{q1:.3f}, {q3:.3f}])")
         for line in joules_lines(fns, t, ["cublas", "plain", *picks], run_ms=600) if args.energy else ():
             console.log(f"{label} {line}")
     if not args.once:
