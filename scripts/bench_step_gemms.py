@@ -5,8 +5,9 @@ One step (forward + ``loss.backward()``) of the 2-layer ``CodaLlama`` of ``scrip
 runs with the epilogue runner's launches recorded (tree, operands, inputs, preallocated outputs).
 Each distinct launch is then timed as it ran (``fused``), as a plain bf16 GEMM of ours on the same
 operands (``plain``: what the epilogue costs) and as ``torch.mm`` (``cuBLAS``), all in turns with
-L2 flushed (``coda_cute.sol.timing.interleaved_medians``). The sums weighted by how often each
-launch ran say how far the step's GEMMs are from the shadow's, and which trees carry the gap.
+L2 flushed (``coda_cute.sol.timing.interleaved_times``; each launch's fused / cuBLAS also as the
+median and quartiles of its per-round ratios, ``paired_ratios``). The sums weighted by how often
+each launch ran say how far the step's GEMMs are from the shadow's, and which trees carry the gap.
 
 ``--cooperative``: also each ping-pong launch's tree on the cooperative 128 x 256 tile the step's
 other bf16 launches run (``fused coop``, in the same turns): on H100s (2026-12-06) ping-pong trees
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
-from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios  # noqa: E402
 
 #: milliseconds of back-to-back calls per launch and variant for its joules (``--energy``)
 ENERGY_RUN_MS = 1000
@@ -142,19 +144,22 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
     rows = []
     for plan, a, b_, inputs, outputs, scales, count in step_launches(name, layers):
         fns = launch_functions(plan, a, b_, inputs, outputs, scales, cooperative)
-        t = interleaved_medians(fns, rounds=rounds, settle_ms=300)
+        times = interleaved_times(fns, rounds=rounds, settle_ms=300)
+        t = {key: statistics.median(v) for key, v in times.items()}
         m, k = a.shape[-2:]
         n = b_.shape[-1]
         rows.append(dict(config=name, launch=label(plan), count=count, m=m, n=n, k=k,
                          layout=layout_of(a.stride(), b_.stride()),
-                         tile=plan.config.name, **{f"{key}_ms": v for key, v in t.items()}))
+                         tile=plan.config.name, **{f"{key}_ms": v for key, v in t.items()},
+                         fused_per_round=list(paired_ratios(times, "cublas")["fused"])))
         r = rows[-1]
         if energy:
             for key in VARIANTS:
                 e = joules_over_run(fns[key], t[key], run_ms=ENERGY_RUN_MS)
                 r[f"{key}_j"] = None if e is None else e["j_per_call"]
         console.log(f"{name} {r['launch']} {m}x{n}x{k} x{count}: fused {r['fused_ms']:.3f} plain "
-                    f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}"
+                    f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}, fused / cuBLAS per round "
+                    + per_round(r["fused_per_round"])
                     + (f" fused coop {r['fused_coop_ms']:.3f} plain tile {r['plain_tile_ms']:.3f}"
                        if 'fused_coop_ms' in r else "")
                     + ("".join(f", {key} {r[f'{key}_j']:.4f} J" for key in VARIANTS if r.get(f"{key}_j"))))
@@ -165,6 +170,12 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
 UNITS = {"ms": ("ms per launch; ratios > 1: slower than cuBLAS", "{:.3f}", "sum over the step's launches"),
          "j": ("joules per launch, back to back; ratios > 1: more than cuBLAS", "{:.4f}",
                "joules over the step's launches")}
+
+
+def per_round(ratio) -> str:
+    """A launch's per-round fused / cuBLAS ratio, (median, lower, upper quartile), as text."""
+    med, q1, q3 = ratio
+    return f"{med:.3f} [{q1:.3f}, {q3:.3f}]"
 
 
 def report(rows: list, console: Console):
@@ -180,14 +191,15 @@ def print_launches(name: str, sel: list, unit: str, console: Console):
     (per launch times its count), and their sums over the step."""
     what, fmt, lead = UNITS[unit]
     t = Table(title=f"{name}: the step's GEMM launches ({what})")
+    rounds = unit == "ms" and all("fused_per_round" in r for r in sel)
     for col in ("launch", "M x N x K", "layout", "count", "config", "fused", "plain", "cuBLAS",
-                "fused / cuBLAS", "plain / cuBLAS"):
+                "fused / cuBLAS", "plain / cuBLAS") + (("fused / cuBLAS per round",) if rounds else ()):
         t.add_column(col, justify="left" if col in ("launch", "config") else "right")
     for r in sorted(sel, key=lambda r: -r[f"fused_{unit}"] * r["count"]):
         fused, plain, cublas = (r[f"{k}_{unit}"] for k in VARIANTS)
         t.add_row(r["launch"], f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), r["tile"],
                   fmt.format(fused), fmt.format(plain), fmt.format(cublas), f"{fused / cublas:.3f}",
-                  f"{plain / cublas:.3f}")
+                  f"{plain / cublas:.3f}", *((per_round(r["fused_per_round"]),) if rounds else ()))
     console.print(t)
     tot = {k: sum(r[f"{k}_{unit}"] * r["count"] for r in sel) for k in VARIANTS}
     u = " ms" if unit == "ms" else " J"

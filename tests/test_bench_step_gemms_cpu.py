@@ -79,3 +79,16 @@ def test_cooperative_plan_only_for_bf16_ping_pong_picks(sg):
     assert sg.cooperative_plan(Plan(), a, a.t(), {}) is None  # cooperative already
     Plan.config = sg.COOPERATIVE.with_(schedule="pingpong", tile_n=128)
     assert sg.cooperative_plan(Plan(), a.float(), a.t().float(), {}) is None  # not bf16
+
+
+def test_report_prints_the_per_round_ratios_where_timed(sg):
+    """Rows timed by ``time_config`` carry the fused / cuBLAS per-round median and quartiles: the
+    time table gains their column, the joules table does not."""
+    rows = _rows(True)
+    rows[0]["fused_per_round"], rows[1]["fused_per_round"] = [1.034, 1.021, 1.052], [1.016, 1.009, 1.02]
+    console = Console(record=True, width=260)
+    sg.report(rows, console)
+    text = console.export_text()
+    assert "fused / cuBLAS per round" in text.split("joules per launch")[0]
+    assert "1.034 [1.021, 1.052]" in text and "1.016 [1.009, 1.020]" in text
+    assert "per round" not in text.split("joules per launch")[1]
