@@ -49,7 +49,7 @@ from coda_cute.kernels.common.config import GemmConfig  # noqa: E402
 from coda_cute.nn.llama import CodaLlama, LlamaConfig  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.sol.energy import joules_over_run  # noqa: E402
-from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios, ratio_text  # noqa: E402
 
 #: milliseconds of back-to-back calls per launch and variant for its joules (``--energy``)
 ENERGY_RUN_MS = 1000
@@ -159,7 +159,7 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
                 r[f"{key}_j"] = None if e is None else e["j_per_call"]
         console.log(f"{name} {r['launch']} {m}x{n}x{k} x{count}: fused {r['fused_ms']:.3f} plain "
                     f"{r['plain_ms']:.3f} cuBLAS {r['cublas_ms']:.3f}, fused / cuBLAS per round "
-                    + per_round(r["fused_per_round"])
+                    + ratio_text(r["fused_per_round"])
                     + (f" fused coop {r['fused_coop_ms']:.3f} plain tile {r['plain_tile_ms']:.3f}"
                        if 'fused_coop_ms' in r else "")
                     + ("".join(f", {key} {r[f'{key}_j']:.4f} J" for key in VARIANTS if r.get(f"{key}_j"))))
@@ -170,12 +170,6 @@ def time_config(name: str, layers: int, rounds: int, console: Console, energy: b
 UNITS = {"ms": ("ms per launch; ratios > 1: slower than cuBLAS", "{:.3f}", "sum over the step's launches"),
          "j": ("joules per launch, back to back; ratios > 1: more than cuBLAS", "{:.4f}",
                "joules over the step's launches")}
-
-
-def per_round(ratio) -> str:
-    """A launch's per-round fused / cuBLAS ratio, (median, lower, upper quartile), as text."""
-    med, q1, q3 = ratio
-    return f"{med:.3f} [{q1:.3f}, {q3:.3f}]"
 
 
 def report(rows: list, console: Console):
@@ -199,7 +193,7 @@ def print_launches(name: str, sel: list, unit: str, console: Console):
         fused, plain, cublas = (r[f"{k}_{unit}"] for k in VARIANTS)
         t.add_row(r["launch"], f"{r['m']}x{r['n']}x{r['k']}", r["layout"], str(r["count"]), r["tile"],
                   fmt.format(fused), fmt.format(plain), fmt.format(cublas), f"{fused / cublas:.3f}",
-                  f"{plain / cublas:.3f}", *((per_round(r["fused_per_round"]),) if rounds else ()))
+                  f"{plain / cublas:.3f}", *((ratio_text(r["fused_per_round"]),) if rounds else ()))
     console.print(t)
     tot = {k: sum(r[f"{k}_{unit}"] * r["count"] for r in sel) for k in VARIANTS}
     u = " ms" if unit == "ms" else " J"

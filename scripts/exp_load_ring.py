@@ -28,7 +28,7 @@ from coda_cute.kernels.sm90 import epilogue as EP  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import swiglu_backward_tree  # noqa: E402
-from coda_cute.sol.timing import interleaved_times, paired_ratios  # noqa: E402
+from coda_cute.sol.timing import interleaved_times, paired_ratios, ratio_text  # noqa: E402
 
 SHAPES = {"1b": (16384, 8192, 2048), "8b": (16384, 14336, 4096)}  # M, f, d
 #: name: (load ring, store ring or None for today's, A/B stages or 0 for as many as fit)
@@ -65,9 +65,8 @@ def main():
         times = interleaved_times(fns, rounds=20, settle_ms=500)
         paired = paired_ratios(times, "cublas")
         for k, v in times.items():
-            med, q1, q3 = paired[k]
-            console.print(f"{label} {m}x{f}x{d} {k}: {statistics.median(v):.3f} ms, per round "
-                          f"{med:.3f}x cuBLAS [quartiles {q1:.3f}, {q3:.3f}]")
+            console.print(f"{label} {m}x{f}x{d} {k}: {statistics.median(v):.3f} ms, / cuBLAS per round "
+                          f"{ratio_text(paired[k])}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.ops.rmsnorm import norm_inputs  # noqa: E402
 from coda_cute.ops.swiglu import norm_swiglu_tree, swiglu_backward_tree  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
-from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios  # noqa: E402
+from coda_cute.sol.timing import calls_in_range, interleaved_times, paired_ratios, ratio_text  # noqa: E402
 
 #: (label, tokens, d, ffn)
 SHAPES = [("1b", 16384, 2048, 8192), ("8b", 16384, 4096, 14336)]
@@ -261,10 +261,9 @@ def main():
         t = {name: statistics.median(v) for name, v in times.items()}
         paired = paired_ratios(times, "cublas")
         for name, ms in t.items():
-            med, q1, q3 = paired[name]
             table.add_row(f"{label} {m}x{n}x{k}", name, f"{ms:.3f}", f"{ms / t['cublas']:.3f}",
-                          f"{med:.3f} [{q1:.3f}, {q3:.3f}]")
-            console.log(f"{label} {name}: {ms / t['cublas']:.3f} (per round {med:.3f} [{q1:.3f}, {q3:.3f}])")
+                          ratio_text(paired[name]))
+            console.log(f"{label} {name}: {ms / t['cublas']:.3f} (per round {ratio_text(paired[name])})")
         for line in joules_lines(fns, t, ["cublas", "plain", *picks], run_ms=600) if args.energy else ():
             console.log(f"{label} {line}")
     if not args.once:

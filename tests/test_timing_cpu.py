@@ -68,3 +68,4 @@ def test_paired_ratios_take_each_round_against_its_base():
         timing.paired_ratios(times, "z")
     with pytest.raises(ValueError, match="'x' has 1 rounds, 'base' 4"):
         timing.paired_ratios({"base": [1.0] * 4, "x": [1.0]}, "base")
+    assert timing.ratio_text(got["y"]) == f"1.000 [{q1:.3f}, {q3:.3f}]"

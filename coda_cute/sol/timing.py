@@ -131,6 +131,12 @@ def paired_ratios(times: dict, base: str) -> dict:
     return out
 
 
+def ratio_text(ratio) -> str:
+    """One :func:`paired_ratios` entry as text: ``median [lower quartile, upper quartile]``."""
+    med, q1, q3 = ratio
+    return f"{med:.3f} [{q1:.3f}, {q3:.3f}]"
+
+
 def _flush_buffer() -> torch.Tensor:
     """A buffer larger than any L2, zeroed before each timed call."""
     return torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
