@@ -20,11 +20,11 @@ against 1.069 / 1.039 for the two-buffer ring in the same run. ``two store buffe
 old ring against it, outputs checked bit-identical.
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_swiglu_epilogues.py [--rounds 10] [--configs 6]
-        [--also CONFIG_NAME ...] [--cluster MxN ...] [--raster G ...] [--split S ...] [--shape TOKENS,D,FFN ...] [--fp8-row-fast]
-        [--forward] [--energy] [--once]
+        [--also CONFIG_NAME ...] [--cluster MxN ...] [--raster G ...] [--split S ...]
+        [--shape TOKENS,D,FFN ...] [--fp8-row-fast] [--forward] [--energy] [--once]
 
 ``--once`` (for ncu): instead of timing, one call each of cuBLAS's plain product, our plain GEMM,
-the pick's tree and its ``--cluster`` / ``--raster`` variants per shape inside the NVTX range
+the pick's tree and its ``--cluster`` / ``--raster`` / ``--split`` variants per shape inside the NVTX range
 ``gemms`` (``--nvtx --nvtx-include gemms/``).
 
 The table gives each variant's median time over cuBLAS's median and, since one run's ratios on
@@ -232,19 +232,17 @@ def main():
         around = [pick.with_(cluster_m=int(cm), cluster_n=int(cn))
                   for cm, cn in (shape.split("x") for shape in args.cluster)]
         around += [pick.with_(raster_group=g) for g in args.raster]
-        for c in around:
-            same = all(torch.equal(x, y) for x, y in zip(run(tree, c).values(), run(tree, pick).values()))
-            console.log(f"{label} {c.name}: outputs {'bit-identical to' if same else 'DIFFER from'} the pick's")
-            fns[c.name] = lambda c=c: run(tree, c)
-        for parts in args.split:
-            name = f"{pick.name} in {parts} launches along M"
-            fns[name] = split_launches(tree, pick, a, b, inputs, parts, fp8)
-            want, got = run(tree, pick), fns[name]()
+        variants = {c.name: lambda c=c: run(tree, c) for c in around}
+        variants.update({f"{pick.name} in {parts} launches along M":
+                         split_launches(tree, pick, a, b, inputs, parts, fp8) for parts in args.split})
+        want = run(tree, pick) if variants else {}
+        for name, fn in variants.items():
+            got = fn()
             same = all(torch.equal(got[x], want[x]) for x in want)
             console.log(f"{label} {name}: outputs {'bit-identical to' if same else 'DIFFER from'} the pick's")
+        fns.update(variants)
         if args.once:
-            splits = [f"{pick.name} in {parts} launches along M" for parts in args.split]
-            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks, *(c.name for c in around), *splits)},
+            calls_in_range({name: fns[name] for name in ("cublas", "plain", *picks, *variants)},
                            log=lambda name: console.log(f"{label} {m}x{n}x{k}: {name}"))
             continue
         plan, stages = forced_buffers_plan(tree, a, b, inputs, pick, 2, fp8)
