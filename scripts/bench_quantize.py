@@ -12,8 +12,10 @@ transposed layout alone: h, y along the tokens for the weight gradients), and th
 ``quantize_rowwise`` (both layouts, columns alone, rows alone: one scale per whole row or column,
 its time including the launcher's amax pass, ``abs_max``, which reads x once more; the bytes
 counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts; also with
-``fold``, a weight gradient's activation columns scaled by the gradient rows' factors), and the
-columns' amax pass alone (``abs_max``: x read once).
+``fold``, a weight gradient's activation columns scaled by the gradient rows' factors), the
+columns' amax pass alone (``abs_max``: x read once), and a row-wise gradient's rows with their
+FP8 transpose, as two passes (``quantize_grad_rows`` then ``transpose_fp8``, which reads the FP8
+rows again) and from one read (``quantize_grad_rows_t``), both counted as one read's bytes.
 Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
@@ -29,11 +31,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coda_cute.elementwise_fp8 import abs_max, quantize_dual, quantize_rows, quantize_rowwise
+from coda_cute.elementwise_fp8 import (abs_max, quantize_dual, quantize_grad_rows, quantize_grad_rows_t, quantize_rows,
+                                       quantize_rowwise, row_bands_plan, transpose_fp8)
 from coda_cute.sol.timing import interleaved_medians
 
 FP8 = torch.float8_e4m3fn
-SHAPES = [(16384, 4096), (16384, 14336), (16384, 28672), (12304, 5000)]
+SHAPES = [(16384, 4096), (16384, 6144), (16384, 14336), (16384, 28672), (12304, 5000)]
 TARGET = 0.85
 
 
@@ -72,6 +75,11 @@ def main(argv=None) -> int:
                    "quantize_rowwise(rows=False, fold)": (lambda: quantize_rowwise(x, FP8, rows=False, fold=fold),
                                                           (False, True, True)),
                    "abs_max(columns, fold)": (lambda: abs_max(x, rows=False, fold=fold), (False, False, True))}
+        if m % 16 == 0 and k % 16 == 0:  # a gradient's rows and their FP8 transpose: two passes, then one read
+            kernels["quantize_grad_rows + transpose_fp8"] = (lambda: transpose_fp8(quantize_grad_rows(x, FP8)[0]),
+                                                             (True, True, True))
+            if row_bands_plan(k):
+                kernels["quantize_grad_rows_t"] = (lambda: quantize_grad_rows_t(x, FP8), (True, True, True))
         fns = {"copy": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in kernels.items()}}
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
         copy_tbs = 2 * 2 * m * k / ms["copy"] / 1e9

@@ -164,6 +164,10 @@
 #   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32, clusters 1x2,
 #             2x2, 1x1 and as 2 or 4 launches along M (--split), in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
 #             (--once): how much of its DRAM traffic is the operands' rereads
+#   bands     a gradient's row-wise FP8 rows and their transpose from one read (a cluster per
+#             16-row band, quantize.ONE_READ_TRANSPOSE): its GPU tests and the FP8 MLP's with the
+#             switch, bench_fp8.py --fast-accum all (the MLP with the switch flipped, in turns),
+#             bench_quantize.py (one read against the two passes), memcheck and racecheck of its kernel
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -492,6 +496,17 @@ stage_swiglu_sub() {
     step swiglu-sub 240 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 --shape 16384,4096,14336
 }
 
+stage_bands() {
+    step bands-tests 300 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_fp8_gpu.py tests/test_mlp_fp8_gpu.py \
+        -k "row_bands or gradient_rows or one_read"
+    step bands-mlp 260 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --json "$OUT/fp8.json"
+    step bands-bench 150 python3 scripts/bench_quantize.py --rounds 20 --json "$OUT/quant.json"
+    step bands-memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py --bands
+    step bands-racecheck 120 compute-sanitizer --tool racecheck --report-api-errors no \
+        --kernel-name kns=QuantizeRowBands python3 scripts/sanitize_fp8.py --bands
+}
+
 stage_swiglu_raster() {
     local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1
                   --split 2 --split 4)
@@ -658,6 +673,7 @@ for s in "$@"; do
         swiglu-ring) stage_swiglu_ring ;;
         swiglu-sub) stage_swiglu_sub ;;
         swiglu-raster) stage_swiglu_raster ;;
+        bands) stage_bands ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

@@ -1,0 +1,168 @@
+"""A gradient's row-wise FP8 quantization in both layouts from one read: for x (M, K) 16-bit,
+
+    amax_m = max |x[m, :]|,  s_m = block_scale(amax_m),  q[m, k] = fp8(x[m, k] / s_m)
+    qt = q^T (K, M),  fold_m = fold_factor(amax_m, s_m)
+
+exactly ``QuantizeWholeRows(fold=True)`` followed by ``TransposeBytes`` (``coda_cute.reference``'s
+``quantize_blocks_ref`` with blocks (1, K)), bit for bit, without their second read of q: 2 bytes
+read and 2 written per element where the two passes moved 5. A row's scale needs its whole row,
+and the transposed layout needs 16 rows at once (qt's 16-byte groups), so a band of ``BAND`` rows
+of the whole width is in flight together; no CTA holds that (a 16 x 28672 bf16 band is 917 KB),
+so a cluster of CTAs shares it: each CTA holds its slice of the band's columns in shared memory
+and the row maxima of the slices meet through distributed shared memory.
+
+Roles: no specialization. A cluster of ``cluster`` CTAs of 256 threads per band of 16 rows; CTA r
+of the cluster takes the band's 16-byte column groups [r S, r S + S), S = ceil(K / 8 / cluster),
+at most ``32 * groups`` of them (``groups``: a build constant, the groups per lane of a row).
+
+1. Load: warp w takes rows 2w and 2w + 1, lane l the groups l + 32 i (i < groups) of each (one
+   16-byte load each, the row's loads issued together), stores them to the shared slice and
+   reduces |x| over the warp: the row's maximum over this slice, one float in shared memory.
+2. Exchange: a cluster barrier (release / acquire: the slices' maxima are visible), then threads
+   0-15 each take one row's maximum over the cluster's slices (``ld.shared::cluster``), its scale
+   and reciprocal; CTA 0 writes the scales and fold factors. A relaxed cluster arrive says this
+   CTA has read its peers; it waits for theirs at its end, so no CTA leaves while a peer may
+   still read its shared memory.
+3. Rows: each warp quantizes its two rows from shared memory, 8 values per lane, one 8-byte store.
+4. Columns: thread t takes column pairs t + 256 j of the slice: 16 4-byte loads down the band (a
+   warp's lanes on consecutive words of one row: no bank conflicts), each value times its row's
+   reciprocal, two 16-byte stores, one per column, into qt's rows.
+
+M and K must be multiples of 16 (qt's rows start 16-byte aligned, a pair never straddles the
+matrix's edge); K at most ``8 * 32 * groups * cluster`` (the launcher picks both).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ..common.cluster_smem import load_peer_f32
+from ..common.fp8_math import abs_max, block_scale, fold_factor, quantize
+
+THREADS = 256
+WARPS = THREADS // 32
+#: rows of a band: qt's 16-byte groups
+BAND = 16
+ROWS_PER_WARP = BAND // WARPS
+#: elements per 16-byte access of the 16-bit input
+VEC = 8
+#: most groups per lane: a slice of 32 * 14 groups (3584 columns, 112 KB of bf16 for the band)
+#: leaves room for two CTAs per SM
+MAX_GROUPS = 14
+CLUSTERS = (1, 2, 4, 8)
+
+
+def band_plan(k: int):
+    """(cluster, groups) for rows of ``k`` values: the smallest portable cluster whose slices fit
+    ``MAX_GROUPS`` groups per lane, and the groups per lane the slices need; None past 8 slices
+    (K > 28672: the two-pass path)."""
+    groups8 = -(-k // VEC)
+    for cluster in CLUSTERS:
+        per_lane = -(-(-(-groups8 // cluster)) // 32)
+        if per_lane <= MAX_GROUPS:
+            return cluster, max(per_lane, 1)
+    return None
+
+
+class QuantizeRowBands:
+    """``q, scales (M, 1), qt, fold (M,)`` of 16-bit ``x`` (M, K) to ``out_dtype`` (module
+    docstring)."""
+
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int, cluster: int):
+        self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
+        self.groups, self.cluster = groups, cluster
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, q: cute.Tensor, qt: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor,
+                 stream):
+        gx = cute.zipped_divide(x, (1, VEC))  # ((1, 8), (M, K / 8))
+        gq = cute.zipped_divide(q, (1, VEC))
+        gqt = cute.zipped_divide(qt, (1, BAND))  # ((1, 16), (K, M / 16))
+        rows, _ = gx.shape[1]
+        self.kernel(gx, gq, gqt, scales, fold).launch(
+            grid=(self.cluster, cute.ceil_div(rows, BAND), 1),
+            block=(THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, gx: cute.Tensor, gq: cute.Tensor, gqt: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, band, _ = cute.arch.block_idx()
+        _, groups = gx.shape[1]
+        span = cute.ceil_div(groups, self.cluster)  # this slice's groups: [g0, g0 + span) within the row
+        g0 = rank * span
+        held = 32 * self.groups
+        smem = cutlass.memory.SmemAllocator()
+        tile = smem.allocate_tensor(self.dtype, cute.make_layout((BAND, held * VEC), stride=(held * VEC, 1)), 16)
+        part = smem.allocate_tensor(Float32, cute.make_layout(BAND), 16)
+        invs = smem.allocate_tensor(Float32, cute.make_layout(BAND), 16)
+        tile_v = cute.zipped_divide(tile, (1, VEC))  # ((1, 8), (BAND, held))
+        warp, lane = tidx // 32, tidx % 32
+        m0 = band * BAND
+
+        # 1. load: the slice into shared memory, each row's maximum over it
+        for rr in cutlass.range_constexpr(ROWS_PER_WARP):
+            row = warp * ROWS_PER_WARP + rr
+            buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), self.groups)), self.dtype)
+            buf.fill(0.0)  # groups past the slice or the matrix: zeros, which add nothing to the amax
+            for i in cutlass.range_constexpr(self.groups):
+                g = lane + 32 * i
+                if g < span and g0 + g < groups:
+                    buf[(None, i)].store(gx[(None, (m0 + row, g0 + g))].load())
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(self.groups):
+                amax = abs_max(amax, buf[(None, i)].load().to(Float32), VEC)
+                tile_v[(None, (row, lane + 32 * i))].store(buf[(None, i)].load())
+            for off in (16, 8, 4, 2, 1):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+            if lane == 0:
+                part[row] = amax
+
+        # 2. exchange: each row's maximum over the cluster's slices, its scale and reciprocal
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if tidx < BAND:
+            amax = part[tidx]
+            for peer in cutlass.range_constexpr(1, self.cluster):
+                other = load_peer_f32(part.iterator + tidx, (rank + peer) % self.cluster)
+                amax = cute.arch.fmax(amax, other, nan=True)
+            scale, inv = block_scale(amax, Float32(self.fp8_max), self.pow2)
+            invs[tidx] = inv
+            if rank == 0:
+                scales[(m0 + tidx, 0)] = scale
+                fold[m0 + tidx] = fold_factor(amax, scale)
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.sync_threads()
+
+        # 3. rows: q
+        for rr in cutlass.range_constexpr(ROWS_PER_WARP):
+            row = warp * ROWS_PER_WARP + rr
+            inv = invs[row]
+            for i in cutlass.range_constexpr(self.groups):
+                g = lane + 32 * i
+                if g < span and g0 + g < groups:
+                    v = tile_v[(None, (row, g))].load().to(Float32)
+                    gq[(None, (m0 + row, g0 + g))].store(quantize(v, inv, VEC).to(self.out_dtype))
+
+        # 4. columns: qt, two columns per thread and step
+        inv_r = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
+        for r in cutlass.range_constexpr(BAND):
+            inv_r[r] = invs[r]
+        tile_p = cute.zipped_divide(tile, (1, 2))  # ((1, 2), (BAND, held * 4))
+        lo = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
+        hi = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
+        for j in cutlass.range_constexpr(-(-held * VEC // 2 // THREADS)):
+            p = tidx + THREADS * j
+            if p < span * (VEC // 2) and (g0 * VEC + 2 * p) < groups * VEC:
+                for r in cutlass.range_constexpr(BAND):
+                    pair = tile_p[(None, (r, p))].load().to(Float32)
+                    lo[r] = pair[0] * inv_r[r]
+                    hi[r] = pair[1] * inv_r[r]
+                c = g0 * VEC + 2 * p
+                gqt[(None, (c, band))].store(lo.load().to(self.out_dtype))
+                gqt[(None, (c + 1, band))].store(hi.load().to(self.out_dtype))
+        cute.arch.cluster_wait()
