@@ -371,13 +371,14 @@ class QuantizeRowBandsSpec:
     out_dtype: str = "float8_e4m3fn"
     arch: str = "sm_90a"
     pow2: bool = False
-    groups: int = 14
-    cluster: int = 8
+    groups: int = 7
+    cluster: int = 16
+    rows: int = 32
 
     @property
     def name(self) -> str:
-        return (f"quantize_rowwise_bands_g{self.groups}_c{self.cluster}_{self.arch}_{short_dtype(self.dtype)}_"
-                f"{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
+        return (f"quantize_rowwise_bands_r{self.rows}_g{self.groups}_c{self.cluster}_{self.arch}_"
+                f"{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
 
     def build(self):
         import cutlass.cute as cute
@@ -386,7 +387,8 @@ class QuantizeRowBandsSpec:
         from .reference import FP8_MAX
 
         kernel = QuantizeRowBands(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype),
-                                  FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups, self.cluster)
+                                  FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups, self.cluster,
+                                  self.rows)
         m, k = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
         return kernel, (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
                         _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16),
@@ -394,18 +396,24 @@ class QuantizeRowBandsSpec:
                         _fake("float32", (m,), (1,)))
 
 
+#: rows of a band of :class:`QuantizeRowBandsSpec` as :func:`quantize_grad_rows_t` launches it
+BAND_ROWS = 32
+
+
 def row_bands_plan(k: int):
     """(cluster, groups) of :class:`QuantizeRowBandsSpec` for rows of ``k`` values, or None where
     a band's slices would not fit a portable cluster (the two-pass path)."""
     from .kernels.elementwise.quantize_row_bands import band_plan
 
-    return band_plan(k)
+    return band_plan(k, BAND_ROWS)
 
 
-def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: bool = False, out=None):
+def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: bool = False, out=None,
+                         plan=None):
     """(q, s, qt, fold) of a gradient ``x`` (M, K) 16-bit, M and K multiples of 16 and K within
     :func:`row_bands_plan`: :func:`quantize_grad_rows` and ``transpose_fp8(q)`` in one read
-    (:class:`QuantizeRowBandsSpec`), bit for bit. ``out``: the four preallocated, contiguous."""
+    (:class:`QuantizeRowBandsSpec`), bit for bit. ``out``: the four preallocated, contiguous;
+    ``plan``: (rows, cluster, groups) other than :func:`row_bands_plan`'s (experiments)."""
     from . import dispatch
 
     m, k = x.shape
@@ -417,9 +425,9 @@ def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: b
     q, s, qt, factors = out
     if x.numel() == 0:  # zero blocks: scale 1, factor 0
         return q, s.fill_(1.0), qt, factors.zero_()
-    cluster, groups = row_bands_plan(k)
+    rows, cluster, groups = plan or (BAND_ROWS, *row_bands_plan(k))
     spec = QuantizeRowBandsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
-                                dispatch.arch_of(x.device), pow2, groups, cluster)
+                                dispatch.arch_of(x.device), pow2, groups, cluster, rows)
     get_kernel(spec).fn(x, q, qt, s, factors)
     return q, s, qt, factors
 

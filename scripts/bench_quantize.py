@@ -19,11 +19,13 @@ rows again) and from one read (``quantize_grad_rows_t``), both counted as one re
 Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
+    python scripts/bench_quantize.py --plans    # the one-read rows and transpose's band plans alone
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -48,15 +50,51 @@ def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> 
     return 2 * m * k + rows * (m * k + 4 * row_scales) + cols * (m * k + 4 * col_scales)
 
 
+#: ``--plans``: the one-read rows and transpose's band plans, (label, rows, most groups held per lane
+#: and row): the package's, 16-row bands at the same shared memory, 16-row bands at half of it
+PLANS = (("32-row bands", 32, 224), ("16-row bands", 16, 224), ("16-row bands, half the slice", 16, 112))
+
+
+def time_plans(rounds: int, console) -> list:
+    """``quantize_grad_rows_t`` on each of :data:`PLANS` against the two passes it replaces, in
+    turns, at the 8B model's gradient widths."""
+    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
+
+    t = Table(title=f"a gradient's FP8 rows and transpose: one read per band plan against two passes (median of {rounds})")
+    for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, _, _ in PLANS)):
+        t.add_column(col, justify="right")
+    records = []
+    for k in (4096, 6144, 14336, 28672):
+        x = torch.randn(16384, k, device="cuda").bfloat16()
+        fns = {"two passes": lambda: transpose_fp8(quantize_grad_rows(x, FP8)[0])}
+        plans = {name: (rows, *band_plan(k, rows, held)) for name, rows, held in PLANS}
+        for name, plan in plans.items():
+            fns[name] = functools.partial(quantize_grad_rows_t, x, FP8, plan=plan)
+        ms = interleaved_medians(fns, rounds=rounds, settle_ms=200)
+        base = ms["two passes"]
+        t.add_row(f"16384 x {k}", f"{base:.3f}", *(f"{plans[n][1:]} {ms[n]:.3f} / {ms[n] / base:.3f}"
+                                                    for n, _, _ in PLANS))
+        records.append({"m": 16384, "k": k, "ms": ms, "plans": {n: list(p) for n, p in plans.items()}})
+    console.print(t)
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--plans", action="store_true", help="only the one-read rows and transpose's band plans")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     console = Console(width=140)
     if not torch.cuda.is_available():
         console.print("[red]bench_quantize needs a CUDA GPU[/]")
         return 2
+    if args.plans:
+        records = time_plans(args.rounds, console)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(records, fh, indent=1)
+        return 0
     t = Table(title=f"FP8 quantize kernels against copy bandwidth (target {TARGET:.0%}; median of {args.rounds})")
     for col in ("kernel", "M x K", "ms", "GB moved", "TB/s", "copy TB/s", "/ copy"):
         t.add_column(col, justify="left" if col == "kernel" else "right")

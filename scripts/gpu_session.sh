@@ -167,8 +167,9 @@
 #             (--once): how much of its DRAM traffic is the operands' rereads
 #   bands     a gradient's row-wise FP8 rows and their transpose from one read (a cluster per
 #             16-row band, quantize.ONE_READ_TRANSPOSE): its GPU tests and the FP8 MLP's with the
-#             switch, bench_fp8.py --fast-accum all (the MLP with the switch flipped, in turns),
-#             bench_quantize.py (one read against the two passes), memcheck and racecheck of its kernel
+#             switch, its band plans against the two passes (bench_quantize.py --plans), bench_fp8.py
+#             --fast-accum all (the MLP with the switch flipped, in turns), ncu's DRAM bytes and
+#             occupancy of both, memcheck and racecheck of its kernel
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -502,8 +503,11 @@ stage_swiglu_sub() {
 stage_bands() {
     step bands-tests 300 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_fp8_gpu.py tests/test_mlp_fp8_gpu.py \
         -k "row_bands or gradient_rows or one_read"
+    step bands-plans 120 python3 scripts/bench_quantize.py --plans --rounds 20 --json "$OUT/plans.json"
     step bands-mlp 260 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --json "$OUT/fp8.json"
-    step bands-bench 150 python3 scripts/bench_quantize.py --rounds 20 --json "$OUT/quant.json"
+    step bands-ncu 120 ncu --launch-count 5 --section LaunchStats --section Occupancy --section SpeedOfLight \
+        --section WarpStateStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python3 scripts/_probe_bands.py
     step bands-memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py --bands
     step bands-racecheck 120 compute-sanitizer --tool racecheck --report-api-errors no \

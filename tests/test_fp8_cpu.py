@@ -494,33 +494,34 @@ def test_gradient_rows_and_folded_columns_build_without_spills():
         compile_elementwise(QuantizeDualSpec("bfloat16", rows=True, whole=True, fold=True))
 
 
-@pytest.mark.parametrize("k, cluster, groups", [(16, 1, 1), (4096, 2, 8), (6144, 2, 12), (14336, 4, 14),
-                                                 (28672, 8, 14), (4112, 2, 9)])
+@pytest.mark.parametrize("k, cluster, groups", [(16, 1, 1), (4096, 4, 4), (6144, 4, 6), (14336, 8, 7),
+                                                 (28672, 16, 7), (4112, 4, 5)])
 def test_row_bands_plan_the_smallest_cluster_whose_slices_fit(k, cluster, groups):
-    """``row_bands_plan``: the smallest portable cluster whose slices of a 16-row band fit 14
-    16-byte groups per lane (112 KB of bf16 per CTA), and the groups its slices need; none past
-    8 slices (the two-pass path)."""
+    """``row_bands_plan``: the smallest cluster whose slices of a 32-row band fit 7 16-byte groups
+    per lane (112 KB of bf16 per CTA), and the groups its slices need; none past 16 slices (the
+    two-pass path)."""
     from coda_cute.elementwise_fp8 import row_bands_plan
 
     assert row_bands_plan(k) == (cluster, groups)
     assert row_bands_plan(28688) is None and row_bands_plan(57344) is None
 
 
-@pytest.mark.parametrize("groups, cluster", [(14, 8), (8, 2), (1, 1)])
-def test_row_bands_build_one_read_with_a_cluster_exchange_and_no_spills(groups, cluster):
-    """``QuantizeRowBandsSpec``: per thread ``2 * groups`` 16-byte loads of x (two rows), the same
-    16-byte stores to the shared slice and loads back, 8-byte stores of q; ``groups / 2`` column
-    pairs, each 16 4-byte shared loads down the band and two 16-byte stores into qt; one
-    ``ld.shared::cluster`` per peer CTA, two cluster barrier pairs (the exchange, and the exit
-    that keeps the slices' maxima alive), one CTA barrier; no spills."""
+@pytest.mark.parametrize("rows, groups, cluster", [(32, 7, 16), (32, 4, 4), (32, 1, 1), (16, 14, 8)])
+def test_row_bands_build_one_read_with_a_cluster_exchange_and_no_spills(rows, groups, cluster):
+    """``QuantizeRowBandsSpec``: per thread ``rows / 8 * groups`` 16-byte loads of x (its warp's
+    rows), the same 16-byte stores to the shared slice and loads back, 8-byte stores of q;
+    ``groups / 2`` column pairs, each ``rows`` 4-byte shared loads down the band and two 16-byte
+    stores into qt per 16 rows; one ``ld.shared::cluster`` per peer CTA, two cluster barrier pairs
+    (the exchange, and the exit that keeps the slices' maxima alive), one CTA barrier; no spills."""
     from coda_cute.elementwise_fp8 import QuantizeRowBandsSpec
 
-    kern = compile_elementwise(QuantizeRowBandsSpec("bfloat16", groups=groups, cluster=cluster), keep_artifacts=True)
-    assert kern.spec.name == f"quantize_rowwise_bands_g{groups}_c{cluster}_sm_90a_bf16_e4m3"
-    pairs = -(-groups // 2)
-    for op, n in (("ld.global.v4.b32", 2 * groups), ("st.shared.v4.b32", 2 * groups),
-                  ("st.global.v2.b32", 2 * groups), ("ld.shared.v2.b16", 16 * pairs),
-                  ("st.global.v4.b32", 2 * pairs), ("ld.shared::cluster", cluster - 1), ("bar.sync", 1)):
+    kern = compile_elementwise(QuantizeRowBandsSpec("bfloat16", groups=groups, cluster=cluster, rows=rows),
+                               keep_artifacts=True)
+    assert kern.spec.name == f"quantize_rowwise_bands_r{rows}_g{groups}_c{cluster}_sm_90a_bf16_e4m3"
+    pairs, loads = -(-groups // 2), rows // 8 * groups
+    for op, n in (("ld.global.v4.b32", loads), ("st.shared.v4.b32", loads), ("st.global.v2.b32", loads),
+                  ("ld.shared.v2.b16", rows * pairs), ("st.global.v4.b32", rows // 8 * pairs),
+                  ("ld.shared::cluster", cluster - 1), ("bar.sync", 1)):
         assert kern.ptx.count(op) == n, op
     assert kern.ptx.count("barrier.cluster.arrive") == 2 and kern.ptx.count("barrier.cluster.wait") == 2
     assert "ld.global.b8" not in kern.ptx and "st.global.b8" not in kern.ptx

@@ -43,46 +43,54 @@ from ..common.fp8_math import abs_max, block_scale, fold_factor, quantize
 
 THREADS = 256
 WARPS = THREADS // 32
-#: rows of a band: qt's 16-byte groups
-BAND = 16
-ROWS_PER_WARP = BAND // WARPS
+#: rows of a band: two of qt's 16-byte groups, so each 32-byte sector of qt is written whole by one
+#: thread (half-sector writes leave the L2 to merge them with the next band's)
+BAND = 32
+#: rows of a qt group
+QT_ROWS = 16
 #: elements per 16-byte access of the 16-bit input
 VEC = 8
-#: most groups per lane: a slice of 32 * 14 groups (3584 columns, 112 KB of bf16 for the band)
-#: leaves room for two CTAs per SM
-MAX_GROUPS = 14
-CLUSTERS = (1, 2, 4, 8)
+#: most 16-byte groups a CTA's slice holds per row and lane, times the band's rows: 224 (a 32 x
+#: 1792 bf16 slice, 112 KB) leaves room for two CTAs per SM
+MAX_HELD = 224
+#: most 16-byte loads in flight per thread in the load phase
+MAX_LOADS = 14
+CLUSTERS = (1, 2, 4, 8, 16)
 
 
-def band_plan(k: int):
-    """(cluster, groups) for rows of ``k`` values: the smallest portable cluster whose slices fit
-    ``MAX_GROUPS`` groups per lane, and the groups per lane the slices need; None past 8 slices
-    (K > 28672: the two-pass path)."""
+def band_plan(k: int, rows: int = BAND, held: int = MAX_HELD):
+    """(cluster, groups) for rows of ``k`` values in bands of ``rows``: the smallest cluster
+    (16: H100's non-portable largest) whose slices fit ``held`` groups per lane and row, and the
+    groups per lane the slices need; None past 16 slices (K > 28672: the two-pass path)."""
     groups8 = -(-k // VEC)
     for cluster in CLUSTERS:
         per_lane = -(-(-(-groups8 // cluster)) // 32)
-        if per_lane <= MAX_GROUPS:
+        if per_lane * rows <= held:
             return cluster, max(per_lane, 1)
     return None
 
 
 class QuantizeRowBands:
     """``q, scales (M, 1), qt, fold (M,)`` of 16-bit ``x`` (M, K) to ``out_dtype`` (module
-    docstring)."""
+    docstring); ``rows``: the band's rows (16 or 32)."""
 
-    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int, cluster: int):
+    def __init__(self, dtype, out_dtype, fp8_max: float, pow2: bool, groups: int, cluster: int, rows: int = BAND):
         self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
-        self.groups, self.cluster = groups, cluster
+        self.groups, self.cluster, self.rows = groups, cluster, rows
+        self.warp_rows = rows // WARPS
+        # rows whose loads are in flight together: the most that divide a warp's rows within MAX_LOADS
+        self.batch = max(b for b in range(1, self.warp_rows + 1) if self.warp_rows % b == 0 and b * groups <= max(
+            MAX_LOADS, groups))
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, qt: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor,
                  stream):
         gx = cute.zipped_divide(x, (1, VEC))  # ((1, 8), (M, K / 8))
         gq = cute.zipped_divide(q, (1, VEC))
-        gqt = cute.zipped_divide(qt, (1, BAND))  # ((1, 16), (K, M / 16))
+        gqt = cute.zipped_divide(qt, (1, QT_ROWS))  # ((1, 16), (K, M / 16))
         rows, _ = gx.shape[1]
         self.kernel(gx, gq, gqt, scales, fold).launch(
-            grid=(self.cluster, cute.ceil_div(rows, BAND), 1),
+            grid=(self.cluster, cute.ceil_div(rows, self.rows), 1),
             block=(THREADS, 1, 1),
             cluster=(self.cluster, 1, 1),
             stream=stream,
@@ -92,77 +100,82 @@ class QuantizeRowBands:
     def kernel(self, gx: cute.Tensor, gq: cute.Tensor, gqt: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         rank, band, _ = cute.arch.block_idx()
-        _, groups = gx.shape[1]
+        rows, groups = gx.shape[1]
         span = cute.ceil_div(groups, self.cluster)  # this slice's groups: [g0, g0 + span) within the row
         g0 = rank * span
         held = 32 * self.groups
         smem = cutlass.memory.SmemAllocator()
-        tile = smem.allocate_tensor(self.dtype, cute.make_layout((BAND, held * VEC), stride=(held * VEC, 1)), 16)
-        part = smem.allocate_tensor(Float32, cute.make_layout(BAND), 16)
-        invs = smem.allocate_tensor(Float32, cute.make_layout(BAND), 16)
-        tile_v = cute.zipped_divide(tile, (1, VEC))  # ((1, 8), (BAND, held))
+        tile = smem.allocate_tensor(self.dtype, cute.make_layout((self.rows, held * VEC), stride=(held * VEC, 1)), 16)
+        part = smem.allocate_tensor(Float32, cute.make_layout(self.rows), 16)
+        invs = smem.allocate_tensor(Float32, cute.make_layout(self.rows), 16)
+        tile_v = cute.zipped_divide(tile, (1, VEC))  # ((1, 8), (rows, held))
         warp, lane = tidx // 32, tidx % 32
-        m0 = band * BAND
+        m0 = band * self.rows
 
         # 1. load: the slice into shared memory, each row's maximum over it
-        for rr in cutlass.range_constexpr(ROWS_PER_WARP):
-            row = warp * ROWS_PER_WARP + rr
-            buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), self.groups)), self.dtype)
+        for rb in cutlass.range_constexpr(self.warp_rows // self.batch):
+            buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), self.groups, self.batch)), self.dtype)
             buf.fill(0.0)  # groups past the slice or the matrix: zeros, which add nothing to the amax
-            for i in cutlass.range_constexpr(self.groups):
-                g = lane + 32 * i
-                if g < span and g0 + g < groups:
-                    buf[(None, i)].store(gx[(None, (m0 + row, g0 + g))].load())
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(self.groups):
-                amax = abs_max(amax, buf[(None, i)].load().to(Float32), VEC)
-                tile_v[(None, (row, lane + 32 * i))].store(buf[(None, i)].load())
-            for off in (16, 8, 4, 2, 1):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
-            if lane == 0:
-                part[row] = amax
+            for b in cutlass.range_constexpr(self.batch):
+                row = warp * self.warp_rows + rb * self.batch + b
+                for i in cutlass.range_constexpr(self.groups):
+                    g = lane + 32 * i
+                    if g < span and g0 + g < groups and m0 + row < rows:
+                        buf[(None, i, b)].store(gx[(None, (m0 + row, g0 + g))].load())
+            for b in cutlass.range_constexpr(self.batch):
+                row = warp * self.warp_rows + rb * self.batch + b
+                amax = Float32(0.0)
+                for i in cutlass.range_constexpr(self.groups):
+                    amax = abs_max(amax, buf[(None, i, b)].load().to(Float32), VEC)
+                    tile_v[(None, (row, lane + 32 * i))].store(buf[(None, i, b)].load())
+                for off in (16, 8, 4, 2, 1):
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+                if lane == 0:
+                    part[row] = amax
 
         # 2. exchange: each row's maximum over the cluster's slices, its scale and reciprocal
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        if tidx < BAND:
+        if tidx < self.rows:
             amax = part[tidx]
             for peer in cutlass.range_constexpr(1, self.cluster):
-                other = load_peer_f32(part.iterator + tidx, (rank + peer) % self.cluster)
-                amax = cute.arch.fmax(amax, other, nan=True)
+                amax = cute.arch.fmax(amax, load_peer_f32(part.iterator + tidx, (rank + peer) % self.cluster), nan=True)
             scale, inv = block_scale(amax, Float32(self.fp8_max), self.pow2)
             invs[tidx] = inv
-            if rank == 0:
+            if rank == 0 and m0 + tidx < rows:
                 scales[(m0 + tidx, 0)] = scale
                 fold[m0 + tidx] = fold_factor(amax, scale)
         cute.arch.cluster_arrive_relaxed()
         cute.arch.sync_threads()
 
         # 3. rows: q
-        for rr in cutlass.range_constexpr(ROWS_PER_WARP):
-            row = warp * ROWS_PER_WARP + rr
+        for rr in cutlass.range_constexpr(self.warp_rows):
+            row = warp * self.warp_rows + rr
             inv = invs[row]
             for i in cutlass.range_constexpr(self.groups):
                 g = lane + 32 * i
-                if g < span and g0 + g < groups:
+                if g < span and g0 + g < groups and m0 + row < rows:
                     v = tile_v[(None, (row, g))].load().to(Float32)
                     gq[(None, (m0 + row, g0 + g))].store(quantize(v, inv, VEC).to(self.out_dtype))
 
-        # 4. columns: qt, two columns per thread and step
-        inv_r = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
-        for r in cutlass.range_constexpr(BAND):
+        # 4. columns: qt, two columns per thread and step, each column's 16-row groups one after another
+        inv_r = cute.make_rmem_tensor(cute.make_layout(self.rows), Float32)
+        for r in cutlass.range_constexpr(self.rows):
             inv_r[r] = invs[r]
-        tile_p = cute.zipped_divide(tile, (1, 2))  # ((1, 2), (BAND, held * 4))
-        lo = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
-        hi = cute.make_rmem_tensor(cute.make_layout(BAND), Float32)
+        tile_p = cute.zipped_divide(tile, (1, 2))  # ((1, 2), (rows, held * 4))
+        lo = cute.make_rmem_tensor(cute.make_layout(QT_ROWS), Float32)
+        hi = cute.make_rmem_tensor(cute.make_layout(QT_ROWS), Float32)
         for j in cutlass.range_constexpr(-(-held * VEC // 2 // THREADS)):
             p = tidx + THREADS * j
-            if p < span * (VEC // 2) and (g0 * VEC + 2 * p) < groups * VEC:
-                for r in cutlass.range_constexpr(BAND):
-                    pair = tile_p[(None, (r, p))].load().to(Float32)
-                    lo[r] = pair[0] * inv_r[r]
-                    hi[r] = pair[1] * inv_r[r]
-                c = g0 * VEC + 2 * p
-                gqt[(None, (c, band))].store(lo.load().to(self.out_dtype))
-                gqt[(None, (c + 1, band))].store(hi.load().to(self.out_dtype))
+            c = g0 * VEC + 2 * p
+            if p < span * (VEC // 2) and c < groups * VEC:
+                for h in cutlass.range_constexpr(self.rows // QT_ROWS):
+                    if m0 + h * QT_ROWS < rows:
+                        for r in cutlass.range_constexpr(QT_ROWS):
+                            pair = tile_p[(None, (h * QT_ROWS + r, p))].load().to(Float32)
+                            lo[r] = pair[0] * inv_r[h * QT_ROWS + r]
+                            hi[r] = pair[1] * inv_r[h * QT_ROWS + r]
+                        qg = band * (self.rows // QT_ROWS) + h
+                        gqt[(None, (c, qg))].store(lo.load().to(self.out_dtype))
+                        gqt[(None, (c + 1, qg))].store(hi.load().to(self.out_dtype))
         cute.arch.cluster_wait()
