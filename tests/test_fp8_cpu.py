@@ -508,8 +508,9 @@ def test_row_bands_plan_the_smallest_cluster_whose_slices_fit(k, cluster, groups
 
 @pytest.mark.parametrize("rows, groups, cluster", [(32, 7, 16), (32, 4, 4), (32, 1, 1), (16, 14, 8)])
 def test_row_bands_build_one_read_with_a_cluster_exchange_and_no_spills(rows, groups, cluster):
-    """``QuantizeRowBandsSpec``: per thread ``rows / 8 * groups`` 16-byte loads of x (its warp's
-    rows), the same 16-byte stores to the shared slice and loads back, 8-byte stores of q;
+    """``QuantizeRowBandsSpec``: per thread ``rows / 8 * groups`` 16-byte ``cp.async`` copies of x
+    into the shared slice (its warp's rows; no register loads of x), as many 16-byte zero stores
+    for the groups past the matrix, 8-byte stores of q;
     ``groups / 2`` column pairs, each ``rows`` 4-byte shared loads down the band and two 16-byte
     stores into qt per 16 rows; one ``ld.shared::cluster`` per peer CTA, two cluster barrier pairs
     (the exchange, and the exit that keeps the slices' maxima alive), one CTA barrier; no spills."""
@@ -519,7 +520,8 @@ def test_row_bands_build_one_read_with_a_cluster_exchange_and_no_spills(rows, gr
                                keep_artifacts=True)
     assert kern.spec.name == f"quantize_rowwise_bands_r{rows}_g{groups}_c{cluster}_sm_90a_bf16_e4m3"
     pairs, loads = -(-groups // 2), rows // 8 * groups
-    for op, n in (("ld.global.v4.b32", loads), ("st.shared.v4.b32", loads), ("st.global.v2.b32", loads),
+    assert "ld.global" not in kern.ptx
+    for op, n in (("cp.async.cg.shared.global", loads), ("st.shared.v4.b32", loads), ("st.global.v2.b32", loads),
                   ("ld.shared.v2.b16", rows * pairs), ("st.global.v4.b32", rows // 8 * pairs),
                   ("ld.shared::cluster", cluster - 1), ("bar.sync", 1)):
         assert kern.ptx.count(op) == n, op

@@ -7,29 +7,33 @@ exactly ``QuantizeWholeRows(fold=True)`` followed by ``TransposeBytes`` (``coda_
 ``quantize_blocks_ref`` with blocks (1, K)), bit for bit, without their second read of q: 2 bytes
 read and 2 written per element where the two passes moved 5. A row's scale needs its whole row,
 and the transposed layout needs 16 rows at once (qt's 16-byte groups), so a band of ``BAND`` rows
-of the whole width is in flight together; no CTA holds that (a 16 x 28672 bf16 band is 917 KB),
+of the whole width is in flight together; no CTA holds that (a 32 x 28672 bf16 band is 1.8 MB),
 so a cluster of CTAs shares it: each CTA holds its slice of the band's columns in shared memory
 and the row maxima of the slices meet through distributed shared memory.
 
-Roles: no specialization. A cluster of ``cluster`` CTAs of 256 threads per band of 16 rows; CTA r
+Roles: no specialization. A cluster of ``cluster`` CTAs of 256 threads per band of ``rows`` rows
+(32: each column's 32 bytes of qt, a whole sector, come from one thread; 16 for experiments); CTA r
 of the cluster takes the band's 16-byte column groups [r S, r S + S), S = ceil(K / 8 / cluster),
 at most ``32 * groups`` of them (``groups``: a build constant, the groups per lane of a row).
 
-1. Load: warp w takes rows 2w and 2w + 1, lane l the groups l + 32 i (i < groups) of each (one
-   16-byte load each, the row's loads issued together), stores them to the shared slice and
-   reduces |x| over the warp: the row's maximum over this slice, one float in shared memory.
+1. Load: warp w takes ``rows / 8`` consecutive rows, lane l the groups l + 32 i (i < groups) of each,
+   every one a 16-byte ``cp.async`` into the shared slice, all in flight at once (zeros stored
+   past the slice or the matrix); after its wait each thread reads its own groups back (no
+   barrier) and the warp reduces |x|: each row's maximum over this slice, one float in shared
+   memory.
 2. Exchange: a cluster barrier (release / acquire: the slices' maxima are visible), then threads
-   0-15 each take one row's maximum over the cluster's slices (``ld.shared::cluster``), its scale
-   and reciprocal; CTA 0 writes the scales and fold factors. A relaxed cluster arrive says this
-   CTA has read its peers; it waits for theirs at its end, so no CTA leaves while a peer may
-   still read its shared memory.
-3. Rows: each warp quantizes its two rows from shared memory, 8 values per lane, one 8-byte store.
-4. Columns: thread t takes column pairs t + 256 j of the slice: 16 4-byte loads down the band (a
-   warp's lanes on consecutive words of one row: no bank conflicts), each value times its row's
-   reciprocal, two 16-byte stores, one per column, into qt's rows.
+   0 to rows - 1 each take one row's maximum over the cluster's slices (``ld.shared::cluster``),
+   its scale and reciprocal; CTA 0 writes the scales and fold factors. A relaxed cluster arrive
+   says this CTA has read its peers; it waits for theirs at its end, so no CTA leaves while a
+   peer may still read its shared memory.
+3. Rows: each warp quantizes its rows from shared memory, 8 values per lane, one 8-byte store.
+4. Columns: thread t takes column pairs t + 256 j of the slice: per 16 rows, 16 4-byte loads down
+   the band (a warp's lanes on consecutive words of one row: no bank conflicts), each value times
+   its row's reciprocal, two 16-byte stores, one per column, into qt's rows.
 
 M and K must be multiples of 16 (qt's rows start 16-byte aligned, a pair never straddles the
-matrix's edge); K at most ``8 * 32 * groups * cluster`` (the launcher picks both).
+matrix's edge; a band past M by 16 rows writes its first half); K at most ``8 * 32 * groups *
+cluster`` (the launcher picks both).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.cluster_smem import load_peer_f32
 from ..common.fp8_math import abs_max, block_scale, fold_factor, quantize
@@ -53,8 +58,6 @@ VEC = 8
 #: most 16-byte groups a CTA's slice holds per row and lane, times the band's rows: 224 (a 32 x
 #: 1792 bf16 slice, 112 KB) leaves room for two CTAs per SM
 MAX_HELD = 224
-#: most 16-byte loads in flight per thread in the load phase
-MAX_LOADS = 14
 CLUSTERS = (1, 2, 4, 8, 16)
 
 
@@ -78,9 +81,6 @@ class QuantizeRowBands:
         self.dtype, self.out_dtype, self.fp8_max, self.pow2 = dtype, out_dtype, fp8_max, pow2
         self.groups, self.cluster, self.rows = groups, cluster, rows
         self.warp_rows = rows // WARPS
-        # rows whose loads are in flight together: the most that divide a warp's rows within MAX_LOADS
-        self.batch = max(b for b in range(1, self.warp_rows + 1) if self.warp_rows % b == 0 and b * groups <= max(
-            MAX_LOADS, groups))
 
     @cute.jit
     def __call__(self, x: cute.Tensor, q: cute.Tensor, qt: cute.Tensor, scales: cute.Tensor, fold: cute.Tensor,
@@ -112,26 +112,31 @@ class QuantizeRowBands:
         warp, lane = tidx // 32, tidx % 32
         m0 = band * self.rows
 
-        # 1. load: the slice into shared memory, each row's maximum over it
-        for rb in cutlass.range_constexpr(self.warp_rows // self.batch):
-            buf = cute.make_rmem_tensor(cute.make_layout(((1, VEC), self.groups, self.batch)), self.dtype)
-            buf.fill(0.0)  # groups past the slice or the matrix: zeros, which add nothing to the amax
-            for b in cutlass.range_constexpr(self.batch):
-                row = warp * self.warp_rows + rb * self.batch + b
-                for i in cutlass.range_constexpr(self.groups):
-                    g = lane + 32 * i
-                    if g < span and g0 + g < groups and m0 + row < rows:
-                        buf[(None, i, b)].store(gx[(None, (m0 + row, g0 + g))].load())
-            for b in cutlass.range_constexpr(self.batch):
-                row = warp * self.warp_rows + rb * self.batch + b
-                amax = Float32(0.0)
-                for i in cutlass.range_constexpr(self.groups):
-                    amax = abs_max(amax, buf[(None, i, b)].load().to(Float32), VEC)
-                    tile_v[(None, (row, lane + 32 * i))].store(buf[(None, i, b)].load())
-                for off in (16, 8, 4, 2, 1):
-                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
-                if lane == 0:
-                    part[row] = amax
+        # 1. load: the slice into shared memory by cp.async, every load of the thread in flight at
+        # once; each thread then reads back its own groups (its copies are complete after its wait:
+        # no barrier) for its rows' maxima over the slice
+        load = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128)
+        for rr in cutlass.range_constexpr(self.warp_rows):
+            row = warp * self.warp_rows + rr
+            for i in cutlass.range_constexpr(self.groups):
+                g = lane + 32 * i
+                if g < span and g0 + g < groups and m0 + row < rows:
+                    vec = cute.make_layout(((VEC, 1),))  # one 16-byte value, the atom's whole value mode
+                    cute.copy(load, cute.make_tensor(gx[(None, (m0 + row, g0 + g))].iterator, vec),
+                              cute.make_tensor(tile_v[(None, (row, g))].iterator, vec))
+                else:  # past the slice or the matrix: zeros, which add nothing to the amax
+                    tile_v[(None, (row, g))].fill(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        for rr in cutlass.range_constexpr(self.warp_rows):
+            row = warp * self.warp_rows + rr
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(self.groups):
+                amax = abs_max(amax, tile_v[(None, (row, lane + 32 * i))].load().to(Float32), VEC)
+            for off in (16, 8, 4, 2, 1):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off), nan=True)
+            if lane == 0:
+                part[row] = amax
 
         # 2. exchange: each row's maximum over the cluster's slices, its scale and reciprocal
         cute.arch.cluster_arrive()
