@@ -37,9 +37,11 @@ from .eager import direct
 
 OP = "coda.quantize_fp8"
 #: a gradient's row-wise FP8 rows and their transpose from one read of it, on CUDA
-#: (``elementwise_fp8.quantize_grad_rows_t``: a cluster of CTAs per band of 16 rows) where its
+#: (``elementwise_fp8.quantize_grad_rows_t``: a cluster of CTAs per band of 32 rows) where its
 #: width has a plan, instead of the one-read rows then the FP8 transpose (5 bytes moved per
-#: element become 4)
+#: element become 4). Off: slower on an H100 (2026-12-06): 1.34 ms at 16384 x 28672 against 0.82
+#: for the two passes (1.58-1.64x at the 8B widths 4096-28672), the row-wise fast FP8 MLP 16.60 ms
+#: against 15.59 (``kernels.elementwise.quantize_row_bands`` says why)
 ONE_READ_TRANSPOSE = False
 BLOCKS = {"1x128": (1, 128), "128x128": (128, 128)}
 FP8_OUT = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -34,6 +34,16 @@ at most ``32 * groups`` of them (``groups``: a build constant, the groups per la
 M and K must be multiples of 16 (qt's rows start 16-byte aligned, a pair never straddles the
 matrix's edge; a band past M by 16 rows writes its first half); K at most ``8 * 32 * groups *
 cluster`` (the launcher picks both).
+
+Measured on an H100 80GB HBM3 (2026-12-06, ``bench_quantize.py --plans``, 16384 rows, in turns):
+slower than the two passes it replaces, 1.343 ms against 0.818 at K = 28672 and 1.58-1.61x at K
+4096, 6144 and 14336. It moves the bytes it should (ncu at K = 28672: 0.99 GB read, 0.96 GB
+written, no read-for-write of qt's sectors) but keeps DRAM 43 % busy: two CTAs of 8 warps per SM
+(the slice's 112 KB of shared memory), each band's phases in series across its cluster (every
+CTA's loads, then the barrier, then its stores), so an SM's loads stop while it stores. 16-row
+bands (half-sector qt writes) ran 1.64-2.09x, and loading through registers rather than by
+``cp.async`` 1.50-1.69x in another run: the same within the runs' spread. What would overlap them: a persistent CTA loading the next band while it stores this
+one, which needs a second slice's shared memory (16-row bands of half the width).
 """
 
 from __future__ import annotations
