@@ -19,7 +19,7 @@ rows again) and from one read (``quantize_grad_rows_t``), both counted as one re
 Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
-    python scripts/bench_quantize.py --plans    # the one-read rows and transpose's band plans alone
+    python scripts/bench_quantize.py --plans [--once]   # the one-read rows and transpose's band plans alone
 """
 
 from __future__ import annotations
@@ -55,10 +55,19 @@ def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> 
 PLANS = (("32-row bands", 32, 224), ("16-row bands", 16, 224), ("16-row bands, half the slice", 16, 112))
 
 
-def time_plans(rounds: int, console) -> list:
+def time_plans(rounds: int, console, once: bool = False) -> list:
     """``quantize_grad_rows_t`` on each of :data:`PLANS` against the two passes it replaces, in
-    turns, at the 8B model's gradient widths."""
+    turns, at the 8B model's gradient widths; ``once``: each plan and the two passes once at
+    16384 x 28672, untimed (a profiler's five launches)."""
     from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
+
+    if once:
+        x = torch.randn(16384, 28672, device="cuda").bfloat16()
+        for _, rows, held in PLANS:
+            quantize_grad_rows_t(x, FP8, plan=(rows, *band_plan(28672, rows, held)))
+        transpose_fp8(quantize_grad_rows(x, FP8)[0])
+        torch.cuda.synchronize()
+        return []
 
     t = Table(title=f"a gradient's FP8 rows and transpose: one read per band plan against two passes (median of {rounds})")
     for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, _, _ in PLANS)):
@@ -83,6 +92,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--plans", action="store_true", help="only the one-read rows and transpose's band plans")
+    ap.add_argument("--once", action="store_true", help="with --plans: each plan once at 16384 x 28672, untimed")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     console = Console(width=140)
@@ -90,7 +100,7 @@ def main(argv=None) -> int:
         console.print("[red]bench_quantize needs a CUDA GPU[/]")
         return 2
     if args.plans:
-        records = time_plans(args.rounds, console)
+        records = time_plans(args.rounds, console, args.once)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(records, fh, indent=1)

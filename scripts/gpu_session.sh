@@ -507,7 +507,7 @@ stage_bands() {
     step bands-mlp 260 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --json "$OUT/fp8.json"
     step bands-ncu 120 ncu --launch-count 5 --section LaunchStats --section Occupancy --section SpeedOfLight \
         --section WarpStateStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        python3 scripts/_probe_bands.py
+        python3 scripts/bench_quantize.py --plans --once
     step bands-memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py --bands
     step bands-racecheck 120 compute-sanitizer --tool racecheck --report-api-errors no \
