@@ -9,6 +9,7 @@ nothing: ``coda_cute.ops.quantize`` validates first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -374,13 +375,15 @@ class QuantizeRowBandsSpec:
     groups: int = 7
     cluster: int = 16
     rows: int = 32
+    stages: int = 1
 
     @property
     def name(self) -> str:
-        return (f"quantize_rowwise_bands_r{self.rows}_g{self.groups}_c{self.cluster}_{self.arch}_"
+        return (f"quantize_rowwise_bands_r{self.rows}_g{self.groups}_c{self.cluster}_s{self.stages}_{self.arch}_"
                 f"{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
 
     def build(self):
+        import cutlass
         import cutlass.cute as cute
 
         from .kernels.elementwise.quantize_row_bands import QuantizeRowBands
@@ -388,12 +391,23 @@ class QuantizeRowBandsSpec:
 
         kernel = QuantizeRowBands(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype),
                                   FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups, self.cluster,
-                                  self.rows)
+                                  self.rows, self.stages)
         m, k = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
         return kernel, (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
                         _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16),
                         _fake("float32", (m, 1), (cute.sym_int64(), cute.sym_int64())),
-                        _fake("float32", (m,), (1,)))
+                        _fake("float32", (m,), (1,)), cutlass.Int32(1))
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_clusters(device: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` CTAs the device runs at once, one CTA per SM (the DSL's
+    occupancy query with the most shared memory a CTA may take): a persistent grid's size, which
+    no later wave follows."""
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(device):
+        return max(1, HardwareInfo().get_max_active_clusters(cluster))
 
 
 #: rows of a band of :class:`QuantizeRowBandsSpec` as :func:`quantize_grad_rows_t` launches it
@@ -413,7 +427,8 @@ def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: b
     """(q, s, qt, fold) of a gradient ``x`` (M, K) 16-bit, M and K multiples of 16 and K within
     :func:`row_bands_plan`: :func:`quantize_grad_rows` and ``transpose_fp8(q)`` in one read
     (:class:`QuantizeRowBandsSpec`), bit for bit. ``out``: the four preallocated, contiguous;
-    ``plan``: (rows, cluster, groups) other than :func:`row_bands_plan`'s (experiments)."""
+    ``plan``: (rows, cluster, groups, stages) other than :func:`row_bands_plan`'s (experiments;
+    with 2 stages a persistent grid of the clusters that fit at once)."""
     from . import dispatch
 
     m, k = x.shape
@@ -425,10 +440,12 @@ def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: b
     q, s, qt, factors = out
     if x.numel() == 0:  # zero blocks: scale 1, factor 0
         return q, s.fill_(1.0), qt, factors.zero_()
-    rows, cluster, groups = plan or (BAND_ROWS, *row_bands_plan(k))
+    rows, cluster, groups, stages = plan or (BAND_ROWS, *row_bands_plan(k), 1)
     spec = QuantizeRowBandsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
-                                dispatch.arch_of(x.device), pow2, groups, cluster, rows)
-    get_kernel(spec).fn(x, q, qt, s, factors)
+                                dispatch.arch_of(x.device), pow2, groups, cluster, rows, stages)
+    bands = -(-m // rows)
+    clusters = bands if stages == 1 else min(bands, _resident_clusters(x.device.index or 0, cluster))
+    get_kernel(spec).fn(x, q, qt, s, factors, clusters)
     return q, s, qt, factors
 
 

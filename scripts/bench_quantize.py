@@ -51,8 +51,10 @@ def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> 
 
 
 #: ``--plans``: the one-read rows and transpose's band plans, (label, rows, most groups held per lane
-#: and row): the package's, 16-row bands at the same shared memory, 16-row bands at half of it
-PLANS = (("32-row bands", 32, 224), ("16-row bands", 16, 224), ("16-row bands, half the slice", 16, 112))
+#: and row, stages): the package's, 16-row bands at the same shared memory, and a persistent grid
+#: of 16-row bands in two stages of half the slice (the next band's loads in flight while this one
+#: is stored)
+PLANS = (("32-row bands", 32, 224, 1), ("16-row bands", 16, 224, 1), ("16-row bands, 2 stages, persistent", 16, 112, 2))
 
 
 def time_plans(rounds: int, console, once: bool = False) -> list:
@@ -63,26 +65,26 @@ def time_plans(rounds: int, console, once: bool = False) -> list:
 
     if once:
         x = torch.randn(16384, 28672, device="cuda").bfloat16()
-        for _, rows, held in PLANS:
-            quantize_grad_rows_t(x, FP8, plan=(rows, *band_plan(28672, rows, held)))
+        for _, rows, held, stages in PLANS:
+            quantize_grad_rows_t(x, FP8, plan=(rows, *band_plan(28672, rows, held), stages))
         transpose_fp8(quantize_grad_rows(x, FP8)[0])
         torch.cuda.synchronize()
         return []
 
     t = Table(title=f"a gradient's FP8 rows and transpose: one read per band plan against two passes (median of {rounds})")
-    for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, _, _ in PLANS)):
+    for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, *_ in PLANS)):
         t.add_column(col, justify="right")
     records = []
     for k in (4096, 6144, 14336, 28672):
         x = torch.randn(16384, k, device="cuda").bfloat16()
         fns = {"two passes": lambda: transpose_fp8(quantize_grad_rows(x, FP8)[0])}
-        plans = {name: (rows, *band_plan(k, rows, held)) for name, rows, held in PLANS}
+        plans = {name: (rows, *band_plan(k, rows, held), stages) for name, rows, held, stages in PLANS}
         for name, plan in plans.items():
             fns[name] = functools.partial(quantize_grad_rows_t, x, FP8, plan=plan)
         ms = interleaved_medians(fns, rounds=rounds, settle_ms=200)
         base = ms["two passes"]
-        t.add_row(f"16384 x {k}", f"{base:.3f}", *(f"{plans[n][1:]} {ms[n]:.3f} / {ms[n] / base:.3f}"
-                                                    for n, _, _ in PLANS))
+        t.add_row(f"16384 x {k}", f"{base:.3f}", *(f"{plans[n][1:3]} {ms[n]:.3f} / {ms[n] / base:.3f}"
+                                                    for n, *_ in PLANS))
         records.append({"m": 16384, "k": k, "ms": ms, "plans": {n: list(p) for n, p in plans.items()}})
     console.print(t)
     return records

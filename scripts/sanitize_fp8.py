@@ -21,9 +21,14 @@ from coda_cute.ops import quantize
 
 
 def bands():
-    """The one-read rows with their transpose on a band cluster of each size (1, 2, 4, 8 CTAs)."""
+    """The one-read rows with their transpose on a band cluster of each size (1, 4, 8, 16 CTAs),
+    and on 16-row bands in two stages, persistent (512 rows at 28656: each cluster loops)."""
+    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
+
     for k in (512, 4112, 14336, 28656):
-        quantize_grad_rows_t(torch.randn(48, k, device="cuda").bfloat16())
+        x = torch.randn(512 if k == 28656 else 48, k, device="cuda").bfloat16()
+        quantize_grad_rows_t(x)
+        quantize_grad_rows_t(x, plan=(16, *band_plan(k, 16, 112), 2))
 
 
 def main():

@@ -315,16 +315,20 @@ def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, ou
             assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan]), name
 
 
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stage-persistent"])
 @pytest.mark.parametrize("out_dtype, pow2", [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)])
 # every cluster size, ragged slices (4112, 28656: the last CTA's slice shorter), one band and many
 @pytest.mark.parametrize("m, k", [(16, 16), (48, 6144), (160, 4096), (1008, 4112), (32, 14336), (2048, 28672),
                                   (64, 28656)])
-def test_row_bands_are_the_rows_and_their_transpose_bit_for_bit(m, k, out_dtype, pow2):
+def test_row_bands_are_the_rows_and_their_transpose_bit_for_bit(m, k, out_dtype, pow2, stages):
     """``quantize_grad_rows_t``: q, s, qt and the fold factors of the one-read rows
     (``quantize_grad_rows``) and the FP8 transpose of their q, bit for bit, into outputs poisoned
     first (0x7F bytes, NaN scales and factors: an unwritten group, scale or factor stays so); a
-    zero row (factor 0), an inf and a NaN row, a row of denormals, values over many binades."""
+    zero row (factor 0), an inf and a NaN row, a row of denormals, values over many binades.
+    ``stages``: the package's plan, or 16-row bands in two stages on a persistent grid (2048 rows:
+    128 bands over the clusters that fit at once, each looping)."""
     from coda_cute.elementwise_fp8 import quantize_grad_rows, quantize_grad_rows_t, transpose_fp8
+    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
 
     g = _input(m, k, torch.bfloat16)
     if m > 16:
@@ -336,7 +340,8 @@ def test_row_bands_are_the_rows_and_their_transpose_bit_for_bit(m, k, out_dtype,
     poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # noqa: E731
     nan = lambda *shape: torch.full(shape, float("nan"), device="cuda")  # noqa: E731
     out = (poison(m, k), nan(m, 1), poison(k, m), nan(m))
-    got = quantize_grad_rows_t(g, out_dtype, pow2, out=out)
+    plan = None if stages == 1 else (16, *band_plan(k, 16, 112), 2)
+    got = quantize_grad_rows_t(g, out_dtype, pow2, out=out, plan=plan)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, out))
     q, s, fold = quantize_grad_rows(g, out_dtype, pow2)
     want = (q, s, transpose_fp8(q), fold)
