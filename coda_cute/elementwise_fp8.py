@@ -20,8 +20,8 @@ from .precision import block_scales_m_major
 from .reference import fold_factors_ref
 
 __all__ = ["QuantizeRowsSpec", "QuantizeWholeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "TransposeBytesSpec",
-           "AbsMaxSpec", "QuantizeRowBandsSpec", "quantize_rows", "quantize_weight", "quantize_dual", "quantize_rowwise", "quantize_grad_rows",
-           "abs_max", "transpose_fp8", "whole_row_groups", "quantize_grad_rows_t", "row_bands_plan"]
+           "AbsMaxSpec", "QuantizeRowBandsSpec", "quantize_rows", "quantize_weight", "quantize_dual", "quantize_rowwise",
+           "quantize_grad_rows", "quantize_grad_rows_t", "abs_max", "transpose_fp8", "whole_row_groups", "row_bands_plan"]
 
 
 def _pow2(pow2: bool) -> str:
@@ -416,7 +416,7 @@ BAND_ROWS = 32
 
 def row_bands_plan(k: int):
     """(cluster, groups) of :class:`QuantizeRowBandsSpec` for rows of ``k`` values, or None where
-    a band's slices would not fit a portable cluster (the two-pass path)."""
+    a band's slices would not fit a cluster of 16 CTAs (the two-pass path)."""
     from .kernels.elementwise.quantize_row_bands import band_plan
 
     return band_plan(k, BAND_ROWS)

@@ -54,7 +54,8 @@ def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> 
 #: and row, stages): the package's, 16-row bands at the same shared memory, and a persistent grid
 #: of 16-row bands in two stages of half the slice (the next band's loads in flight while this one
 #: is stored)
-PLANS = (("32-row bands", 32, 224, 1), ("16-row bands", 16, 224, 1), ("16-row bands, 2 stages, persistent", 16, 112, 2))
+PLANS = (("32-row bands", 32, 224, 1), ("16-row bands", 16, 224, 1),
+         ("16-row bands, 2 stages, persistent", 16, 112, 2))
 
 
 def time_plans(rounds: int, console, once: bool = False) -> list:
@@ -71,7 +72,8 @@ def time_plans(rounds: int, console, once: bool = False) -> list:
         torch.cuda.synchronize()
         return []
 
-    t = Table(title=f"a gradient's FP8 rows and transpose: one read per band plan against two passes (median of {rounds})")
+    t = Table(title="a gradient's FP8 rows and transpose: one read per band plan against two passes "
+                    f"(median of {rounds})")
     for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, *_ in PLANS)):
         t.add_column(col, justify="right")
     records = []

@@ -79,7 +79,9 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
+from ..elementwise_fp8 import row_bands_plan
 from ..operands import dtype_name
+from . import quantize
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
@@ -87,8 +89,6 @@ from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fas
                         kept_weights, project, quantized_weights, residual_stats_tiles, wgrad, wgrad_kept)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from . import quantize
-from ..elementwise_fp8 import row_bands_plan
 from .quantize import quantize_dual_fp8, quantize_grad_rowwise_fp8
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
