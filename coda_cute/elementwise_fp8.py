@@ -9,7 +9,6 @@ nothing: ``coda_cute.ops.quantize`` validates first.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +19,8 @@ from .precision import block_scales_m_major
 from .reference import fold_factors_ref
 
 __all__ = ["QuantizeRowsSpec", "QuantizeWholeRowsSpec", "QuantizeWeightSpec", "QuantizeDualSpec", "TransposeBytesSpec",
-           "AbsMaxSpec", "QuantizeRowBandsSpec", "quantize_rows", "quantize_weight", "quantize_dual", "quantize_rowwise",
-           "quantize_grad_rows", "quantize_grad_rows_t", "abs_max", "transpose_fp8", "whole_row_groups", "row_bands_plan"]
+           "AbsMaxSpec", "quantize_rows", "quantize_weight", "quantize_dual", "quantize_rowwise", "quantize_grad_rows",
+           "abs_max", "transpose_fp8", "whole_row_groups"]
 
 
 def _pow2(pow2: bool) -> str:
@@ -360,93 +359,6 @@ def quantize_grad_rows(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: boo
                             dispatch.arch_of(x.device), pow2, whole=True)
     get_kernel(spec).fn(x, q, s, amax)
     return q, s, fold_factors_ref(amax, s[:, 0])
-
-
-@dataclass(frozen=True)
-class QuantizeRowBandsSpec:
-    """A gradient's whole-row quantization, fold factors and FP8 transpose in one read
-    (``kernels.elementwise.quantize_row_bands``): dtypes, power-of-two scales, and the plan for
-    its row width (``band_plan``): the groups each lane holds and the CTAs of a band's cluster."""
-
-    dtype: str
-    out_dtype: str = "float8_e4m3fn"
-    arch: str = "sm_90a"
-    pow2: bool = False
-    groups: int = 7
-    cluster: int = 16
-    rows: int = 32
-    stages: int = 1
-
-    @property
-    def name(self) -> str:
-        return (f"quantize_rowwise_bands_r{self.rows}_g{self.groups}_c{self.cluster}_s{self.stages}_{self.arch}_"
-                f"{short_dtype(self.dtype)}_{short_dtype(self.out_dtype)}{_pow2(self.pow2)}")
-
-    def build(self):
-        import cutlass
-        import cutlass.cute as cute
-
-        from .kernels.elementwise.quantize_row_bands import QuantizeRowBands
-        from .reference import FP8_MAX
-
-        kernel = QuantizeRowBands(cutlass_dtype(self.dtype), cutlass_dtype(self.out_dtype),
-                                  FP8_MAX[getattr(torch, self.out_dtype)], self.pow2, self.groups, self.cluster,
-                                  self.rows, self.stages)
-        m, k = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
-        return kernel, (_rows16(self.dtype, m, k), _rows16(self.out_dtype, m, k),
-                        _fake(self.out_dtype, (k, m), (cute.sym_int64(divisibility=16), 1), 16),
-                        _fake("float32", (m, 1), (cute.sym_int64(), cute.sym_int64())),
-                        _fake("float32", (m,), (1,)), cutlass.Int32(1))
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_clusters(device: int, cluster: int) -> int:
-    """How many clusters of ``cluster`` CTAs the device runs at once, one CTA per SM (the DSL's
-    occupancy query with the most shared memory a CTA may take): a persistent grid's size, which
-    no later wave follows."""
-    from cutlass.utils import HardwareInfo
-
-    with torch.cuda.device(device):
-        return max(1, HardwareInfo().get_max_active_clusters(cluster))
-
-
-#: rows of a band of :class:`QuantizeRowBandsSpec` as :func:`quantize_grad_rows_t` launches it
-BAND_ROWS = 32
-
-
-def row_bands_plan(k: int):
-    """(cluster, groups) of :class:`QuantizeRowBandsSpec` for rows of ``k`` values, or None where
-    a band's slices would not fit a cluster of 16 CTAs (the two-pass path)."""
-    from .kernels.elementwise.quantize_row_bands import band_plan
-
-    return band_plan(k, BAND_ROWS)
-
-
-def quantize_grad_rows_t(x: torch.Tensor, out_dtype=torch.float8_e4m3fn, pow2: bool = False, out=None,
-                         plan=None):
-    """(q, s, qt, fold) of a gradient ``x`` (M, K) 16-bit, M and K multiples of 16 and K within
-    :func:`row_bands_plan`: :func:`quantize_grad_rows` and ``transpose_fp8(q)`` in one read
-    (:class:`QuantizeRowBandsSpec`), bit for bit. ``out``: the four preallocated, contiguous;
-    ``plan``: (rows, cluster, groups, stages) other than :func:`row_bands_plan`'s (experiments;
-    with 2 stages a persistent grid of the clusters that fit at once)."""
-    from . import dispatch
-
-    m, k = x.shape
-    if out is None:
-        out = (torch.empty((m, k), dtype=out_dtype, device=x.device),
-               torch.empty((m, 1), dtype=torch.float32, device=x.device),
-               torch.empty((k, m), dtype=out_dtype, device=x.device),
-               torch.empty((m,), dtype=torch.float32, device=x.device))
-    q, s, qt, factors = out
-    if x.numel() == 0:  # zero blocks: scale 1, factor 0
-        return q, s.fill_(1.0), qt, factors.zero_()
-    rows, cluster, groups, stages = plan or (BAND_ROWS, *row_bands_plan(k), 1)
-    spec = QuantizeRowBandsSpec(str(x.dtype).removeprefix("torch."), str(out_dtype).removeprefix("torch."),
-                                dispatch.arch_of(x.device), pow2, groups, cluster, rows, stages)
-    bands = -(-m // rows)
-    clusters = bands if stages == 1 else min(bands, _resident_clusters(x.device.index or 0, cluster))
-    get_kernel(spec).fn(x, q, qt, s, factors, clusters)
-    return q, s, qt, factors
 
 
 @dataclass(frozen=True)

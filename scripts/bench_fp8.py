@@ -17,9 +17,7 @@ micro-batch of a gradient accumulation costs; the other variants, like torchao's
 weights in every step, which a step without accumulation does too), and ``..., 2x2 clusters``:
 its ping-pong picks on 2x2 clusters where they build without spills
 (``runner.FP8_PINGPONG_2X2``, an experiment switch); ``--poll`` adds ``..., polling``: its GEMMs'
-mainloops polling their stage barriers instead of sleeping between polls (``runner.POLL_FULL``);
-``..., one-read transposes`` (or ``two-pass``, whichever the package does not set): the same with
-``quantize.ONE_READ_TRANSPOSE`` flipped (dz' and h quantized with their FP8 transposes from one read).
+mainloops polling their stage barriers instead of sleeping between polls (``runner.POLL_FULL``).
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -86,8 +84,7 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
 def with_switch(step, name: str, value: bool, owner=None):
     """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
     backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` or
-    ``runner.POLL_FULL`` with the epilogue runner as ``owner``, ``ONE_READ_TRANSPOSE`` with
-    ``ops.quantize``."""
+    ``runner.POLL_FULL`` with the epilogue runner as ``owner``."""
     if owner is None:
         from coda_cute.ops import mlp_fp8 as owner
 
@@ -319,12 +316,6 @@ def kept_label(fast_accum: str) -> str:
     return fast_label(fast_accum)[1] + ", weights kept"
 
 
-def transpose_label(fast_accum: str, one_read: bool) -> str:
-    """The row-wise fast variant with ``quantize.ONE_READ_TRANSPOSE`` set to ``one_read`` (the
-    other setting from the package's)."""
-    return fast_label(fast_accum)[1] + (", one-read transposes" if one_read else ", two-pass transposes")
-
-
 def cluster_label(fast_accum: str) -> str:
     """The row-wise fast variant whose ping-pong picks take 2x2 clusters
     (``runner.FP8_PINGPONG_2X2``)."""
@@ -377,12 +368,6 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
             fns[kept_label(fast_accum)] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum,
                                                     **kept_weights(w_gu, w_down))
             from coda_cute.epilogue import runner
-            from coda_cute.ops import quantize
-
-            flip = not quantize.ONE_READ_TRANSPOSE
-            fns[transpose_label(fast_accum, flip)] = with_switch(
-                coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "ONE_READ_TRANSPOSE", flip,
-                quantize)
 
             fns[cluster_label(fast_accum)] = with_switch(
                 coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "FP8_PINGPONG_2X2", True,

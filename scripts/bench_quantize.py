@@ -12,20 +12,16 @@ transposed layout alone: h, y along the tokens for the weight gradients), and th
 ``quantize_rowwise`` (both layouts, columns alone, rows alone: one scale per whole row or column,
 its time including the launcher's amax pass, ``abs_max``, which reads x once more; the bytes
 counted are the quantize pass's own, so the ratio's best is about 2/3 for both layouts; also with
-``fold``, a weight gradient's activation columns scaled by the gradient rows' factors), the
-columns' amax pass alone (``abs_max``: x read once), and a row-wise gradient's rows with their
-FP8 transpose, as two passes (``quantize_grad_rows`` then ``transpose_fp8``, which reads the FP8
-rows again) and from one read (``quantize_grad_rows_t``), both counted as one read's bytes.
+``fold``, a weight gradient's activation columns scaled by the gradient rows' factors), and the
+columns' amax pass alone (``abs_max``: x read once).
 Shapes: the Llama-3-8B MLP's at 16384 tokens (d 4096, ffn 14336, 2 ffn) and a ragged one.
 
     python scripts/bench_quantize.py [--rounds 20] [--json out.json]
-    python scripts/bench_quantize.py --plans [--once]   # the one-read rows and transpose's band plans alone
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
@@ -33,12 +29,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coda_cute.elementwise_fp8 import (abs_max, quantize_dual, quantize_grad_rows, quantize_grad_rows_t, quantize_rows,
-                                       quantize_rowwise, row_bands_plan, transpose_fp8)
+from coda_cute.elementwise_fp8 import abs_max, quantize_dual, quantize_rows, quantize_rowwise
 from coda_cute.sol.timing import interleaved_medians
 
 FP8 = torch.float8_e4m3fn
-SHAPES = [(16384, 4096), (16384, 6144), (16384, 14336), (16384, 28672), (12304, 5000)]
+SHAPES = [(16384, 4096), (16384, 14336), (16384, 28672), (12304, 5000)]
 TARGET = 0.85
 
 
@@ -50,65 +45,15 @@ def moved_bytes(m: int, k: int, rows: bool, cols: bool, whole: bool = False) -> 
     return 2 * m * k + rows * (m * k + 4 * row_scales) + cols * (m * k + 4 * col_scales)
 
 
-#: ``--plans``: the one-read rows and transpose's band plans, (label, rows, most groups held per lane
-#: and row, stages): the package's, 16-row bands at the same shared memory, and a persistent grid
-#: of 16-row bands in two stages of half the slice (the next band's loads in flight while this one
-#: is stored)
-PLANS = (("32-row bands", 32, 224, 1), ("16-row bands", 16, 224, 1),
-         ("16-row bands, 2 stages, persistent", 16, 112, 2))
-
-
-def time_plans(rounds: int, console, once: bool = False) -> list:
-    """``quantize_grad_rows_t`` on each of :data:`PLANS` against the two passes it replaces, in
-    turns, at the 8B model's gradient widths; ``once``: each plan and the two passes once at
-    16384 x 28672, untimed (a profiler's five launches)."""
-    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
-
-    if once:
-        x = torch.randn(16384, 28672, device="cuda").bfloat16()
-        for _, rows, held, stages in PLANS:
-            quantize_grad_rows_t(x, FP8, plan=(rows, *band_plan(28672, rows, held), stages))
-        transpose_fp8(quantize_grad_rows(x, FP8)[0])
-        torch.cuda.synchronize()
-        return []
-
-    t = Table(title="a gradient's FP8 rows and transpose: one read per band plan against two passes "
-                    f"(median of {rounds})")
-    for col in ("M x K", "two passes ms", *(f"{name} (cluster, groups) ms / two passes" for name, *_ in PLANS)):
-        t.add_column(col, justify="right")
-    records = []
-    for k in (4096, 6144, 14336, 28672):
-        x = torch.randn(16384, k, device="cuda").bfloat16()
-        fns = {"two passes": lambda: transpose_fp8(quantize_grad_rows(x, FP8)[0])}
-        plans = {name: (rows, *band_plan(k, rows, held), stages) for name, rows, held, stages in PLANS}
-        for name, plan in plans.items():
-            fns[name] = functools.partial(quantize_grad_rows_t, x, FP8, plan=plan)
-        ms = interleaved_medians(fns, rounds=rounds, settle_ms=200)
-        base = ms["two passes"]
-        t.add_row(f"16384 x {k}", f"{base:.3f}", *(f"{plans[n][1:3]} {ms[n]:.3f} / {ms[n] / base:.3f}"
-                                                    for n, *_ in PLANS))
-        records.append({"m": 16384, "k": k, "ms": ms, "plans": {n: list(p) for n, p in plans.items()}})
-    console.print(t)
-    return records
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--plans", action="store_true", help="only the one-read rows and transpose's band plans")
-    ap.add_argument("--once", action="store_true", help="with --plans: each plan once at 16384 x 28672, untimed")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     console = Console(width=140)
     if not torch.cuda.is_available():
         console.print("[red]bench_quantize needs a CUDA GPU[/]")
         return 2
-    if args.plans:
-        records = time_plans(args.rounds, console, args.once)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(records, fh, indent=1)
-        return 0
     t = Table(title=f"FP8 quantize kernels against copy bandwidth (target {TARGET:.0%}; median of {args.rounds})")
     for col in ("kernel", "M x K", "ms", "GB moved", "TB/s", "copy TB/s", "/ copy"):
         t.add_column(col, justify="left" if col == "kernel" else "right")
@@ -127,11 +72,6 @@ def main(argv=None) -> int:
                    "quantize_rowwise(rows=False, fold)": (lambda: quantize_rowwise(x, FP8, rows=False, fold=fold),
                                                           (False, True, True)),
                    "abs_max(columns, fold)": (lambda: abs_max(x, rows=False, fold=fold), (False, False, True))}
-        if m % 16 == 0 and k % 16 == 0:  # a gradient's rows and their FP8 transpose: two passes, then one read
-            kernels["quantize_grad_rows + transpose_fp8"] = (lambda: transpose_fp8(quantize_grad_rows(x, FP8)[0]),
-                                                             (True, True, True))
-            if row_bands_plan(k):
-                kernels["quantize_grad_rows_t"] = (lambda: quantize_grad_rows_t(x, FP8), (True, True, True))
         fns = {"copy": lambda: dst.copy_(x), **{name: fn for name, (fn, _) in kernels.items()}}
         ms = interleaved_medians(fns, rounds=args.rounds, settle_ms=200)
         copy_tbs = 2 * 2 * m * k / ms["copy"] / 1e9

@@ -100,7 +100,7 @@ config cold; ``--configs 1b`` and ``--configs 8b`` may run as separate commands,
 rewritten after every config.
 
     python scripts/bench_train.py [--configs 1b 8b] [--rounds 20] [--warmup 3] [--layers 2]
-        [--batch 4 --seq 4096] [--no-compile] [--no-liger] [--one-read-transpose on|off] [--json out.json]
+        [--batch 4 --seq 4096] [--no-compile] [--no-liger] [--json out.json]
     python scripts/bench_train.py --smoke     # every variant once on a tiny config on CPU
                                               # (CODA through coda_cute.reference_on_cpu())
 
@@ -455,9 +455,6 @@ def parse_args(argv=None):
                          "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
-    ap.add_argument("--one-read-transpose", choices=("on", "off"),
-                    help="set ops.quantize.ONE_READ_TRANSPOSE (default: the package's): the row-wise FP8 "
-                         "gradients' rows and FP8 transposes from one read")
     ap.add_argument("--sync-each", action="store_true",
                     help="time each step after a host sync (a loop that reads its loss every step)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
@@ -506,12 +503,6 @@ def main(argv=None) -> int:
         mlp_fp8.FUSED_QUANT = True
     env = environment(device)
     env["fused_quant"] = args.fused_quant
-    if args.one_read_transpose:
-        from coda_cute.ops import quantize
-        quantize.ONE_READ_TRANSPOSE = args.one_read_transpose == "on"
-    if coda_cute is not None:
-        from coda_cute.ops import quantize
-        env["one_read_transpose"] = quantize.ONE_READ_TRANSPOSE
     say(f"torch {env['torch']}, transformers {env['transformers']}, {env.get('gpu', device)}")
     if CODA_IMPORT_ERROR:
         say(f"[bold red]{CODA_IMPORT_ERROR}[/]: the coda variant is recorded as null")

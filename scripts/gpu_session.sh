@@ -34,8 +34,7 @@
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-compile  the whole table in one run: bench_train.py at one config (TRAIN_CONFIG, default
 #             8b) with HF + torch.compile, Liger, HF eager, CODA bf16 and FP8 row-wise fast, in
-#             turns (a call of its own: compile takes minutes); TRAIN_ARGS: more bench_train.py
-#             flags (e.g. "--one-read-transpose on"), train-fp8's too
+#             turns (a call of its own: compile takes minutes)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   train-recipes  bench_train.py at 8b: the bf16 step, the block-scaled FP8 step (--fp8) and row-wise
 #             fast (--fp8-row-fast all) in turns, HF eager beside them (no compile, no Liger)
@@ -165,11 +164,6 @@
 #   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32, clusters 1x2,
 #             2x2, 1x1 and as 2 or 4 launches along M (--split), in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
 #             (--once): how much of its DRAM traffic is the operands' rereads
-#   bands     a gradient's row-wise FP8 rows and their transpose from one read (a cluster per
-#             16-row band, quantize.ONE_READ_TRANSPOSE): its GPU tests and the FP8 MLP's with the
-#             switch, its band plans against the two passes (bench_quantize.py --plans), bench_fp8.py
-#             --fast-accum all (the MLP with the switch flipped, in turns), ncu's DRAM bytes and
-#             occupancy of both, memcheck and racecheck of its kernel
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -287,15 +281,13 @@ stage_train() {
 }
 
 stage_train_compile() {
-    # shellcheck disable=SC2086  # TRAIN_ARGS: more bench_train.py flags, split on spaces
     step train-compile 520 python3 scripts/bench_train.py --configs "${TRAIN_CONFIG:-8b}" --rounds 6 --fp8-row-fast all \
-        ${TRAIN_ARGS:-} --json "$OUT/train-compile.json"
+        --json "$OUT/train-compile.json"
 }
 
 stage_train_fp8() {
-    # shellcheck disable=SC2086
     step train-fp8 560 python3 scripts/bench_train.py --configs 8b --no-compile --rounds 6 --fp8-row-fast all \
-        ${TRAIN_ARGS:-} --json "$OUT/train-fp8.json"
+        --json "$OUT/train-fp8.json"
 }
 
 stage_train_recipes() {
@@ -500,20 +492,6 @@ stage_swiglu_sub() {
     step swiglu-sub 240 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 --shape 16384,4096,14336
 }
 
-stage_bands() {
-    step bands-tests 300 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_fp8_gpu.py tests/test_mlp_fp8_gpu.py \
-        -k "row_bands or gradient_rows or one_read"
-    step bands-plans 120 python3 scripts/bench_quantize.py --plans --rounds 20 --json "$OUT/plans.json"
-    step bands-mlp 260 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --json "$OUT/fp8.json"
-    step bands-ncu 120 ncu --launch-count 5 --section LaunchStats --section Occupancy --section SpeedOfLight \
-        --section WarpStateStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        python3 scripts/bench_quantize.py --plans --once
-    step bands-memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-        --report-api-errors no python3 scripts/sanitize_fp8.py --bands
-    step bands-racecheck 120 compute-sanitizer --tool racecheck --report-api-errors no \
-        --kernel-name kns=QuantizeRowBands python3 scripts/sanitize_fp8.py --bands
-}
-
 stage_swiglu_raster() {
     local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1
                   --split 2 --split 4)
@@ -680,7 +658,6 @@ for s in "$@"; do
         swiglu-ring) stage_swiglu_ring ;;
         swiglu-sub) stage_swiglu_sub ;;
         swiglu-raster) stage_swiglu_raster ;;
-        bands) stage_bands ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

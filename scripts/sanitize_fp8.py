@@ -8,32 +8,17 @@ E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and backward
 the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the weight-gradient form)
 and the FP8 LM head, then their row-wise GEMMs (the scales on the accumulator), on a token count
 that is no multiple of the tiles (the row-wise gradients' FP8 transposes and folded columns
-among them), once with fast accumulation in every GEMM, that one again with
-``quantize.ONE_READ_TRANSPOSE`` flipped. ``--bands``: the one-read rows with their transpose
-alone, on every cluster size (racecheck's target).
+among them), once with fast accumulation in every GEMM.
 """
 
 import torch
 
-from coda_cute.elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_grad_rows_t, quantize_rows,
-                                       quantize_rowwise, quantize_weight, transpose_fp8)
-from coda_cute.ops import quantize
-
-
-def bands():
-    """The one-read rows with their transpose on a band cluster of each size (1, 4, 8, 16 CTAs),
-    and on 16-row bands in two stages, persistent (512 rows at 28656: each cluster loops)."""
-    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
-
-    for k in (512, 4112, 14336, 28656):
-        x = torch.randn(512 if k == 28656 else 48, k, device="cuda").bfloat16()
-        quantize_grad_rows_t(x)
-        quantize_grad_rows_t(x, plan=(16, *band_plan(k, 16, 112), 2))
+from coda_cute.elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise,
+                                       quantize_weight, transpose_fp8)
 
 
 def main():
     torch.manual_seed(0)
-    bands()
     x = torch.randn(333, 520, device="cuda").bfloat16()
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         for pow2 in (False, True):
@@ -45,7 +30,6 @@ def main():
             quantize_rowwise(x, dtype, cols=False, pow2=pow2)
             q, _, fold = quantize_grad_rows(x[:320, :512], dtype, pow2=pow2)
             transpose_fp8(q)
-            quantize_grad_rows_t(x[:320, :512], dtype, pow2=pow2)
             quantize_rowwise(x[:320, :264], dtype, rows=False, pow2=pow2, fold=fold)
     for pow2 in (False, True):
         quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
@@ -58,14 +42,9 @@ def main():
         cfg = LlamaConfig(256, 1, 4, 2, 384, 1008, head_dim=64, qk_norm=True, precision=recipe)
         model = CodaLlama(cfg, device="cuda")
         model(tokens, torch.roll(tokens, -1, 1)).backward()
-    quantize.ONE_READ_TRANSPOSE = not quantize.ONE_READ_TRANSPOSE  # the row-wise model the other way too
-    model(tokens, torch.roll(tokens, -1, 1)).backward()
     torch.cuda.synchronize()
     print("sanitize_fp8: every FP8 kernel ran")
 
 
 if __name__ == "__main__":
-    import sys
-
-    bands() if "--bands" in sys.argv[1:] else main()
-    torch.cuda.synchronize()
+    main()

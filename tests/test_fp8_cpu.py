@@ -494,45 +494,6 @@ def test_gradient_rows_and_folded_columns_build_without_spills():
         compile_elementwise(QuantizeDualSpec("bfloat16", rows=True, whole=True, fold=True))
 
 
-@pytest.mark.parametrize("k, cluster, groups", [(16, 1, 1), (4096, 4, 4), (6144, 4, 6), (14336, 8, 7),
-                                                 (28672, 16, 7), (4112, 4, 5)])
-def test_row_bands_plan_the_smallest_cluster_whose_slices_fit(k, cluster, groups):
-    """``row_bands_plan``: the smallest cluster whose slices of a 32-row band fit 7 16-byte groups
-    per lane (112 KB of bf16 per CTA), and the groups its slices need; none past 16 slices (the
-    two-pass path)."""
-    from coda_cute.elementwise_fp8 import row_bands_plan
-
-    assert row_bands_plan(k) == (cluster, groups)
-    assert row_bands_plan(28688) is None and row_bands_plan(57344) is None
-
-
-@pytest.mark.parametrize("rows, groups, cluster, stages", [(32, 7, 16, 1), (32, 4, 4, 1), (32, 1, 1, 1),
-                                                          (16, 7, 16, 2)])
-def test_row_bands_build_one_read_with_a_cluster_exchange_and_no_spills(rows, groups, cluster, stages):
-    """``QuantizeRowBandsSpec``: x into the shared slice by 16-byte ``cp.async`` copies (two sites:
-    the first band's and the next band's, each a runtime loop, so no copy's addresses stay live
-    across the band loop; no register loads of x); per thread ``rows / 8 * groups`` 8-byte stores
-    of q; ``groups / 2`` column pairs, each ``rows`` 4-byte shared loads down the band and two
-    16-byte stores into qt per 16 rows; one ``ld.shared::cluster`` per peer CTA, two cluster
-    barrier pairs (each band's exchange, and the exit that keeps the slices' maxima alive), two
-    CTA barriers; with two stages a wait for all but the newest copy group (the next band's);
-    at most 128 registers (two CTAs per SM), no spills."""
-    from coda_cute.elementwise_fp8 import QuantizeRowBandsSpec
-
-    kern = compile_elementwise(QuantizeRowBandsSpec("bfloat16", groups=groups, cluster=cluster, rows=rows,
-                                                    stages=stages), keep_artifacts=True)
-    assert kern.spec.name == f"quantize_rowwise_bands_r{rows}_g{groups}_c{cluster}_s{stages}_sm_90a_bf16_e4m3"
-    pairs, stores = -(-groups // 2), rows // 8 * groups
-    assert "ld.global" not in kern.ptx
-    for op, n in (("cp.async.cg.shared.global", 2), ("cp.async.commit_group", 2),
-                  (f"cp.async.wait_group \t{stages - 1};", 1), ("st.global.v2.b32", stores),
-                  ("ld.shared.v2.b16", rows * pairs), ("st.global.v4.b32", rows // 8 * pairs),
-                  ("ld.shared::cluster", cluster - 1), ("barrier.cluster.arrive", 2),
-                  ("barrier.cluster.wait", 2), ("bar.sync", 2)):
-        assert kern.ptx.count(op) == n, op
-    assert kern.stats["registers"] <= 128 and spill_bytes(kern) == 0
-
-
 def test_gradient_quantizer_refuses_a_fold_it_cannot_apply():
     """``fold`` scales the columns alone, with one fp32 factor per row of x, and a gradient's FP8
     transpose needs 16-byte rows both ways: the rules on every path, before a launch."""

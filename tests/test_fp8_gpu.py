@@ -258,13 +258,11 @@ def test_transpose_kernel_is_the_transpose_bit_for_bit(m, n):
     assert transpose_fp8(q[:0]).shape == (n, 0)
 
 
-@pytest.mark.parametrize("one_read", [False, True], ids=["two-pass", "one-read-transpose"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2-scales"])
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 # a row in one CTA (partial last group), one past one CTA (the amax pass), ragged tiles, dz' widths
 @pytest.mark.parametrize("m, k", [(16, 16), (1008, 1008), (160, 14352), (112, 32784), (2048, 28672)])
-def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, out_dtype, pow2, one_read,
-                                                                        monkeypatch):
+def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, out_dtype, pow2):
     """``quantize_grad_rowwise_fp8`` (a gradient's rows in one read, their fold factors and the FP8
     transpose) and ``quantize_rowwise_fp8(fold=...)`` (an activation's columns after the factors
     scale its rows) against the reference path, bit for bit: a zero gradient row (factor 0: the
@@ -272,13 +270,9 @@ def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, ou
     factor; the columns then take a finite factor there, or every one would be NaN), a row of
     denormals (the floor scale); the activation's columns over all the rows, and with the NaN
     row's factor as it comes every column NaN (a NaN gradient row poisons the whole weight
-    gradient, which the reference states). ``one_read``: ``quantize.ONE_READ_TRANSPOSE``, the rows
-    and their transpose from one read where the width has a plan (all but 32784)."""
+    gradient, which the reference states)."""
     import coda_cute
-    from coda_cute.ops import quantize
     from coda_cute.ops.quantize import quantize_grad_rowwise_fp8, quantize_rowwise_fp8
-
-    monkeypatch.setattr(quantize, "ONE_READ_TRANSPOSE", one_read)
 
     g, x = _input(m, k, torch.bfloat16), _input(m, 264, torch.bfloat16)
     if m > 100:
@@ -313,43 +307,3 @@ def test_gradient_rows_and_folded_columns_are_the_reference_bit_for_bit(m, k, ou
             nan = b.float().isnan()
             assert bool((a.float().isnan() == nan).all()), name
             assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan]), name
-
-
-@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stage-persistent"])
-@pytest.mark.parametrize("out_dtype, pow2", [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)])
-# every cluster size, ragged slices (4112, 28656: the last CTA's slice shorter), one band and many
-@pytest.mark.parametrize("m, k", [(16, 16), (48, 6144), (160, 4096), (1008, 4112), (32, 14336), (2048, 28672),
-                                  (64, 28656)])
-def test_row_bands_are_the_rows_and_their_transpose_bit_for_bit(m, k, out_dtype, pow2, stages):
-    """``quantize_grad_rows_t``: q, s, qt and the fold factors of the one-read rows
-    (``quantize_grad_rows``) and the FP8 transpose of their q, bit for bit, into outputs poisoned
-    first (0x7F bytes, NaN scales and factors: an unwritten group, scale or factor stays so); a
-    zero row (factor 0), an inf and a NaN row, a row of denormals, values over many binades.
-    ``stages``: the package's plan, or 16-row bands in two stages on a persistent grid (2048 rows:
-    128 bands over the clusters that fit at once, each looping)."""
-    from coda_cute.elementwise_fp8 import quantize_grad_rows, quantize_grad_rows_t, transpose_fp8
-    from coda_cute.kernels.elementwise.quantize_row_bands import band_plan
-
-    g = _input(m, k, torch.bfloat16)
-    if m > 16:
-        g[3, :] = 0
-        g[7, k - 1] = float("inf")
-        g[m - 2, 2] = float("nan")
-        g[9, :] = 0
-        g[9, min(129, k - 1)] = -1e-39
-    poison = lambda *shape: torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(out_dtype)  # noqa: E731
-    nan = lambda *shape: torch.full(shape, float("nan"), device="cuda")  # noqa: E731
-    out = (poison(m, k), nan(m, 1), poison(k, m), nan(m))
-    plan = None if stages == 1 else (16, *band_plan(k, 16, 112), 2)
-    got = quantize_grad_rows_t(g, out_dtype, pow2, out=out, plan=plan)
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, out))
-    q, s, fold = quantize_grad_rows(g, out_dtype, pow2)
-    want = (q, s, transpose_fp8(q), fold)
-    for name, a, b in zip(("q", "s", "qt", "fold"), got, want):
-        assert a.shape == b.shape, name
-        if a.element_size() == 4:
-            assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), name
-        else:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-    if m > 16:
-        assert fold[3] == 0 and bool(s[m - 2].isnan()) and bool(s[7].isnan())

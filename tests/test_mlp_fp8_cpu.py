@@ -496,37 +496,3 @@ def test_row_wise_gradient_of_ragged_width_takes_the_bf16_weight_gradient():
         dw = wgrad(dy, qt, fold, x, row=True)
     assert q.shape == (32, 72) and s.shape == (32, 1) and qt is None
     assert torch.equal(dw, (dy.float().t() @ x.float()).bfloat16())
-
-
-@pytest.mark.parametrize("m", [80, 77], ids=["m-multiple-of-16", "ragged-m"])
-def test_one_read_transposes_keep_h_transposed_and_the_gradients_bit_for_bit(m, monkeypatch):
-    """``quantize.ONE_READ_TRANSPOSE`` (the row-wise recipe): the forward keeps h's FP8 rows
-    transposed, (f, M), the bytes of the rows it keeps without it, where M is a multiple of 16
-    (else the rows, as before); outputs, fake shapes and gradients are the switch-off op's, bit
-    for bit (the CPU path runs the same math: only the kernels' passes differ)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from coda_cute.ops import quantize
-
-    y, ss, w_gu, w_down, dy2 = _inputs(m, 128, 208, 12)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(quantize, "ONE_READ_TRANSPOSE", on)
-        with coda_cute.reference_on_cpu():
-            out = torch.ops.coda.mlp_block_fp8(y, ss, w_gu, w_down, EPS, row_scaling=True, fast_accum="all")
-        with FakeTensorMode() as mode:
-            fake = torch.ops.coda.mlp_block_fp8(*(mode.from_tensor(t) for t in (y, ss, w_gu, w_down)), EPS,
-                                                row_scaling=True, fast_accum="all")
-        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in out]
-        runs[on] = out, _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, row_scaling=True,
-                               fast_accum="all")
-    (off, (y2_off, g_off)), (on, (y2_on, g_on)) = runs[False], runs[True]
-    kept_t = m % 16 == 0
-    assert tuple(on[7].shape) == ((208, m) if kept_t else (m, 208))
-    want_kept = off[7].view(torch.uint8).t() if kept_t else off[7].view(torch.uint8)
-    assert torch.equal(on[7].view(torch.uint8), want_kept) and torch.equal(on[8], off[8])
-    for a, b in zip(on[:3], off[:3]):
-        assert torch.equal(a, b)
-    assert torch.equal(y2_on, y2_off)
-    for a, b in zip(g_on, g_off):
-        assert torch.equal(a, b)

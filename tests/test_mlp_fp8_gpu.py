@@ -162,27 +162,6 @@ def test_two_by_two_clusters_leave_the_row_wise_mlp_bit_identical(m, monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
-@pytest.mark.parametrize("m, f", [(2048, 2816), (1000, 2816), (512, 14336)])
-def test_one_read_transposes_leave_the_row_wise_mlp_bit_identical(m, f, monkeypatch):
-    """``quantize.ONE_READ_TRANSPOSE``: dz' and h quantized with their FP8 transposes from one read
-    (the forward keeping h's transpose), the same bytes and scales as the one-read rows and the
-    transpose pass, so the output and every gradient are the switch-off run's bit for bit; M =
-    1000 keeps the two-pass path (no FP8 transpose), f = 14336 takes clusters of 4 and 8 CTAs."""
-    from coda_cute.ops import quantize
-
-    y, ss, w_gu, w_down, dy2 = _inputs(m, 1024, f)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(quantize, "ONE_READ_TRANSPOSE", on)
-        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
-        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, row_scaling=True, fast_accum="all")
-        out[0].backward(dy2)
-        runs[on] = [out[0], out[2], out[8]] + [t.grad for t in ins]
-        kept = out[7]
-    assert tuple(kept.shape) == ((f, m) if m % 16 == 0 else (m, f))
-    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
-
-
 @RECIPES
 def test_model_with_cached_fp8_weights_is_the_uncached_model(row):
     """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights

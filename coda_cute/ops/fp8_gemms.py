@@ -225,7 +225,7 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
 
 
 def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
-               fast: bool = False, transposed: bool = False) -> torch.Tensor:
+               fast: bool = False) -> torch.Tensor:
     """dW = dy^T @ x over the tokens in the row-wise recipe, x kept from the forward as its
     row-wise FP8 bytes ``x_q`` (M, K) with its rows' fold factors ``x_fold`` (M,)
     (``quantize.quantize_grad_rowwise_fp8``): x's bytes transposed, dy's rows scaled by the
@@ -240,12 +240,10 @@ def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_d
     not a multiple of 16 (no FP8 transpose): the bf16 GEMM on x dequantized (fold_m = s_m where q's
     row is not zero), so the FP8 rounding of x stays in dW. No tokens: dW = 0. NaN or inf in x
     makes its row's factor NaN, and with it every column scale of dy: dW is all NaN (the forward's
-    output row is NaN already). ``transposed``: x kept as those bytes' transpose (K, M)
-    (``quantize_grad_rowwise_fp8(transposed=True)``, M a multiple of 16), the GEMM's operand as it is."""
+    output row is NaN already)."""
     if dy.shape[0] == 0:
-        return dy.new_zeros((dy.shape[1], x_q.shape[0 if transposed else 1]))
+        return dy.new_zeros((dy.shape[1], x_q.shape[1]))
     if dy.shape[0] % 16:
         return gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
     _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, grad_dtype, rows=False, pow2_scales=pow2, fold=x_fold)
-    x_t = x_q if transposed else transpose_bytes(x_q)
-    return gemm_op(dyt_q, x_t.t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)
+    return gemm_op(dyt_q, transpose_bytes(x_q).t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)

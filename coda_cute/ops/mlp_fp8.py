@@ -56,12 +56,7 @@ step, takes one read and an FP8 transpose (5 bytes moved per element where the a
 dual quantization moved 6); h is neither recomputed and stored by the down dgrad's epilogue nor
 read twice for its columns (7 bytes per element become the 2 of its FP8 transpose, for 1 byte per
 element kept from forward to backward). The narrow y and dy2 take the amax pass and the column
-quantizer: two reads. With ``quantize.ONE_READ_TRANSPOSE`` dz' and h are quantized with their
-FP8 transposes from one read (``elementwise_fp8.quantize_grad_rows_t``; 4 bytes moved per element
-where the one-read rows and the transpose moved 5), and the forward keeps h's transpose
-(:func:`h_kept_t`); off, since that kernel is slower than the two passes (on an H100,
-2026-12-06, d 4096, ffn 14336, 16384 tokens, in turns: 16.60 ms per forward + backward against
-15.59).
+quantizer: two reads.
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
@@ -79,9 +74,7 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..elementwise_fp8 import row_bands_plan
 from ..operands import dtype_name
-from . import quantize
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
@@ -148,11 +141,11 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     z, then the quantized weights kept for the backward: W_gu's FP8 transpose (d, 2f) and its
     scales (128 x 128, or row-wise (N + K, 1)), W_down's; empty when the caller passed them, which
     the backward then uses; then with ``FUSED_QUANT`` h^T (f, M) in FP8 and its scales (f, ceil(M
-    / 128)), in the row-wise recipe h's FP8 rows (M, f) (or their transpose (f, M): :func:`h_kept_t`)
-    and their fold factors (M,), else two empty tensors); only y2 carries a gradient."""
+    / 128)), in the row-wise recipe h's FP8 rows (M, f) and their fold factors (M,), else two empty
+    tensors); only y2 carries a gradient."""
     if y.device.type == "cpu":
         dispatch.require_reference(OP)
-    _, f = check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
+    check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
     row, fast = row_scaling, fast_for(fast_accum, "forward")
     (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
@@ -161,10 +154,9 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
     out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row,
                   fast=fast)
-    if row:  # h's rows with their fold factors, kept for the down-proj weight gradient (transposed: h_kept_t)
-        kept_t = h_kept_t(y.shape[0], f)
-        h_q, h_s, h_qt, h_fold = quantize_grad_rowwise_fp8(out["h"], FP8, pow2_scales, transposed=kept_t)
-        h_t = (h_qt if kept_t else h_q, h_fold)
+    if row:  # h's rows with their fold factors, kept for the down-proj weight gradient
+        h_q, h_s, _, h_fold = quantize_grad_rowwise_fp8(out["h"], FP8, pow2_scales, transposed=False)
+        h_t = (h_q, h_fold)
     else:
         h_q, h_s = activation(out["h"], pow2_scales)
         h_t = out["h_t"] if fused else _no_h_t(y)
@@ -172,13 +164,6 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     if given[0] is not None:
         return res["y"], res["ss"], out["z"], *kept_weights(w_gu, True), *kept_weights(w_down, True), *h_t
     return res["y"], res["ss"], out["z"], gu_qt, gu_s, down_qt, down_s, *h_t
-
-
-def h_kept_t(m: int, f: int) -> bool:
-    """Whether the row-wise recipe's forward keeps h's FP8 rows transposed, (f, M), from the one
-    read that quantizes them (``quantize.ONE_READ_TRANSPOSE``, M and f multiples of 16 with a plan
-    for f), rather than as rows (M, f) that the backward transposes."""
-    return quantize.ONE_READ_TRANSPOSE and m > 0 and m % 16 == 0 and f % 16 == 0 and row_bands_plan(f) is not None
 
 
 def _fused(y, row: bool) -> bool:
@@ -203,7 +188,7 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
     d = y.shape[1]
     t = residual_stats_tiles(m, d, f, y.device, row, fast_for(fast_accum, "forward"))
     if row:
-        h_t = (y.new_empty((f, m) if h_kept_t(m, f) else (m, f), dtype=FP8), y.new_empty((m,), dtype=F32))
+        h_t = (y.new_empty((m, f), dtype=FP8), y.new_empty((m,), dtype=F32))
     elif _fused(y, row):
         h_t = (y.new_empty((f, m), dtype=FP8), y.new_empty((f, -(-m // 128)), dtype=F32))
     else:
@@ -214,13 +199,12 @@ def _fake(y, ss, w_gu, w_down, eps, e5m2_grads=False, pow2_scales=False, gu_q=No
 
 def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype,
                      needs=(True, True, True), pow2: bool = False, h_t=None, row: bool = False,
-                     fast_accum: str = "none", h_transposed: bool = False):
+                     fast_accum: str = "none"):
     """(dy, dw_gu, dw_down), the module docstring's backward (each skipped if not needed), from
     the weights' FP8 transposes and scales; ``pow2``: power-of-two scales; ``h_t``: the
     forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too), in
-    the row-wise recipe (``row``) its (h rows in FP8, fold factors), with ``h_transposed`` those
-    rows' transpose (f, M) (:func:`h_kept_t`); ``fast_accum``: which GEMMs accumulate in the tensor
-    core."""
+    the row-wise recipe (``row``) its (h rows in FP8, fold factors); ``fast_accum``: which GEMMs
+    accumulate in the tensor core."""
     fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row, wgrad_form=not row)
@@ -230,7 +214,7 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
                       transposed=True, row=True, fast=fast_d)
         dzp, zdz = bwd["dz"], bwd["zdz"]
         dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, True)
-        dw_down = wgrad_kept(dy2, *h_t, grad_dtype, pow2, fast_w, h_transposed) if needs[2] else None
+        dw_down = wgrad_kept(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
         dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, True, fast_w) if needs[1] else None
     elif h_t is not None:
         bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
@@ -262,7 +246,6 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(y, ss, z, gu_qt, gu_s, down_qt, down_s, h_tq, h_ts)
     ctx.eps, ctx.grad_dtype, ctx.pow2, ctx.row = eps, grad_format(e5m2_grads), pow2_scales, row_scaling
     ctx.fast_accum = fast_accum
-    ctx.h_transposed = row_scaling and h_kept_t(y.shape[0], z.shape[1] // 2)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -274,8 +257,7 @@ def _backward(ctx, dy2, *_):
     n = ctx.needs_input_grad
     h_t = (h_tq, h_ts) if ctx.row or h_tq.numel() else None
     dy, dw_gu, dw_down = mlp_fp8_backward(y, ss, gu_qt, gu_s, down_qt, down_s, ctx.eps, z, dy2.contiguous(),
-                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row, ctx.fast_accum,
-                                          ctx.h_transposed)
+                                          ctx.grad_dtype, (n[0], n[2], n[3]), ctx.pow2, h_t, ctx.row, ctx.fast_accum)
     return (dy, None, dw_gu, dw_down) + (None,) * 11
 
 

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_grad_rows_t, quantize_rows, quantize_rowwise,
-                               quantize_weight, row_bands_plan, transpose_fp8)
+from ..elementwise_fp8 import (quantize_dual, quantize_grad_rows, quantize_rows, quantize_rowwise, quantize_weight,
+                               transpose_fp8)
 from ..operands import check_pointer_aligned
 from ..precision import block_scales_m_major
 from ..reference import fold_factors_ref, quantize_blocks_ref
@@ -36,13 +36,6 @@ from .checks import BF16, F32, check_same_device
 from .eager import direct
 
 OP = "coda.quantize_fp8"
-#: a gradient's row-wise FP8 rows and their transpose from one read of it, on CUDA
-#: (``elementwise_fp8.quantize_grad_rows_t``: a cluster of CTAs per band of 32 rows) where its
-#: width has a plan, instead of the one-read rows then the FP8 transpose (5 bytes moved per
-#: element become 4). Off: slower on an H100 (2026-12-06): 1.34 ms at 16384 x 28672 against 0.82
-#: for the two passes (1.58-1.64x at the 8B widths 4096-28672), the row-wise fast FP8 MLP 16.60 ms
-#: against 15.59 (``kernels.elementwise.quantize_row_bands`` says why)
-ONE_READ_TRANSPOSE = False
 BLOCKS = {"1x128": (1, 128), "128x128": (128, 128)}
 FP8_OUT = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUTS = {"1x128": (BF16, torch.float16), "128x128": (F32, BF16, torch.float16)}
@@ -220,8 +213,7 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
 
     so g is read once (no column amaxes); the zero rows' factor 0 keeps their x rows out of the
     folded columns' amaxes. The kernels on CUDA (``elementwise_fp8.quantize_grad_rows``, then
-    ``elementwise_fp8.transpose_fp8``; with :data:`ONE_READ_TRANSPOSE` both from one read,
-    ``elementwise_fp8.quantize_grad_rows_t``), the reference inside ``reference_on_cpu``."""
+    ``elementwise_fp8.transpose_fp8``), the reference inside ``reference_on_cpu``."""
     if transposed:
         m, k = check_dual(g, dtype, OP_ROWWISE)
         if k % 16:
@@ -230,8 +222,6 @@ def quantize_grad_rowwise_fp8(g: torch.Tensor, dtype=torch.float8_e4m3fn, pow2_s
     else:
         m, k, _ = check_quantize(g, "1x128", None, dtype, OP_ROWWISE)
     if g.device.type == "cuda":
-        if transposed and ONE_READ_TRANSPOSE and row_bands_plan(k):
-            return quantize_grad_rows_t(g, dtype, pow2_scales)
         q, s, fold = quantize_grad_rows(g, dtype, pow2_scales)
         return q, s, transpose_fp8(q) if transposed else None, fold
     dispatch.require_reference(OP_ROWWISE)
