@@ -29,6 +29,12 @@ every variant runs on the same weights:
               MLP classes); the script undoes that right away and re-applies it only around the
               Liger model's own forward, so the HF baselines stay unpatched.
 
+``--cache-folds``: both CODA models built with ``cache_folds=True``, so that their gamma folds (and
+the FP8 ones' quantized weights, ``WeightQuantCache``) are made once per version of the weights
+and kept: no step here changes a weight, so every timed step is then a micro-batch after the
+first of a gradient accumulation, where the default times one whose optimizer step ran just
+before it (folds and weight quantization paid in the step). The HF baselines have nothing to keep.
+
 Timing: every variant's step is a function; all of a config's steps are timed IN TURNS in one
 ``coda_cute.sol.timing.interleaved_medians`` call (CUDA events around each step, L2 flushed
 before each, a fresh random order per round, warm-up calls and a settle period first): the
@@ -152,7 +158,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
     errors: dict = {}
     rec = {"config": spec.name, "mode": "smoke" if smoke else "gpu", "tokens": m, "batch": b, "seq": s,
            "layers": layers, "spec": asdict(spec), "rounds": args.rounds, "warmup": args.warmup,
-           "sync_each": args.sync_each,
+           "sync_each": args.sync_each, "cache_folds": args.cache_folds,
            **{f"{v}_ms": None for v in VARIANTS}, **{f"{v}_peak_gib": None for v in VARIANTS},
            **{f"{v}_j_per_step": None for v in VARIANTS}, "energy": {},
            "losses": {}, "loss_rel_diff": None, "loss_ok": None, "ratio_to_coda": {}, "profile": None,
@@ -183,7 +189,8 @@ def run_config(spec: ModelSpec, args, device) -> dict:
     try:
         if CODA_IMPORT_ERROR:
             raise RuntimeError(CODA_IMPORT_ERROR)
-        coda = CodaLlama.from_hf(CodaLlamaConfig(**c), hf_model.state_dict(), device=device)
+        coda = CodaLlama.from_hf(CodaLlamaConfig(**c), hf_model.state_dict(), device=device,
+                                 cache_folds=args.cache_folds)
         coda.train()
         models["coda"] = coda
         coda_params = list(coda.parameters())
@@ -201,7 +208,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
                 raise RuntimeError(CODA_IMPORT_ERROR)
             from coda_cute.precision import Fp8Recipe
             fp8 = CodaLlama.from_hf(CodaLlamaConfig(**c, precision=Fp8Recipe(scaling=scaling, fast_accum=fast)),
-                                    hf_model.state_dict(), device=device)
+                                    hf_model.state_dict(), device=device, cache_folds=args.cache_folds)
             fp8.train()
             fp8_params = list(fp8.parameters())
             steps[name] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
@@ -350,6 +357,8 @@ def _joules(e):
 def report(rec: dict, console: Console = out_console):
     smoke = rec["mode"] == "smoke"
     note = " (SMOKE: one CPU wall-clock call each, not a benchmark)" if smoke else ""
+    if rec.get("cache_folds"):
+        note += ", CODA's folds and FP8 weights kept (a micro-batch of a gradient accumulation)"
     t = Table(title=f"{rec['config']}: training step (fwd + bwd), {rec['layers']} layers, "
                     f"{rec['batch']} x {rec['seq']} tokens{note}")
     for col in ("variant", "step ms", "variant / coda", "variant / shadow", "peak GiB (beyond params + grads)",
@@ -455,6 +464,9 @@ def parse_args(argv=None):
                          "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
+    ap.add_argument("--cache-folds", action="store_true",
+                    help="CODA models with cache_folds=True: gamma folds and FP8 weights made once per weight "
+                         "version (a micro-batch of a gradient accumulation)")
     ap.add_argument("--sync-each", action="store_true",
                     help="time each step after a host sync (a loop that reads its loss every step)")
     ap.add_argument("--json", help="write the records (one per config) to this path")
@@ -503,6 +515,7 @@ def main(argv=None) -> int:
         mlp_fp8.FUSED_QUANT = True
     env = environment(device)
     env["fused_quant"] = args.fused_quant
+    env["cache_folds"] = args.cache_folds
     say(f"torch {env['torch']}, transformers {env['transformers']}, {env.get('gpu', device)}")
     if CODA_IMPORT_ERROR:
         say(f"[bold red]{CODA_IMPORT_ERROR}[/]: the coda variant is recorded as null")

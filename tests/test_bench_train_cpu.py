@@ -48,6 +48,7 @@ def test_parse_args_flags(bt):
     assert s.smoke and s.configs == [bt.SMOKE_SPEC.name] and (s.batch, s.seq) == (bt.SMOKE_BATCH, bt.SMOKE_SEQ)
     assert bt.parse_args(["--smoke", "--seq", "16"]).seq == 16
     assert bt.parse_args(["--sync-each"]).sync_each
+    assert bt.parse_args(["--cache-folds"]).cache_folds and not bt.parse_args([]).cache_folds
 
 
 def test_after_sync_syncs_before_the_step(bt, monkeypatch):
