@@ -164,6 +164,10 @@
 #   swiglu-raster  the same launch on its pick with raster bands 2, 4, 16, 32, clusters 1x2,
 #             2x2, 1x1 and as 2 or 4 launches along M (--split), in turns, then ncu's DRAM bytes, L2 hit rate, cycles and clock of each
 #             (--once): how much of its DRAM traffic is the operands' rereads
+#   targets   issue 17's three time targets in one call (about 250 s on the H200): the training
+#             table at 8b with HF + compile and Liger (train-compile), the FP8 MLP sublayer
+#             against its shadows with one profiled step each (mlp-profile), and the block-scaled
+#             forward form as built against torch's block-wise kernel (block-built)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -223,7 +227,7 @@ ncu_pages() {
 
 stage_rope() {
     step rope-sweep 200 python3 scripts/bench_rope_backward.py --sweep --rounds 20 --json "$OUT/rope.json"
-    step rope-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py -k rope_backward
+    step rope-tests 200 python3 -m pytest -q -m gpu -n 6 tests/test_rope_backward_gpu.py
     step rope-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_backward.py
     local t
@@ -239,7 +243,7 @@ stage_rope_bench() {
 
 stage_backward() {
     step backward-tests 400 python3 -m pytest -q -m gpu -n 6 tests/test_coda_block_gpu.py tests/test_train_gpu.py \
-        tests/test_fold_gpu.py -k "not rope_backward and not model_gradients"
+        tests/test_fold_gpu.py -k "not model_gradients"
     step backward-gradients 150 python3 -m pytest -q -s -m gpu tests/test_coda_block_gpu.py -k model_gradients
 }
 
@@ -447,7 +451,7 @@ stage_tree_tiles() {
 
 stage_card_picks() {
     step card-picks-tests 300 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 8)" \
-        tests/test_coda_block_gpu.py tests/test_train_gpu.py
+        tests/test_coda_block_gpu.py tests/test_rope_backward_gpu.py tests/test_train_gpu.py
     step card-picks-gemms 90 python3 scripts/bench_step_gemms.py --configs 8b --rounds 5 --json "$OUT/card-picks-gemms.json"
     step card-picks-train 400 python3 scripts/bench_train.py --configs 8b --no-compile --no-liger --rounds 5 \
         --fp8-row-fast all --json "$OUT/card-picks-train.json"
@@ -558,7 +562,7 @@ stage_emb() {
 
 stage_verify_rest() {
     step verify-rest 450 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 12)" tests/test_coda_block_gpu.py \
-        tests/test_train_gpu.py tests/test_fold_gpu.py tests/test_epilogue_gpu.py tests/test_attention_fp8_gpu.py \
+        tests/test_rope_backward_gpu.py tests/test_train_gpu.py tests/test_fold_gpu.py tests/test_epilogue_gpu.py tests/test_attention_fp8_gpu.py \
         tests/test_sol_gpu.py
 }
 
@@ -658,6 +662,7 @@ for s in "$@"; do
         swiglu-ring) stage_swiglu_ring ;;
         swiglu-sub) stage_swiglu_sub ;;
         swiglu-raster) stage_swiglu_raster ;;
+        targets) stage_train_compile; stage_mlp_profile; stage_block_built ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

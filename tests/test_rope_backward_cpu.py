@@ -108,11 +108,11 @@ def test_unstaging_the_qk_norm_kernel_drops_its_default_stage_rows():
 
 
 def test_every_tuning_of_the_gpu_tests_is_a_layout():
-    """Each tuning the GPU tests launch (``test_coda_block_gpu._sweep_tunings``: the benchmark's
+    """Each tuning the GPU tests launch (``test_rope_backward_gpu._sweep_tunings``: the benchmark's
     sweep and the fixed staged, unstaged and ragged cases) is a layout the kernel accepts, checked
     here on the CPU: a change of defaults that turns one into an error (stages=0 alone raised once
     the staged default took two rows per stage) fails in CI, not first on the GPU."""
-    from test_coda_block_gpu import _sweep_tunings
+    from test_rope_backward_gpu import _sweep_tunings
 
     for qk_norm, head_dim, tuning, (h, hkv) in _sweep_tunings():
         k = RopeBackward(qk_norm, head_dim, h, hkv, **dict(tuning))
