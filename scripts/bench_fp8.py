@@ -348,9 +348,17 @@ def poll_label(fast_accum: str) -> str:
     return fast_label(fast_accum)[1] + ", polling"
 
 
-def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", poll: bool = False) -> dict:
+def side_label(fast_accum: str, down: int, gate_up: int) -> str:
+    """The row-wise fast variant whose down dgrad and gate/up dgrad leave ``down`` and ``gate_up``
+    SMs to the weight gradients' passes (``mlp_fp8.SIDE_SMS_*``; 0 and 0: the passes in series)."""
+    return fast_label(fast_accum)[1] + f", side SMs {down} / {gate_up}"
+
+
+def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", poll: bool = False,
+            side_sms=()) -> dict:
     """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
-    also the row-wise recipe with it and its shadow, and with ``poll`` that recipe polling."""
+    also the row-wise recipe with it and its shadow, with ``poll`` that recipe polling, and for
+    each (down, gate/up) of ``side_sms`` that recipe with those side SMs."""
     y, w_gu, w_down, dy2 = mlp_case(m, d, f)
     ss = None if baselines_only else embedding_norm_stats(y)
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
@@ -372,6 +380,10 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
             fns[cluster_label(fast_accum)] = with_switch(
                 coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "FP8_PINGPONG_2X2", True,
                 runner)
+            for down, gate_up in side_sms:
+                fns[side_label(fast_accum, down, gate_up)] = with_switch(with_switch(
+                    coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum),
+                    "SIDE_SMS_DOWN_DGRAD", down), "SIDE_SMS_GATE_UP_DGRAD", gate_up)
             if poll:
                 fns[poll_label(fast_accum)] = with_switch(
                     coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "POLL_FULL", True, runner)
@@ -439,13 +451,20 @@ def main(argv=None) -> int:
     p.add_argument("--poll", action="store_true",
                    help="with --fast-accum: also the row-wise fast variant whose GEMMs' mainloops poll their stage "
                         "barriers (runner.POLL_FULL, GemmConfig.poll_full)")
+    p.add_argument("--side-sms", nargs="+", default=[], metavar="DOWN,GATE_UP",
+                   help="with --fast-accum: also the row-wise fast variant whose down dgrad and gate/up dgrad leave "
+                        "these SMs to the weight gradients' passes beside them (mlp_fp8.SIDE_SMS_*; 0,0: in series)")
     args = p.parse_args(argv)
+    side_sms = [tuple(int(v) for v in pair.split(",")) for pair in args.side_sms]
+    if any(len(pair) != 2 or min(pair) < 0 for pair in side_sms):
+        p.error(f"--side-sms takes pairs DOWN,GATE_UP of SM counts >= 0, got {args.side_sms}")
     console = Console()
     if not torch.cuda.is_available():
         console.print("[red]bench_fp8 needs a CUDA GPU[/]")
         return 2
     m, d, f = args.tokens, args.dim, args.ffn
-    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll) if args.sublayer == "mlp" else \
+    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll, side_sms) \
+        if args.sublayer == "mlp" else \
         attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
     if args.once:
         ours, shadow = fast_label(args.fast_accum)[::-1] if args.fast_accum != "none" else ("coda fp8 row-wise", SHADOW)
@@ -472,7 +491,8 @@ def main(argv=None) -> int:
                   f"{alone[name][1]:.3f}")
     console.print(t)
     fast_shadow, fast_ours = fast_label(args.fast_accum)
-    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum), poll_label(args.fast_accum)):
+    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum), poll_label(args.fast_accum),
+                 *(side_label(args.fast_accum, *pair) for pair in side_sms)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")

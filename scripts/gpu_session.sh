@@ -16,6 +16,7 @@
 #   rope      the RoPE backward's tuning sweep (bench_rope_backward.py --sweep), its GPU tests
 #             (every swept tuning against float64), compute-sanitizer memcheck of every
 #             backward kernel (sanitize_backward.py), racecheck and synccheck of the RoPE one
+#   rope-tests  the RoPE backward's GPU tests alone (tests/test_rope_backward_gpu.py)
 #   rope-bench  bench_rope_backward.py --sweep alone (the op and its kernel's tunings against copy bandwidth)
 #   backward  the training-step GPU tests (test_coda_block_gpu, test_train_gpu, test_fold_gpu),
 #             then the model's gradients against fp32 with their error ratios printed (-s)
@@ -168,6 +169,11 @@
 #             table at 8b with HF + compile and Liger (train-compile), the FP8 MLP sublayer
 #             against its shadows with one profiled step each (mlp-profile), and the block-scaled
 #             forward form as built against torch's block-wise kernel (block-built)
+#   side-mlp  the FP8 MLP's GPU tests, bench_fp8.py --fast-accum all with the row-wise fast variant's
+#             weight-gradient passes beside its dgrads on several side SM counts (--side-sms) and in
+#             series, then compute-sanitizer memcheck of sanitize_fp8.py
+#   side      exp_side_stream.py: the row-wise FP8 MLP backward's four wgrad-only passes on a side
+#             stream beside the gate/up dgrad run on fewer SMs, against the two in series
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -223,6 +229,10 @@ ncu_pages() {
         --page source --csv --print-source sass > '$OUT/$name-source.csv' \
         && python3 scripts/ncu_hot_lines.py '$OUT/$name-source.csv' --top 40 \
         && gzip -f '$OUT/$name-source.csv' && rm -f '$OUT/$name.ncu-rep'"
+}
+
+stage_rope_tests() {
+    step rope-tests 200 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_rope_backward_gpu.py
 }
 
 stage_rope() {
@@ -496,6 +506,18 @@ stage_swiglu_sub() {
     step swiglu-sub 240 python3 scripts/exp_swiglu_epilogues.py --configs 1 --rounds 8 --shape 16384,4096,14336
 }
 
+stage_side_mlp() {
+    step side-mlp-tests 200 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py
+    step side-mlp 200 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --side-sms 0,0 0,16 4,6 12,12 \
+        --json "$OUT/side-mlp.json"
+    step side-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+}
+
+stage_side() {
+    step side 200 python3 scripts/exp_side_stream.py --rounds 8
+}
+
 stage_swiglu_raster() {
     local around=(--raster 2 --raster 4 --raster 16 --raster 32 --cluster 1x2 --cluster 2x2 --cluster 1x1
                   --split 2 --split 4)
@@ -606,6 +628,7 @@ setup
 for s in "$@"; do
     case $s in
         rope) stage_rope ;;
+        rope-tests) stage_rope_tests ;;
         rope-bench) stage_rope_bench ;;
         backward) stage_backward ;;
         hf) stage_hf ;;
@@ -663,6 +686,8 @@ for s in "$@"; do
         swiglu-sub) stage_swiglu_sub ;;
         swiglu-raster) stage_swiglu_raster ;;
         targets) stage_train_compile; stage_mlp_profile; stage_block_built ;;
+        side-mlp) stage_side_mlp ;;
+        side) stage_side ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
     esac

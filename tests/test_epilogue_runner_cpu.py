@@ -416,3 +416,35 @@ def test_opcheck(which):
     with coda_cute.reference_on_cpu():
         result = torch.library.opcheck(op.default, _op_args(which, 40, 48, 32, "cpu"), test_utils=utils)
     assert result == {u: "SUCCESS" for u in utils}
+
+
+def test_a_grid_of_fewer_sms_is_its_own_kernel_and_bad_counts_are_refused(hopper):
+    """``run(..., sms=)``: the persistent grid sized for that many SMs (the spec's SM count, a
+    plan of its own beside the all-SM one); a count outside [2, the device's] or not an int is
+    refused before any launch, on the reference path too."""
+    a, b, ins = host_call()
+    E.run(HOST_TREE, a, b, ins)
+    E.run(HOST_TREE, a, b, ins, sms=116)
+    specs = len(hopper.specs)
+    E.run(HOST_TREE, a, b, ins, sms=116)  # the plan kept
+    assert {s.num_sms for s in hopper.specs} == {132, 116} and hopper.specs[-1].num_sms == 116
+    assert len(hopper.specs) == specs and len(hopper.launches) == 3
+    for bad in (0, 1, 133, True, 100.0):
+        with pytest.raises(ValueError, match=r"sms must be an int from 2 to the device's 132 SMs"):
+            E.run(HOST_TREE, a, b, ins, sms=bad)
+        with coda_cute.reference_on_cpu(), pytest.raises(ValueError, match=r"sms must be an int from 2"):
+            E.run(HOST_TREE, a, b, ins, sms=bad)
+    assert len(hopper.launches) == 3
+
+
+def test_beside_runs_in_series_off_cuda():
+    """``ops.beside`` off CUDA (or with no side SMs): the GEMM on every SM (``None``), then the
+    passes, on the one stream."""
+    from coda_cute.ops.beside import beside
+
+    calls = []
+    for side in (0, 16):
+        out = beside(lambda sms: calls.append(("gemm", sms)) or "g", lambda: calls.append(("passes",)) or "p",
+                     torch.device("cpu"), side)
+        assert out == ("g", "p")
+    assert calls == [("gemm", None), ("passes",)] * 2

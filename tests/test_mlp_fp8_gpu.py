@@ -162,6 +162,31 @@ def test_two_by_two_clusters_leave_the_row_wise_mlp_bit_identical(m, monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
+@pytest.mark.parametrize("m", [8192, 1000])  # 1000: no FP8 transposes, the bf16 weight gradients
+def test_passes_beside_the_dgrads_leave_the_row_wise_mlp_unchanged(m, monkeypatch):
+    """The weight gradients' passes on a side stream beside the two dgrads (``ops.beside``, the
+    default) against the same passes in series: the fork and the join order every read after its
+    write, so the output and every gradient match. The dgrads then run on fewer SMs, where the
+    heuristic may pick other tiles: the same products in the same k order, whose per-tile row
+    partials (the norm statistics) may group differently; bit for bit where the picks agree."""
+    from coda_cute.ops import mlp_fp8
+
+    d, f = 1024, 2816
+    y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
+    runs = {}
+    for side in ((0, 0), (8, 10), (24, 24)):
+        monkeypatch.setattr(mlp_fp8, "SIDE_SMS_DOWN_DGRAD", side[0])
+        monkeypatch.setattr(mlp_fp8, "SIDE_SMS_GATE_UP_DGRAD", side[1])
+        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, row_scaling=True, fast_accum="all")
+        out[0].backward(dy2)
+        runs[side] = [out[0]] + [t.grad for t in ins]
+    for side in ((8, 10), (24, 24)):
+        for name, a, b in zip(("y2", "dy", "dw_gu", "dw_down"), runs[(0, 0)], runs[side]):
+            assert torch.isfinite(b).all(), (side, name)
+            assert torch.equal(a, b) or rel_err(b, a) < 1e-5, (side, name, rel_err(b, a))
+
+
 @RECIPES
 def test_model_with_cached_fp8_weights_is_the_uncached_model(row):
     """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights

@@ -353,27 +353,30 @@ def _meta(t):
 def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         config: Optional[GemmConfig] = None, use_fast_accum: bool = False,
         outputs: Optional[dict] = None, op: str = "coda.gemm_epilogue", block_scales=None,
-        b_block: str = "128x128") -> dict:
+        b_block: str = "128x128", sms: Optional[int] = None) -> dict:
     """``a @ b`` with ``tree`` in the epilogue. ``inputs`` binds the tree's named inputs;
     ``outputs`` may pass preallocated outputs by name. ``block_scales``: FP8 ``a`` (M, K) and
     ``b`` (K, N) K-major with (a's 1 x 128 scales (M, ceil(K / 128)), b's 128 x 128 scales
     (ceil(N / 128), ceil(K / 128)); ``b_block="1x128"``: b's per column of b, (N, ceil(K / 128)),
     the weight-gradient form), fp32, promoted per k-block in the mainloop
-    (``kernels.sm90.block_scales``). Returns the outputs by name."""
+    (``kernels.sm90.block_scales``). ``sms``: the SMs the persistent grid may hold (default: every
+    SM of the device); fewer leave the rest to work on another stream (``coda_cute.ops.beside``).
+    Returns the outputs by name."""
     if not isinstance(tree, N.Epilogue):
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
            len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2, POLL_FULL,
-           None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block))
+           None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block), sms)
     plan = _plans.get(key)
     if plan is None:
         if b_block not in B_BLOCKS:
             raise ValueError(f"{op}: b_block must be one of {B_BLOCKS}, got {b_block!r}")
         b_rows = b_block == "1x128"
         if a.device.type == "cpu" and dispatch.reference_on_cpu_enabled():
+            _check_sms(sms, dispatch.num_sms_or_default(a.device), op)  # what the GPU path rejects
             return _reference_run(tree, a, b, inputs, config, outputs, op, block_scales, b_rows)
-        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales, b_rows)
+        plan = _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales, b_rows, sms)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -407,7 +410,8 @@ def output_shapes(tree: N.Epilogue, m, n, batch, batched: bool, config: GemmConf
     return out
 
 
-def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None, b_rows=False) -> Plan:
+def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None, b_rows=False,
+               sms: Optional[int] = None) -> Plan:
     m, n, k, batch, fp8 = check_operands(a, b, op)
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
@@ -422,7 +426,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
     plan.op = op
     plan.device = a.device
     plan.batched = batched
-    sms = dispatch.num_sms(a.device)
+    sms = _check_sms(sms, dispatch.num_sms(a.device), op)
     if config is None:
         config = choose_config(tree, m, n, k, batch, fp8, use_fast_accum, sms, blocked, b_rows,
                                dispatch.card_of(a.device))
@@ -461,6 +465,16 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
                          arch, sms, block_scaled=blocked, b_rows=b_rows)
     plan.kernel = get_gemm(spec).fn
     return plan
+
+
+def _check_sms(sms: Optional[int], device_sms: int, op: str) -> int:
+    """The SMs a launch's persistent grid may hold: ``sms``, else all ``device_sms``; an int from 2
+    (one cluster of two CTAs) to ``device_sms``."""
+    if sms is None:
+        return device_sms
+    if isinstance(sms, bool) or not isinstance(sms, int) or not 2 <= sms <= device_sms:
+        raise ValueError(f"{op}: sms must be an int from 2 to the device's {device_sms} SMs, got {sms!r}")
+    return sms
 
 
 def check_launch(tree, a, b, inputs, op, config=None, block_scales=None, b_rows=False, outputs=None):

@@ -37,6 +37,7 @@ k-block.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -171,19 +172,20 @@ def residual_stats_tiles(m: int, d: int, k: int, device, row: bool = False, fast
 
 
 def project(op: str, tree, a_q, a_s, w_q, w_s, inputs: dict, transposed: bool = False,
-            outputs: dict | None = None, row: bool = False, fast: bool = False) -> dict:
+            outputs: dict | None = None, row: bool = False, fast: bool = False, sms: int | None = None) -> dict:
     """``tree`` on the quantized a (1 x 128) @ B with the scales: B the quantized weight W (N, K)
     given as ``w_q`` (x @ W.T), or with ``transposed`` dY @ W, ``w_q`` then W's FP8 transpose qt
     (K, N); either way the GEMM's K-major operand is a view. ``outputs``: preallocated, by name.
     ``row``: the row-wise recipe, a's scales (M, 1) and W's (N + K, 1) (:func:`weight`): its row
-    scales for x @ W.T, its column scales for dY @ W; ``fast``: its GEMM with fast accumulation."""
+    scales for x @ W.T, its column scales for dY @ W; ``fast``: its GEMM with fast accumulation;
+    ``sms``: the SMs its grid may hold (``ops.beside``)."""
     if row:
         n = w_q.shape[1] if transposed else w_q.shape[0]
         b_s = w_s[n:, 0] if transposed else w_s[:n, 0]
         return E.run(row_scaled(tree), a_q, w_q.t(), dict(inputs, scale_a=a_s[:, 0], scale_b=b_s), op=op,
-                     outputs=outputs, use_fast_accum=fast)
+                     outputs=outputs, use_fast_accum=fast, sms=sms)
     b, b_s = (w_q.t(), w_s.t()) if transposed else (w_q.t(), w_s)
-    return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs)
+    return E.run(tree, a_q, b, inputs, op=op, block_scales=(a_s, b_s), outputs=outputs, sms=sms)
 
 
 def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = False, wgrad_form: bool = True):
@@ -194,12 +196,16 @@ def grad_operands(g: torch.Tensor, grad_dtype, pow2: bool = False, row: bool = F
     fold factors (M,) (``quantize.quantize_grad_rowwise_fp8``: the wgrad folds the rows' scales
     into its other operand, :func:`wgrad`); without ``wgrad_form`` (row-wise: the wgrad quantizes
     g's columns itself, :func:`wgrad_kept`) qt None."""
-    if row:  # the FP8 transpose wants 16-byte rows both ways
-        transposed = wgrad_form and g.shape[0] % 16 == 0 and g.shape[1] % 16 == 0
-        return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=transposed)
+    if row:
+        return quantize_grad_rowwise_fp8(g, grad_dtype, pow2, transposed=wgrad_form and transposable(g))
     if g.shape[0] % 16 == 0:
         return quantize_dual_fp8(g, grad_dtype, pow2_scales=pow2)
     return (*quantize_fp8(g, "1x128", None, grad_dtype, pow2), None, None)
+
+
+def transposable(g: torch.Tensor) -> bool:
+    """Whether g (M, N) has an FP8 transpose: 16-byte rows both ways (TMA)."""
+    return g.shape[0] % 16 == 0 and g.shape[1] % 16 == 0
 
 
 def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
@@ -213,15 +219,22 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
         dW = q_dy^T @ (fold[:, None] * x)    scale_a = 1, scale_b = the folded columns' scales
 
     No tokens: dW = 0, a sum over none."""
+    return wgrad_prepared(dy, dyt_q, dyt_s, x, pow2, row, fast)()
+
+
+def wgrad_prepared(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
+                   fast: bool = False) -> Callable[[], torch.Tensor]:
+    """:func:`wgrad` in two halves: x's quantization now, and a function that runs the GEMM (a
+    caller runs the memory-bound half beside another GEMM: ``ops.beside``)."""
     if dy.shape[0] == 0:
-        return dy.new_zeros((dy.shape[1], x.shape[1]))
+        return lambda: dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
-        return gemm_op(dy.t(), x)
+        return lambda: gemm_op(dy.t(), x)
     if row:
         _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, fold=dyt_s)
-        return gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dy.dtype, fast)
+        return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dy.dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
-    return gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
+    return lambda: gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
 
 
 def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
@@ -241,9 +254,17 @@ def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_d
     row is not zero), so the FP8 rounding of x stays in dW. No tokens: dW = 0. NaN or inf in x
     makes its row's factor NaN, and with it every column scale of dy: dW is all NaN (the forward's
     output row is NaN already)."""
+    return wgrad_kept_prepared(dy, x_q, x_fold, grad_dtype, pow2, fast)()
+
+
+def wgrad_kept_prepared(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
+                        fast: bool = False) -> Callable[[], torch.Tensor]:
+    """:func:`wgrad_kept` in two halves: dy's column quantization and x's FP8 transpose now, and a
+    function that runs the GEMM (:func:`wgrad_prepared`)."""
     if dy.shape[0] == 0:
-        return dy.new_zeros((dy.shape[1], x_q.shape[1]))
+        return lambda: dy.new_zeros((dy.shape[1], x_q.shape[1]))
     if dy.shape[0] % 16:
-        return gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
+        return lambda: gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
     _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, grad_dtype, rows=False, pow2_scales=pow2, fold=x_fold)
-    return gemm_op(dyt_q, transpose_bytes(x_q).t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)
+    xt_q = transpose_bytes(x_q)
+    return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)

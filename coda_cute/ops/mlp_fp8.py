@@ -78,11 +78,13 @@ from ..operands import dtype_name
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
+from .beside import beside
 from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad, wgrad_kept)
+                        kept_weights, project, quantized_weights, residual_stats_tiles, transposable, wgrad,
+                        wgrad_kept_prepared, wgrad_prepared)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
-from .quantize import quantize_dual_fp8, quantize_grad_rowwise_fp8
+from .quantize import quantize_dual_fp8, quantize_grad_rowwise_fp8, transpose_bytes
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
 from .swiglu import norm_swiglu_tree, swiglu_backward_tree
@@ -90,6 +92,10 @@ from .swiglu import norm_swiglu_tree, swiglu_backward_tree
 OP = "coda.mlp_block_fp8"
 #: quantize h^T and dz' in the GEMMs that produce them (module docstring)
 FUSED_QUANT = False
+#: SMs the row-wise recipe's down dgrad and gate/up dgrad leave to the weight gradients' passes
+#: that run beside them (``ops.beside``; 0: the passes in series)
+SIDE_SMS_DOWN_DGRAD = 8
+SIDE_SMS_GATE_UP_DGRAD = 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,12 +216,8 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
     dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row, wgrad_form=not row)
     inputs = dict(norm_inputs(d, ss, eps), z=z)
     if row:
-        bwd = project(OP, swiglu_backward_tree(recompute_h=False), dy_q, dy_s, w_down_qt, w_down_s, inputs,
-                      transposed=True, row=True, fast=fast_d)
-        dzp, zdz = bwd["dz"], bwd["zdz"]
-        dz_q, dz_s, dzt_q, dzt_s = grad_operands(dzp, grad_dtype, pow2, True)
-        dw_down = wgrad_kept(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
-        dw_gu = wgrad(dzp, dzt_q, dzt_s, y, pow2, True, fast_w) if needs[1] else None
+        return _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, dy2, grad_dtype, needs, pow2, h_t,
+                             fast_d, fast_w, dy_q, dy_s, inputs)
     elif h_t is not None:
         bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
                       transposed=True)
@@ -235,6 +237,42 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
         dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True,
                      row=row, fast=fast_d)["dy"]
     return dy, dw_gu, dw_down
+
+
+def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, dy2, grad_dtype, needs, pow2, h_t, fast_d,
+                  fast_w, dy_q, dy_s, inputs):
+    """The row-wise recipe's backward (:func:`mlp_fp8_backward`): the passes only the weight
+    gradients read run beside the two dgrads (``ops.beside``), h's transpose and dy2's folded
+    columns beside the down dgrad, dz''s transpose and y's folded columns beside the gate/up
+    dgrad; the weight gradients last."""
+    d = y.shape[1]
+    dev = y.device
+
+    def down_dgrad(sms):
+        return project(OP, swiglu_backward_tree(recompute_h=False), dy_q, dy_s, w_down_qt, w_down_s, inputs,
+                       transposed=True, row=True, fast=fast_d, sms=sms)
+
+    def down_operands():
+        return wgrad_kept_prepared(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
+
+    bwd, dw_down = beside(down_dgrad, down_operands, dev, SIDE_SMS_DOWN_DGRAD)
+    dzp, zdz = bwd["dz"], bwd["zdz"]
+    dz_q, dz_s, _, dz_fold = grad_operands(dzp, grad_dtype, pow2, True, wgrad_form=False)
+
+    def gate_up_dgrad(sms):
+        return project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s,
+                       dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2), transposed=True, row=True,
+                       fast=fast_d, sms=sms)["dy"]
+
+    def gate_up_operands():
+        if not needs[1]:
+            return None
+        dzt_q = transpose_bytes(dz_q) if transposable(dzp) else None
+        return wgrad_prepared(dzp, dzt_q, dz_fold, y, pow2, True, fast_w)
+
+    dy, dw_gu = (beside(gate_up_dgrad, gate_up_operands, dev, SIDE_SMS_GATE_UP_DGRAD) if needs[0]
+                 else (None, gate_up_operands()))
+    return dy, dw_gu() if dw_gu else None, dw_down() if dw_down else None
 
 
 def _setup(ctx, inputs, output):
