@@ -15,7 +15,9 @@ GEMM that needs none of them) runs on ``sms - r`` SMs: the GEMM loses r / sms of
 whole run, the passes leave the critical path. This times, in turns: the GEMM on every SM then
 the passes (``serial``); each alone; and for each r the GEMM on ``sms - r`` SMs alone and with the
 passes beside it (``beside r``), the side stream joined before the end event. Every variant's
-outputs are checked bit for bit against ``serial``'s.
+outputs are checked bit for bit against ``serial``'s. On an H100 (2026-12-06, two runs): serial
+3.436 / 3.399 ms, the GEMM alone 2.640 / 2.604 and on 116 SMs 2.968 / 2.910, the passes alone
+0.803 / 0.801, beside 16 3.108 / 3.055 (0.905 / 0.899 of serial), beside 8, 12 and 24 0.910-0.938.
 
     python scripts/exp_side_stream.py [--rounds 8] [--reserve 8 12 16 24]
 """

@@ -172,6 +172,11 @@
 #   side-mlp  the FP8 MLP's GPU tests, bench_fp8.py --fast-accum all with the row-wise fast variant's
 #             weight-gradient passes beside its dgrads on several side SM counts (--side-sms) and in
 #             series, then compute-sanitizer memcheck of sanitize_fp8.py
+#   beside-tests  the FP8 MLP's row-wise GPU tests alone (-k "beside or row-wise": the passes beside the
+#             dgrads against in series, the gradients against float64)
+#   side-bench  bench_fp8.py --fast-accum all with the row-wise fast variant on several side SM counts
+#             (SIDE_PAIRS, default 0,0 4,6 6,8 12,12) at 8b, then in series and 4,6 at 1b (d 2048,
+#             ffn 8192): the default's pair checked on a shape it was not picked on
 #   side      exp_side_stream.py: the row-wise FP8 MLP backward's four wgrad-only passes on a side
 #             stream beside the gate/up dgrad run on fewer SMs, against the two in series
 set -u
@@ -514,6 +519,18 @@ stage_side_mlp() {
         --report-api-errors no python3 scripts/sanitize_fp8.py
 }
 
+stage_beside_tests() {
+    step beside-tests 150 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py -k "beside or row-wise"
+}
+
+stage_side_bench() {
+    # shellcheck disable=SC2086
+    step side-bench 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --side-sms ${SIDE_PAIRS:-0,0 4,6 6,8 12,12} \
+        --json "$OUT/side-bench.json"
+    step side-bench-1b 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --dim 2048 --ffn 8192 \
+        --side-sms 0,0 4,6 --json "$OUT/side-bench-1b.json"
+}
+
 stage_side() {
     step side 200 python3 scripts/exp_side_stream.py --rounds 8
 }
@@ -687,6 +704,8 @@ for s in "$@"; do
         swiglu-raster) stage_swiglu_raster ;;
         targets) stage_train_compile; stage_mlp_profile; stage_block_built ;;
         side-mlp) stage_side_mlp ;;
+        beside-tests) stage_beside_tests ;;
+        side-bench) stage_side_bench ;;
         side) stage_side ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;
