@@ -17,8 +17,9 @@ Every use forks first, so a block the caching allocator hands out on the side st
 used before a fork: no ``record_stream`` is needed. Under CUDA graph capture a fork and a join
 are cross-stream event waits, which capture records as the graph's edges (not yet run under
 capture on a GPU: ``coda-cute train --cuda-graphs`` falls back to eager steps where a capture
-fails). The side stream's cached blocks are its own: the 8b FP8 step's peak memory beyond
-parameters and gradients rose from 4.34 to 4.68 GiB (H100, 2026-12-06).
+fails). The passes' outputs live from their launch beside the GEMM to their reader: with the
+FP8 MLP's passes beside its dgrads, the 8b FP8 step's peak memory beyond parameters and gradients
+rose from 4.34 to 4.68 GiB (H100, 2026-12-06).
 """
 
 from __future__ import annotations
