@@ -211,14 +211,13 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
     forward's (h^T, scales) with ``FUSED_QUANT`` (dz' then quantized in its own GEMM too), in
     the row-wise recipe (``row``) its (h rows in FP8, fold factors); ``fast_accum``: which GEMMs
     accumulate in the tensor core."""
-    fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
-    d = y.shape[1]
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row, wgrad_form=not row)
-    inputs = dict(norm_inputs(d, ss, eps), z=z)
     if row:
-        return _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, dy2, grad_dtype, needs, pow2, h_t,
-                             fast_d, fast_w, dy_q, dy_s, inputs)
-    elif h_t is not None:
+        return _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype, needs, pow2, h_t,
+                             fast_accum)
+    d = y.shape[1]
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2)
+    inputs = dict(norm_inputs(d, ss, eps), z=z)
+    if h_t is not None:
         bwd = project(OP, swiglu_backward_fp8_tree(dtype_name(grad_dtype), pow2), dy_q, dy_s, w_down_qt, w_down_s, inputs,
                       transposed=True)
         zdz, (dz_q, dz_s), (dzt_q, dzt_s) = bwd["zdz"], bwd["dz_q"], bwd["dz_t"]
@@ -234,19 +233,21 @@ def mlp_fp8_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, g
     dy = None
     if needs[0]:
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=y, dres=dy2)
-        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True,
-                     row=row, fast=fast_d)["dy"]
+        dy = project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s, inputs, transposed=True)["dy"]
     return dy, dw_gu, dw_down
 
 
-def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, dy2, grad_dtype, needs, pow2, h_t, fast_d,
-                  fast_w, dy_q, dy_s, inputs):
-    """The row-wise recipe's backward (:func:`mlp_fp8_backward`): the passes only the weight
-    gradients read run beside the two dgrads (``ops.beside``), h's transpose and dy2's folded
-    columns beside the down dgrad, dz''s transpose and y's folded columns beside the gate/up
-    dgrad; the weight gradients last."""
+def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad_dtype, needs, pow2, h_t,
+                  fast_accum):
+    """The row-wise recipe's backward (:func:`mlp_fp8_backward`'s arguments): the passes only the
+    weight gradients read run beside the two dgrads (``ops.beside``), h's transpose and dy2's
+    folded columns beside the down dgrad, dz''s transpose and y's folded columns beside the
+    gate/up dgrad; the weight gradients last."""
+    fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
     dev = y.device
+    dy_q, dy_s, _, _ = grad_operands(dy2, grad_dtype, pow2, True, wgrad_form=False)
+    inputs = dict(norm_inputs(d, ss, eps), z=z)
 
     def down_dgrad(sms):
         return project(OP, swiglu_backward_tree(recompute_h=False), dy_q, dy_s, w_down_qt, w_down_s, inputs,
