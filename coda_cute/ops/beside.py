@@ -54,7 +54,9 @@ def beside(gemm: Callable[[Optional[int]], G], passes: Callable[[], P], device: 
     cur = torch.cuda.current_stream(device)
     side = _side_stream(device)
     side.wait_stream(cur)
-    out = gemm(sms)  # queued first: its CTAs hold their SMs before the passes' CTAs are placed
+    # queued first, but both become ready when the launch before them ends: whose CTAs the GPU
+    # places first is its choice (a likely cause of the gain's spread between runs)
+    out = gemm(sms)
     with torch.cuda.stream(side):
         rest = passes()
     cur.wait_stream(side)

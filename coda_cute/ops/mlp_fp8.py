@@ -56,7 +56,10 @@ step, takes one read and an FP8 transpose (5 bytes moved per element where the a
 dual quantization moved 6); h is neither recomputed and stored by the down dgrad's epilogue nor
 read twice for its columns (7 bytes per element become the 2 of its FP8 transpose, for 1 byte per
 element kept from forward to backward). The narrow y and dy2 take the amax pass and the column
-quantizer: two reads.
+quantizer: two reads. The four passes only the weight gradients read (h's and dz''s FP8
+transposes, y's and dy2's folded columns) run on a side stream beside the down dgrad and the
+gate/up dgrad, which leave them ``SIDE_SMS_DOWN_DGRAD`` and ``SIDE_SMS_GATE_UP_DGRAD`` SMs
+(``ops.beside``).
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward. Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
