@@ -172,11 +172,12 @@
 #   side-mlp  the FP8 MLP's GPU tests, bench_fp8.py --fast-accum all with the row-wise fast variant's
 #             weight-gradient passes beside its dgrads on several side SM counts (--side-sms) and in
 #             series, then compute-sanitizer memcheck of sanitize_fp8.py
-#   beside-tests  the FP8 MLP's row-wise GPU tests alone (-k "beside or row-wise": the passes beside the
-#             dgrads against in series, the gradients against float64)
+#   beside-tests  the FP8 MLP's and attention's row-wise GPU tests alone (-k "beside or row-wise": the
+#             passes beside the dgrads against in series, the gradients against float64)
 #   side-bench  bench_fp8.py --fast-accum all with the row-wise fast variant on several side SM counts
 #             (SIDE_PAIRS, default 0,0 4,6 6,8 12,12) at 8b, then in series and 4,6 at 1b (d 2048,
-#             ffn 8192): the default's pair checked on a shape it was not picked on
+#             ffn 8192): the default's pair checked on a shape it was not picked on; then the attention
+#             sublayer's row-wise fast variant with its passes beside the QKV dgrad and in series
 #   side      exp_side_stream.py: the row-wise FP8 MLP backward's four wgrad-only passes on a side
 #             stream beside the gate/up dgrad run on fewer SMs, against the two in series
 set -u
@@ -520,7 +521,8 @@ stage_side_mlp() {
 }
 
 stage_beside_tests() {
-    step beside-tests 150 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py -k "beside or row-wise"
+    step beside-tests 200 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py \
+        tests/test_attention_fp8_gpu.py -k "beside or row-wise"
 }
 
 stage_side_bench() {
@@ -529,6 +531,8 @@ stage_side_bench() {
         --json "$OUT/side-bench.json"
     step side-bench-1b 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --dim 2048 --ffn 8192 \
         --side-sms 0,0 4,6 --json "$OUT/side-bench-1b.json"
+    step side-bench-attn 150 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
+        --json "$OUT/side-bench-attn.json"
 }
 
 stage_side() {

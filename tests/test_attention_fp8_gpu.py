@@ -44,3 +44,31 @@ def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_no
         errors.append((e8, e16))
         assert e16 < e8 < 0.1, errors
     print(f"attention fp8 errors (fp8, bf16) for y - x, dx, dw_qkv, dw_o: {errors}")
+
+
+@pytest.mark.parametrize("s", [2048, 1000])  # 2 x 1000 tokens: ragged, still FP8 transposes (multiples of 16)
+def test_passes_beside_the_qkv_dgrad_leave_the_row_wise_sublayer_unchanged(monkeypatch, s):
+    """The row-wise backward's weight-gradient passes beside the QKV dgrad (``ops.beside``, the
+    default) against the same passes in series: the output and every gradient match (bit for bit
+    where the dgrad's pick on fewer SMs is the same tile; its per-tile norm partials group
+    otherwise)."""
+    from coda_cute.ops import attention_fp8
+
+    b, d, h, hkv, hd = 2, 1024, 16, 4, 64
+    monkeypatch.setattr(C, "B", b)
+    monkeypatch.setattr(C, "S", s)
+    x = torch.randn(b, s, d, device="cuda").bfloat16()
+    w_qkv = (torch.randn((h + 2 * hkv) * hd, d, device="cuda") * d ** -0.5).bfloat16()
+    w_o = (torch.randn(d, h * hd, device="cuda") * (h * hd) ** -0.5).bfloat16()
+    pos = torch.arange(s, dtype=torch.int32, device="cuda").repeat(b)
+    args = (x, embedding_norm_stats(x.reshape(b * s, d)), w_qkv, w_o, pos,
+            R.rope_inv_freq(hd, 10000.0).cuda(), 1e-5, h, hkv, hd)
+    dy = torch.randn(b, s, d, device="cuda").bfloat16()
+    runs = {}
+    for side in (0, 16, 32):
+        monkeypatch.setattr(attention_fp8, "SIDE_SMS_QKV_DGRAD", side)
+        runs[side] = C._run(torch.ops.coda.attention_block_fp8, args, dy, row_scaling=True, fast_accum="all")
+    for side in (16, 32):
+        for i, (a, got) in enumerate(zip(runs[0], runs[side])):
+            assert torch.isfinite(got).all(), (side, i)
+            assert torch.equal(a, got) or rel_err(got, a) < 1e-5, (side, i, rel_err(got, a))

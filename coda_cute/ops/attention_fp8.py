@@ -41,13 +41,19 @@ from .attention import (attention_backward, attention_forward, check_attention_b
 from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
+from .beside import beside
 from .fp8_gemms import (activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, wgrad)
+                        kept_weights, project, quantized_weights, residual_stats_tiles, transposable, wgrad,
+                        wgrad_prepared)
+from .quantize import transpose_bytes
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .residual import residual_norm_stats_tree
 from .rmsnorm import norm_backward_tree, norm_inputs
 
 OP = "coda.attention_block_fp8"
+#: SMs the row-wise recipe's QKV dgrad leaves to the weight gradients' passes beside it
+#: (``ops.beside``; 0: in series): dy's and g's FP8 transposes, o's and x's folded columns
+SIDE_SMS_QKV_DGRAD = 16
 
 
 def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
@@ -159,22 +165,37 @@ def _backward(ctx, dy, *_):
     b, s, d = x.shape
     x2 = x.view(b * s, d)
     dy2 = dy.reshape(b * s, d).contiguous()
-    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row)
+    # row-wise: the gradients' rows now, their FP8 transposes beside the QKV dgrad (below)
+    dy_q, dy_s, dyt_q, dyt_s = grad_operands(dy2, grad_dtype, pow2, row, wgrad_form=not row)
     do = project(OP, _plain_tree(), dy_q, dy_s, o_qt, o_s, {}, transposed=True, row=row, fast=fast_d)["out"]
-    dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, row, fast=fast_w) if n[3] else None
+    if not row:
+        dw_o = wgrad(dy2, dyt_q, dyt_s, heads_to_rows(o), pow2, fast=fast_w) if n[3] else None
     q, k, v = qkv_heads(qkv, b, h, hkv, hd)
     dq, dk, dv = attention_backward(do.view(b, s, h, hd).transpose(1, 2), q, k, v, o, lse)
     r = rms_rstd_ref(ss, d, eps)
     g, zdz, dqn, dkn = rope_backward(dq, dk, dv, qkv, r, positions, inv_freq, pre if qn is not None else None,
                                      qn, kn, qk_eps)
-    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype, pow2, row)
-    dx = None
-    if n[0]:
+    g_q, g_s, gt_q, gt_s = grad_operands(g, grad_dtype, pow2, row, wgrad_form=not row)
+
+    def dgrad(sms=None):
         inputs = dict(norm_inputs(d, ss, eps), zdz=zdz, y=x2, dres=dy2)
-        dx = project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True, row=row,
-                     fast=fast_d)["dy"]
-        dx = dx.view(b, s, d)
-    dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2, row, fast=fast_w) if n[2] else None
+        return project(OP, norm_backward_tree(True), g_q, g_s, qkv_qt, qkv_s, inputs, transposed=True, row=row,
+                       fast=fast_d, sms=sms)["dy"].view(b, s, d)
+
+    if row:
+        def wgrad_operands():  # read by the two weight gradients alone (mlp_fp8._row_backward's form)
+            dw_o = wgrad_prepared(dy2, transpose_bytes(dy_q) if transposable(dy2) else None, dyt_s,
+                                  heads_to_rows(o), pow2, True, fast_w) if n[3] else None
+            dw_qkv = wgrad_prepared(g, transpose_bytes(g_q) if transposable(g) else None, gt_s, x2, pow2, True,
+                                    fast_w) if n[2] else None
+            return dw_o, dw_qkv
+
+        dx, (dw_o, dw_qkv) = (beside(dgrad, wgrad_operands, x.device, SIDE_SMS_QKV_DGRAD) if n[0]
+                              else (None, wgrad_operands()))
+        dw_o, dw_qkv = dw_o() if dw_o else None, dw_qkv() if dw_qkv else None
+    else:
+        dx = dgrad() if n[0] else None
+        dw_qkv = wgrad(g, gt_q, gt_s, x2, pow2, fast=fast_w) if n[2] else None
     if qn is None:
         dqn = dkn = None
     return (dx, None, dw_qkv, dw_o, None, None, None, None, None, None, dqn, dkn) + (None,) * 11
