@@ -409,8 +409,28 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
             shadow, ours = fast_label(fast_accum)
             fns[shadow] = shadow_step(attention_gemms(m, d, w_qkv.shape[0], w_o.shape[1]), core, fast_accum)
             fns[ours] = coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum)
+            from coda_cute.ops import attention_fp8
+
+            fns[ours + ", passes in series"] = with_switch(
+                coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum),
+                "SIDE_SMS_QKV_DGRAD", 0, attention_fp8)
         fns["coda bf16"] = coda_step(torch.ops.coda.attention_block, *case)
     return fns
+
+
+def peak_step_mib(fn) -> tuple[float, float]:
+    """MiB that one (warm) call of ``fn`` allocates at its peak beyond what was allocated before it
+    (``max_memory_allocated``: every stream's blocks, the side stream's passes' outputs too), and
+    the MiB the caching allocator reserves for it from an emptied cache (blocks freed on one
+    stream are not handed to another: a second stream can raise this one alone)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    fn()
+    torch.cuda.synchronize()
+    return ((torch.cuda.max_memory_allocated() - base) / 2 ** 20,
+            (torch.cuda.max_memory_reserved() - base_reserved) / 2 ** 20)
 
 
 def one_step_in_range(fn, nvtx_range: str, name: str, console) -> None:
@@ -472,9 +492,11 @@ def main(argv=None) -> int:
         if args.once_shadow:
             one_step_in_range(fns[shadow], "fp8-shadow-step", shadow, console)
         return 0
+    peak_mib = {}
     for name, fn in list(fns.items()):  # one variant that fails to run leaves the others' table
         try:
             fn()
+            peak_mib[name] = peak_step_mib(fn)
         except Exception as e:  # noqa: BLE001
             console.print(f"[red]{name} failed, left out: {type(e).__name__}: {e}[/]")
             del fns[name]
@@ -484,11 +506,12 @@ def main(argv=None) -> int:
     ao = [v for k, v in ms.items() if k.startswith("torchao")]
     shape = f"ffn {f}" if args.sublayer == "mlp" else f"{args.heads} / {args.kv_heads} heads of {args.head_dim}"
     t = Table(title=f"{args.sublayer} sublayer forward + backward, M {m}, d {d}, {shape} (median ms)")
-    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms", "host ms"):
+    for col in ("variant", "ms", "/ fp8 shadow", "torchao best / this", "back to back ms", "host ms", "peak MiB",
+                "reserved MiB"):
         t.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in ms.items():
         t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name][0]:.3f}",
-                  f"{alone[name][1]:.3f}")
+                  f"{alone[name][1]:.3f}", *(f"{v:.0f}" for v in peak_mib[name]))
     console.print(t)
     fast_shadow, fast_ours = fast_label(args.fast_accum)
     for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum), poll_label(args.fast_accum),
@@ -513,7 +536,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms,
                        "back_to_back_ms": {k: v[0] for k, v in alone.items()},
-                       "host_ms": {k: v[1] for k, v in alone.items()}, "quantize_gb": gb,
+                       "host_ms": {k: v[1] for k, v in alone.items()}, "peak_mib": peak_mib, "quantize_gb": gb,
                        "quantize_gb_row_wise": row_gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0

@@ -225,16 +225,19 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
 def wgrad_prepared(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
                    fast: bool = False) -> Callable[[], torch.Tensor]:
     """:func:`wgrad` in two halves: x's quantization now, and a function that runs the GEMM (a
-    caller runs the memory-bound half beside another GEMM: ``ops.beside``)."""
+    caller runs the memory-bound half beside another GEMM: ``ops.beside``). With ``dyt_q`` given,
+    dy's bytes are not read (dy may be a meta tensor of its shape and dtype) nor held by the
+    function."""
     if dy.shape[0] == 0:
         return lambda: dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
         return lambda: gemm_op(dy.t(), x)
+    dtype = dy.dtype
     if row:
         _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, fold=dyt_s)
-        return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dy.dtype, fast)
+        return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
-    return lambda: gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dy.dtype, "1x128")
+    return lambda: gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dtype, "1x128")
 
 
 def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,

@@ -245,7 +245,10 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
     """The row-wise recipe's backward (:func:`mlp_fp8_backward`'s arguments): the passes only the
     weight gradients read run beside the two dgrads (``ops.beside``), h's transpose and dy2's
     folded columns beside the down dgrad, dz''s transpose and y's folded columns beside the
-    gate/up dgrad; the weight gradients last."""
+    gate/up dgrad; each weight gradient as soon as its operands are joined. The order keeps the
+    live bytes down: dz' in bf16 (M x 2f x 2 bytes, the largest tensor of the step) is gone once
+    its FP8 rows are, the down weight gradient's operands before the gate/up dgrad, dz''s FP8 rows
+    after it."""
     fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
     dev = y.device
@@ -260,8 +263,14 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
         return wgrad_kept_prepared(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
 
     bwd, dw_down = beside(down_dgrad, down_operands, dev, SIDE_SMS_DOWN_DGRAD)
-    dzp, zdz = bwd["dz"], bwd["zdz"]
-    dz_q, dz_s, _, dz_fold = grad_operands(dzp, grad_dtype, pow2, True, wgrad_form=False)
+    zdz = bwd["zdz"]
+    dz_q, dz_s, _, dz_fold = grad_operands(bwd["dz"], grad_dtype, pow2, True, wgrad_form=False)
+    # dz' in bf16 is read again only by a weight gradient that has no FP8 transpose of it;
+    # elsewhere its shape and dtype (a meta tensor) are all that goes on
+    dzp = bwd.pop("dz")
+    dz_like = dzp if not transposable(dzp) or not dzp.numel() else torch.empty_like(dzp, device="meta")
+    del dzp
+    dw_down = dw_down() if dw_down else None
 
     def gate_up_dgrad(sms):
         return project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s,
@@ -271,12 +280,13 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
     def gate_up_operands():
         if not needs[1]:
             return None
-        dzt_q = transpose_bytes(dz_q) if transposable(dzp) else None
-        return wgrad_prepared(dzp, dzt_q, dz_fold, y, pow2, True, fast_w)
+        dzt_q = transpose_bytes(dz_q) if transposable(dz_like) else None
+        return wgrad_prepared(dz_like, dzt_q, dz_fold, y, pow2, True, fast_w)
 
     dy, dw_gu = (beside(gate_up_dgrad, gate_up_operands, dev, SIDE_SMS_GATE_UP_DGRAD) if needs[0]
                  else (None, gate_up_operands()))
-    return dy, dw_gu() if dw_gu else None, dw_down() if dw_down else None
+    del dz_q  # the closures are done with it
+    return dy, dw_gu() if dw_gu else None, dw_down
 
 
 def _setup(ctx, inputs, output):
