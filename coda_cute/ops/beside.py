@@ -17,9 +17,17 @@ Every use forks first, so a block the caching allocator hands out on the side st
 used before a fork: no ``record_stream`` is needed. Under CUDA graph capture a fork and a join
 are cross-stream event waits, which capture records as the graph's edges (not yet run under
 capture on a GPU: ``coda-cute train --cuda-graphs`` falls back to eager steps where a capture
-fails). The passes' outputs live from their launch beside the GEMM to their reader: with the
-FP8 MLP's passes beside its dgrads, the 8b FP8 step's peak memory beyond parameters and gradients
-rose from 4.34 to 4.68 GiB (H100, 2026-12-06).
+fails). The passes' outputs live from their launch beside the GEMM to their reader, so a caller
+orders its launches to keep that short (``ops.mlp_fp8``: with its first order the 8b FP8 step's
+peak memory beyond parameters and gradients rose from 4.34 to 4.68 GiB, with its second it is
+3.73; H100s, 2026-12-06 and 07).
+
+A GEMM launched on a stream of higher priority than the passes' gained more and more steadily on
+an H100 (2026-12-07, the 8b MLP, in turns: 0.46 and 0.43 ms over series in two runs against 0.39
+and 0.13 with the GEMM on the current stream; 0.25 in a third run without that row), but its
+outputs were then allocated on that stream, whose pool of the caching allocator keeps their
+blocks (the sublayer's reserved memory 2658 against 1634 MiB): not taken until its outputs can
+stay on the current stream. (The 3.73 GiB above ran with it; the bytes allocated are the same.)
 """
 
 from __future__ import annotations
