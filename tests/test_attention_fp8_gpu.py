@@ -15,17 +15,23 @@ from helpers import rel_err
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("row, fast", [(False, "none"), (True, "none"), (True, "all")],
-                         ids=["block", "row-wise", "row-wise-fast-accum"])
-@pytest.mark.parametrize("h, hkv, hd, qk_norm", [(16, 4, 64, False), (8, 2, 128, True)], ids=["hd64", "hd128-qk_norm"])
-def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_norm, row, fast):
-    b, s, d = 2, 1000, 1024  # ragged: 2000 tokens
+def _case(monkeypatch, b, s, d, h, hkv, hd):
+    """Random (x, w_qkv, w_o, positions) of a batch of ``b`` sequences of ``s`` tokens, the CPU
+    test module's shape switched to it."""
     monkeypatch.setattr(C, "B", b)
     monkeypatch.setattr(C, "S", s)
     x = torch.randn(b, s, d, device="cuda").bfloat16()
     w_qkv = (torch.randn((h + 2 * hkv) * hd, d, device="cuda") * d ** -0.5).bfloat16()
     w_o = (torch.randn(d, h * hd, device="cuda") * (h * hd) ** -0.5).bfloat16()
-    pos = torch.arange(s, dtype=torch.int32, device="cuda").repeat(b)
+    return x, w_qkv, w_o, torch.arange(s, dtype=torch.int32, device="cuda").repeat(b)
+
+
+@pytest.mark.parametrize("row, fast", [(False, "none"), (True, "none"), (True, "all")],
+                         ids=["block", "row-wise", "row-wise-fast-accum"])
+@pytest.mark.parametrize("h, hkv, hd, qk_norm", [(16, 4, 64, False), (8, 2, 128, True)], ids=["hd64", "hd128-qk_norm"])
+def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_norm, row, fast):
+    b, s, d = 2, 1000, 1024  # ragged: 2000 tokens
+    x, w_qkv, w_o, pos = _case(monkeypatch, b, s, d, h, hkv, hd)
     extra = ()
     if qk_norm:
         extra = tuple((1 + 0.1 * torch.randn(hd, device="cuda")).bfloat16() for _ in range(2)) + (1e-6,)
@@ -55,12 +61,7 @@ def test_passes_beside_the_qkv_dgrad_leave_the_row_wise_sublayer_unchanged(monke
     from coda_cute.ops import attention_fp8
 
     b, d, h, hkv, hd = 2, 1024, 16, 4, 64
-    monkeypatch.setattr(C, "B", b)
-    monkeypatch.setattr(C, "S", s)
-    x = torch.randn(b, s, d, device="cuda").bfloat16()
-    w_qkv = (torch.randn((h + 2 * hkv) * hd, d, device="cuda") * d ** -0.5).bfloat16()
-    w_o = (torch.randn(d, h * hd, device="cuda") * (h * hd) ** -0.5).bfloat16()
-    pos = torch.arange(s, dtype=torch.int32, device="cuda").repeat(b)
+    x, w_qkv, w_o, pos = _case(monkeypatch, b, s, d, h, hkv, hd)
     args = (x, embedding_norm_stats(x.reshape(b * s, d)), w_qkv, w_o, pos,
             R.rope_inv_freq(hd, 10000.0).cuda(), 1e-5, h, hkv, hd)
     dy = torch.randn(b, s, d, device="cuda").bfloat16()
