@@ -263,11 +263,10 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
         return wgrad_kept_prepared(dy2, *h_t, grad_dtype, pow2, fast_w) if needs[2] else None
 
     bwd, dw_down = beside(down_dgrad, down_operands, dev, SIDE_SMS_DOWN_DGRAD)
-    zdz = bwd["zdz"]
-    dz_q, dz_s, _, dz_fold = grad_operands(bwd["dz"], grad_dtype, pow2, True, wgrad_form=False)
+    zdz, dzp = bwd["zdz"], bwd.pop("dz")
+    dz_q, dz_s, _, dz_fold = grad_operands(dzp, grad_dtype, pow2, True, wgrad_form=False)
     # dz' in bf16 is read again only by a weight gradient that has no FP8 transpose of it;
     # elsewhere its shape and dtype (a meta tensor) are all that goes on
-    dzp = bwd.pop("dz")
     dz_like = dzp if not transposable(dzp) or not dzp.numel() else torch.empty_like(dzp, device="meta")
     del dzp
     dw_down = dw_down() if dw_down else None
