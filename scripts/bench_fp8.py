@@ -67,6 +67,8 @@ from coda_cute.sol.timing import interleaved_medians
 from train_shadow import attention_fn, fp8_gemm
 
 EPS = 1e-5
+#: every CODA step's leaves, by step (:func:`drop_grads`)
+_LEAVES: dict = {}
 
 
 def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
@@ -78,6 +80,7 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
         for t in leaves:
             t.grad = None
         op(leaves[0], ss, leaves[1], leaves[2], *rest, **kw)[0].backward(dy)
+    _LEAVES[step] = leaves
     return step
 
 
@@ -95,6 +98,8 @@ def with_switch(step, name: str, value: bool, owner=None):
             step()
         finally:
             setattr(owner, name, before)
+    if step in _LEAVES:
+        _LEAVES[run] = _LEAVES[step]
     return run
 
 
@@ -418,11 +423,23 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
     return fns
 
 
+def drop_grads(keep) -> None:
+    """Every CODA step's gradients dropped but step ``keep``'s (which drops its own as it starts):
+    each variant's memory is then measured from the same state rather than among the blocks the
+    variants before it left behind."""
+    kept = _LEAVES.get(keep)
+    for leaves in _LEAVES.values():
+        if leaves is not kept:
+            for t in leaves:
+                t.grad = None
+
+
 def peak_step_mib(fn) -> tuple[float, float]:
     """MiB that one (warm) call of ``fn`` allocates at its peak beyond what was allocated before it
     (``max_memory_allocated``: every stream's blocks, the side stream's passes' outputs too), and
     the MiB the caching allocator reserves for it from an emptied cache (blocks freed on one
     stream are not handed to another: a second stream can raise this one alone)."""
+    drop_grads(fn)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

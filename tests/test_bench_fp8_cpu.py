@@ -85,3 +85,23 @@ def test_two_by_two_row_sets_the_runner_switch_only_while_it_runs(mods):
     step()
     assert seen == [True] and runner.FP8_PINGPONG_2X2 is False
     assert bench.cluster_label("all") == "coda fp8 row-wise, fast accum (all), 2x2 clusters"
+
+
+def test_memory_is_measured_with_every_other_steps_gradients_dropped(mods):
+    """``drop_grads(keep)``: the other CODA steps' leaves lose their gradients, ``keep``'s (and a
+    switched copy's, which runs the same leaves) stay."""
+    import torch
+
+    from coda_cute.epilogue import runner
+
+    bench = mods[0]
+    toy = lambda x, ss, wa, wb: ((x @ wa.t()) @ wb.t(),)  # noqa: E731
+    x, wa, wb = torch.randn(5, 4), torch.randn(3, 4), torch.randn(4, 3)
+    dy = torch.randn(5, 4)
+    one, two = (bench.coda_step(toy, x, None, wa, wb, dy) for _ in range(2))
+    switched = bench.with_switch(two, "POLL_FULL", True, runner)
+    one(), switched()
+    bench.drop_grads(switched)
+    assert all(t.grad is None for t in bench._LEAVES[one])
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in bench._LEAVES[two])
+    assert bench._LEAVES[switched] is bench._LEAVES[two]
