@@ -23,11 +23,14 @@ peak memory beyond parameters and gradients rose from 4.34 to 4.68 GiB, with its
 3.73; H100s, 2026-12-06 and 07).
 
 A GEMM launched on a stream of higher priority than the passes' gained more and more steadily on
-an H100 (2026-12-07, the 8b MLP, in turns: 0.46 and 0.43 ms over series in two runs against 0.39
-and 0.13 with the GEMM on the current stream; 0.25 in a third run without that row), but its
-outputs were then allocated on that stream, whose pool of the caching allocator keeps their
-blocks (the sublayer's reserved memory 2658 against 1634 MiB): not taken until its outputs can
-stay on the current stream. (The 3.73 GiB above ran with it; the bytes allocated are the same.)
+H100s (2026-12-07, the 8b MLP, in turns: 0.46, 0.43 and 0.36 ms over series in three runs, where
+the GEMM on the current stream gained 0.39, 0.13 and -0.22; 0.25 in a fourth run without that
+row). It is not taken yet: in ``bench_fp8.py``'s reserved-memory column the sublayer with it
+reserved 2530-2658 MiB against 1634. That held with its outputs allocated on the current stream
+too (branch ``wip/beside-priority``), while the weights-kept variant with it reserved 1634, and the
+column then compared variants among the blocks the earlier ones' gradients held: the bench now
+drops those first, and the branch records the reserved MiB by stream pool, neither run yet.
+(The 3.73 GiB above ran with it; the bytes allocated are the same.)
 """
 
 from __future__ import annotations
