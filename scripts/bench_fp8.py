@@ -11,11 +11,13 @@ columns quantized after an amax pass; the down-proj's weight gradient the other 
 forward FP8 bytes transposed and dy2's columns quantized), all timed in the same turns. ``--fast-accum
 forward|all`` adds ``coda fp8 row-wise, fast accum`` (the GEMMs of those roles accumulating in the
 tensor core, ``fast_accum``) with a shadow of its own whose ``_scaled_mm`` calls of the same roles
-take ``use_fast_accum``, and ``..., weights kept``: the same with its weights quantized once
-outside the step, as ``WeightQuantCache`` keeps them between two optimizer steps (what each
-micro-batch of a gradient accumulation costs; the other variants, like torchao's, quantize their
-weights in every step, which a step without accumulation does too), and ``..., 2x2 clusters``:
-its ping-pong picks on 2x2 clusters where they build without spills
+take ``use_fast_accum``, ``..., weights kept``: the same with its weights quantized once outside
+the step, as ``WeightQuantCache`` keeps them between two optimizer steps (what each micro-batch of
+a gradient accumulation costs; the other variants, like torchao's, quantize their weights in every
+step, which a step without accumulation does too), ``..., GEMM on the current stream``: the GEMMs
+beside the weight gradients' passes launched on the current stream rather than on one of higher
+priority (``beside.GEMM_PRIORITY`` 0), and ``..., 2x2 clusters``: its ping-pong picks on 2x2
+clusters where they build without spills
 (``runner.FP8_PINGPONG_2X2``, an experiment switch); ``--poll`` adds ``..., polling``: its GEMMs'
 mainloops polling their stage barriers instead of sleeping between polls (``runner.POLL_FULL``).
 
@@ -84,7 +86,7 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
     return step
 
 
-def with_switch(step, name: str, value: bool, owner=None):
+def with_switch(step, name: str, value, owner=None):
     """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
     backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` or
     ``runner.POLL_FULL`` with the epilogue runner as ``owner``."""
@@ -327,6 +329,12 @@ def cluster_label(fast_accum: str) -> str:
     return fast_label(fast_accum)[1] + ", 2x2 clusters"
 
 
+def current_stream_label(fast_accum: str) -> str:
+    """The row-wise fast variant whose GEMMs beside the weight gradients' passes go on the current
+    stream, of the passes' priority (``beside.GEMM_PRIORITY`` 0)."""
+    return fast_label(fast_accum)[1] + ", GEMM on the current stream"
+
+
 def kept_weights(w_gu, w_down) -> dict:
     """The two weights' row-wise FP8 quantizations as ``WeightQuantCache`` keeps them between two
     optimizer steps (every micro-batch of a gradient accumulation then skips its weights' four
@@ -381,7 +389,10 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
             fns[kept_label(fast_accum)] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum,
                                                     **kept_weights(w_gu, w_down))
             from coda_cute.epilogue import runner
+            from coda_cute.ops import beside
 
+            fns[current_stream_label(fast_accum)] = with_switch(
+                coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "GEMM_PRIORITY", 0, beside)
             fns[cluster_label(fast_accum)] = with_switch(
                 coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "FP8_PINGPONG_2X2", True,
                 runner)
@@ -434,20 +445,32 @@ def drop_grads(keep) -> None:
                 t.grad = None
 
 
-def peak_step_mib(fn) -> tuple[float, float]:
+def reserved_by_stream() -> dict:
+    """{stream: bytes} of the caching allocator's segments, by the stream each was reserved for."""
+    out: dict = {}
+    for seg in torch.cuda.memory_snapshot():
+        out[seg["stream"]] = out.get(seg["stream"], 0) + seg["total_size"]
+    return out
+
+
+def peak_step_mib(fn) -> tuple[float, float, dict]:
     """MiB that one (warm) call of ``fn`` allocates at its peak beyond what was allocated before it
-    (``max_memory_allocated``: every stream's blocks, the side stream's passes' outputs too), and
-    the MiB the caching allocator reserves for it from an emptied cache (blocks freed on one
-    stream are not handed to another: a second stream can raise this one alone)."""
+    (``max_memory_allocated``: every stream's blocks, the side stream's passes' outputs too), the
+    MiB the caching allocator reserves for it from an emptied cache (blocks freed on one stream are
+    not handed to another: a second stream can raise this one alone), and that growth by stream
+    ({stream handle: MiB}, the current stream's and a side stream's apart)."""
     drop_grads(fn)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    before = reserved_by_stream()
     fn()
     torch.cuda.synchronize()
+    after = reserved_by_stream()
+    by_stream = {str(s): (after[s] - before.get(s, 0)) / 2 ** 20 for s in after if after[s] != before.get(s, 0)}
     return ((torch.cuda.max_memory_allocated() - base) / 2 ** 20,
-            (torch.cuda.max_memory_reserved() - base_reserved) / 2 ** 20)
+            (torch.cuda.max_memory_reserved() - base_reserved) / 2 ** 20, by_stream)
 
 
 def one_step_in_range(fn, nvtx_range: str, name: str, console) -> None:
@@ -528,10 +551,14 @@ def main(argv=None) -> int:
         t.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in ms.items():
         t.add_row(name, f"{v:.3f}", f"{v / shadow:.3f}", f"{min(ao) / v:.3f}" if ao else "-", f"{alone[name][0]:.3f}",
-                  f"{alone[name][1]:.3f}", *(f"{v:.0f}" for v in peak_mib[name]))
+                  f"{alone[name][1]:.3f}", *(f"{v:.0f}" for v in peak_mib[name][:2]))
     console.print(t)
     fast_shadow, fast_ours = fast_label(args.fast_accum)
-    for ours in (fast_ours, kept_label(args.fast_accum), cluster_label(args.fast_accum), poll_label(args.fast_accum),
+    for name, (_, _, by_stream) in peak_mib.items():
+        if len(by_stream) > 1:  # a side stream's pool grew too
+            console.print(f"{name}: reserved MiB by stream " + ", ".join(f"{v:.0f}" for v in by_stream.values()))
+    for ours in (fast_ours, kept_label(args.fast_accum), current_stream_label(args.fast_accum),
+                 cluster_label(args.fast_accum), poll_label(args.fast_accum),
                  *(side_label(args.fast_accum, *pair) for pair in side_sms)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
@@ -553,7 +580,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms,
                        "back_to_back_ms": {k: v[0] for k, v in alone.items()},
-                       "host_ms": {k: v[1] for k, v in alone.items()}, "peak_mib": peak_mib, "quantize_gb": gb,
+                       "host_ms": {k: v[1] for k, v in alone.items()}, "peak_mib": {k: v[:2] for k, v in peak_mib.items()},
+                       "reserved_by_stream_mib": {k: v[2] for k, v in peak_mib.items()}, "quantize_gb": gb,
                        "quantize_gb_row_wise": row_gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)
     return 0

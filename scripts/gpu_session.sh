@@ -173,11 +173,15 @@
 #             weight-gradient passes beside its dgrads on several side SM counts (--side-sms) and in
 #             series, then compute-sanitizer memcheck of sanitize_fp8.py
 #   beside-tests  the FP8 MLP's and attention's row-wise GPU tests alone (-k "beside or row-wise": the
-#             passes beside the dgrads against in series, the gradients against float64)
+#             passes beside the dgrads against in series, the gradients against float64) and
+#             runner.launching_on's (the GEMM on the stream it names, in the current one's order)
 #   side-bench  bench_fp8.py --fast-accum all with the row-wise fast variant on several side SM counts
 #             (SIDE_PAIRS, default 0,0 4,6 6,8 12,12) at 8b, then in series and 4,6 at 1b (d 2048,
 #             ffn 8192): the default's pair checked on a shape it was not picked on; then the attention
 #             sublayer's row-wise fast variant with its passes beside the QKV dgrad and in series
+#   side-bench-8b  side-bench's first run alone: the 8b sublayer on SIDE_PAIRS (its GEMMs beside the
+#             passes on a stream of higher priority, and on the current one: "..., GEMM on the
+#             current stream"), with each variant's reserved MiB by stream in its JSON
 #   side      exp_side_stream.py: the row-wise FP8 MLP backward's four wgrad-only passes on a side
 #             stream beside the gate/up dgrad run on fewer SMs, against the two in series
 set -u
@@ -522,13 +526,17 @@ stage_side_mlp() {
 
 stage_beside_tests() {
     step beside-tests 200 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py \
-        tests/test_attention_fp8_gpu.py -k "beside or row-wise"
+        tests/test_attention_fp8_gpu.py tests/test_epilogue_gpu.py -k "beside or row-wise or launching_on"
 }
 
-stage_side_bench() {
+stage_side_bench_8b() {
     # shellcheck disable=SC2086
     step side-bench 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --side-sms ${SIDE_PAIRS:-0,0 4,6 6,8 12,12} \
         --json "$OUT/side-bench.json"
+}
+
+stage_side_bench() {
+    stage_side_bench_8b
     step side-bench-1b 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --dim 2048 --ffn 8192 \
         --side-sms 0,0 4,6 --json "$OUT/side-bench-1b.json"
     step side-bench-attn 150 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
@@ -581,7 +589,7 @@ stage_card_gemms() {
 }
 
 stage_verify() {
-    step verify-tests 220 python3 -m pytest -q -rfE --tb=short -m gpu -n 12 tests/test_gemm_gpu.py \
+    step verify-tests 220 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 12)" tests/test_gemm_gpu.py \
         tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_epilogue_quantize_gpu.py \
         tests/test_fp8_gpu.py tests/test_embedding_gpu.py tests/test_lm_head_fp8_gpu.py tests/test_ce_grad_gpu.py
 }
@@ -710,6 +718,7 @@ for s in "$@"; do
         side-mlp) stage_side_mlp ;;
         beside-tests) stage_beside_tests ;;
         side-bench) stage_side_bench ;;
+        side-bench-8b) stage_side_bench_8b ;;
         side) stage_side ;;
         *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
            exit 2 ;;

@@ -7,6 +7,7 @@ noise). Reduction partials are checked against a float64 reduction of the kernel
 values (stored alongside), to fp32 rounding.
 """
 
+import json
 import random
 
 import pytest
@@ -203,3 +204,44 @@ def test_register_op_and_bad_inputs():
         E.run(tree, a, b, {"bias": ins["bias"], "residual": ins["residual"].float()})
     with pytest.raises(ValueError, match="even N"):
         E.run(swiglu_tree(), *operands(64, 131, 64), {"r": torch.randn(64, device="cuda")})
+
+
+def test_launching_on_runs_the_gemm_on_its_stream_in_the_current_ones_order(tmp_path):
+    """``runner.launching_on(s)``: the GEMM's kernel goes on ``s`` (the profiler's stream of its
+    launch is that of a kernel queued on ``s``, not that of one on the current stream), after
+    every earlier launch of the current stream (its operand is written there behind a 20 ms spin)
+    and before every later one (the current stream reads its poisoned output right after)."""
+    from coda_cute.epilogue.runner import launching_on
+
+    tree = FIXED["bias_gelu_residual"]()
+    m, n, k = 1000, 528, 192
+    a, b = operands(m, n, k)
+    ins = inputs_for(tree, m, n)
+    late = torch.full_like(a, float("nan"))
+    side = torch.cuda.Stream(priority=-1)
+    marks = torch.randn(4096, device="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(20_000_000)  # ~10-20 ms at the H100's / H200's clocks
+        late.copy_(a)
+        with launching_on(side):
+            outs = E.run(tree, late, b, ins, config=PP, outputs=poisoned_stores(tree, m, n))
+        got = outs["out"].float()  # on the current stream: must see the GEMM's stores
+        marks.neg_()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+    ref = E.evaluate(tree, a.float() @ b.float(), ins)["out"]
+    assert rel_err(got, ref) < 1.2e-2
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    kernels = sorted((e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+                      if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    stream_of = {}
+    for e in kernels:
+        name = e["name"]
+        role = ("spin" if "spin_kernel" in name else "native" if "at::native" in name else "gemm")
+        stream_of.setdefault(role, []).append(e["args"]["stream"])
+    spins = stream_of["spin"]  # the current stream's first, then the side one's (after the GEMM)
+    assert len(spins) == 2 and spins[0] != spins[1], stream_of
+    assert stream_of["gemm"] == [spins[1]], stream_of
+    assert spins[0] in stream_of["native"], stream_of

@@ -448,3 +448,24 @@ def test_beside_runs_in_series_off_cuda():
                      torch.device("cpu"), side)
         assert out == ("g", "p")
     assert calls == [("gemm", None), ("passes",)] * 2
+
+
+def test_launching_on_is_this_threads_and_restored():
+    """``runner.launching_on``: the stream is this thread's alone (autograd's backward thread sets
+    its own), nested settings restore the outer one, an exception restores it too."""
+    import threading
+
+    from coda_cute.epilogue import runner
+
+    seen = []
+    with runner.launching_on("outer"):
+        with runner.launching_on("inner"):
+            t = threading.Thread(target=lambda: seen.append(getattr(runner._launch_stream, "stream", None)))
+            t.start()
+            t.join()
+            assert runner._launch_stream.stream == "inner"
+        assert runner._launch_stream.stream == "outer"
+        with pytest.raises(RuntimeError), runner.launching_on(None):
+            raise RuntimeError
+        assert runner._launch_stream.stream == "outer"
+    assert runner._launch_stream.stream is None and seen == [None]

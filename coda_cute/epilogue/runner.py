@@ -9,6 +9,8 @@ re-check data pointers, allocate outputs and launch.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -267,9 +269,40 @@ class Plan:
         if self.block_form is not None:  # (rows-major A scales, B's as the form has them)
             scales = tuple(_scale_view(tma_block_scales(t, rows), rows)
                            for t, rows in zip(block_scales, (True, self.block_form == "1x128")))
-        self.kernel(a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars,
-                    workspace, scales)
+        args = (a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars, workspace,
+                scales)
+        stream = getattr(_launch_stream, "stream", None)
+        if stream is None:
+            self.kernel(*args)
+        else:
+            cur = torch.cuda.current_stream(self.device)
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                self.kernel(*args)
+            cur.wait_stream(stream)
         return _group(result, self.tree)
+
+
+#: the stream :func:`launching_on` has set for this thread's launches (autograd runs a backward on
+#: a thread of its own: one thread's setting is not another's)
+_launch_stream = threading.local()
+
+
+@contextlib.contextmanager
+def launching_on(stream: Optional["torch.cuda.Stream"]):
+    """Inside: every GEMM this thread launches through :func:`run` goes on ``stream`` rather than
+    the current one, ordered as if it were on the current one (``stream`` waits for the current
+    stream before the launch, the current stream for ``stream`` after it). Its outputs and
+    workspace are still allocated on the current stream, so the caching allocator's blocks stay in
+    that stream's pool. What changes is the stream's priority: ``ops.beside`` launches its GEMM on
+    a stream of higher priority than its side passes', so that the GPU places the persistent
+    GEMM's CTAs first when both become ready together. ``None``: the current stream."""
+    before = getattr(_launch_stream, "stream", None)
+    _launch_stream.stream = stream
+    try:
+        yield
+    finally:
+        _launch_stream.stream = before
 
 
 def _tail_workspace(plan: Plan, m, n, k, batch, sms, device) -> None:

@@ -22,15 +22,16 @@ orders its launches to keep that short (``ops.mlp_fp8``: with its first order th
 peak memory beyond parameters and gradients rose from 4.34 to 4.68 GiB, with its second it is
 3.73; H100s, 2026-12-06 and 07).
 
-A GEMM launched on a stream of higher priority than the passes' gained more and more steadily on
-H100s (2026-12-07, the 8b MLP, in turns: 0.46, 0.43 and 0.36 ms over series in three runs, where
-the GEMM on the current stream gained 0.39, 0.13 and -0.22; 0.25 in a fourth run without that
-row). It is not taken yet: in ``bench_fp8.py``'s reserved-memory column the sublayer with it
-reserved 2530-2658 MiB against 1634. That held with its outputs allocated on the current stream
-too (branch ``wip/beside-priority``), while the weights-kept variant with it reserved 1634, and the
-column then compared variants among the blocks the earlier ones' gradients held: the bench now
-drops those first, and the branch records the reserved MiB by stream pool, neither run yet.
-(The 3.73 GiB above ran with it; the bytes allocated are the same.)
+The GEMM goes on a stream of higher priority than the passes' (``GEMM_PRIORITY``, through
+``epilogue.runner.launching_on``; its outputs are still allocated on the current stream). Queued
+on the current stream, both become ready when the launch before them ends and whose CTAs the GPU
+places first is its choice; on a stream of higher priority the persistent GEMM's are placed first.
+On H100s (2026-12-07, the 8b MLP, in turns) it gained 0.46, 0.43, 0.36 and 0.31 ms over series in
+four runs where the GEMM on the current stream gained 0.39, 0.13, -0.22 and 0.10. It allocates
+nothing on its stream (``bench_fp8.py``'s reserved MiB by stream: the current stream's pool and
+the side stream's alone); the current stream's pool grew 896-2240 MiB from an emptied cache
+across variants that allocate the same bytes, in series as much as beside (allocator
+fragmentation, not the priority stream).
 """
 
 from __future__ import annotations
@@ -40,34 +41,44 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from .. import dispatch
+from ..epilogue.runner import launching_on
 
 G = TypeVar("G")
 P = TypeVar("P")
+#: the priority of the stream the GEMM is launched on (lower is higher in CUDA; 0: the current
+#: stream, the passes' priority)
+GEMM_PRIORITY = -1
 _streams: dict = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _stream(index: int, priority: int) -> torch.cuda.Stream:
+    if (index, priority) not in _streams:
+        _streams[index, priority] = torch.cuda.Stream(index, priority=priority)
+    return _streams[index, priority]
+
+
+def stream_pair(device: torch.device) -> tuple[Optional[torch.cuda.Stream], torch.cuda.Stream]:
+    """(the GEMM's stream, the passes' side stream) of :func:`beside` on CUDA ``device``: the
+    GEMM's is ``None`` (the current stream) where ``GEMM_PRIORITY`` is 0. Each made once per
+    device and priority."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _streams:
-        _streams[index] = torch.cuda.Stream(index)
-    return _streams[index]
+    return (_stream(index, GEMM_PRIORITY) if GEMM_PRIORITY else None), _stream(index, 0)
 
 
 def beside(gemm: Callable[[Optional[int]], G], passes: Callable[[], P], device: torch.device,
            side_sms: int) -> tuple[G, P]:
     """(gemm(sms), passes()): on CUDA with ``side_sms`` > 0, ``gemm`` is handed the SM count its
-    persistent grid may hold (the device's less ``side_sms``) and launched first, then ``passes``
-    run on the side stream, joined into the current one before this returns; elsewhere
-    ``gemm(None)`` (every SM) then ``passes()`` in series."""
+    persistent grid may hold (the device's less ``side_sms``) and launched first, on the stream of
+    :func:`stream_pair`, then ``passes`` run on the side stream, joined into the current one
+    before this returns; elsewhere ``gemm(None)`` (every SM) then ``passes()`` in series."""
     if device.type != "cuda" or side_sms <= 0:
         return gemm(None), passes()
     sms = dispatch.num_sms(device) - side_sms
     cur = torch.cuda.current_stream(device)
-    side = _side_stream(device)
+    gemm_stream, side = stream_pair(device)
     side.wait_stream(cur)
-    # queued first, but both become ready when the launch before them ends: whose CTAs the GPU
-    # places first is its choice (a likely cause of the gain's spread between runs)
-    out = gemm(sms)
+    with launching_on(gemm_stream):
+        out = gemm(sms)
     with torch.cuda.stream(side):
         rest = passes()
     cur.wait_stream(side)
