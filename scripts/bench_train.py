@@ -96,7 +96,7 @@ Liger-Kernel 0.8.x is a pure-Python wheel. Fetch it on a machine with PyPI acces
 (git-ignored: never committed, so copy that folder along with the tree), install it there into a
 folder of its own and put that on PYTHONPATH:
 
-    .venv/bin/pip download --no-deps liger-kernel==0.8.5 -d .wheels/       # with PyPI access, once
+    bash scripts/liger_wheel.sh       # with PyPI access, once (without its NPU backend: it fits a device call's carry)
     pip install --no-deps --target /tmp/liger .wheels/liger_kernel-*.whl     # on the GPU machine
     PYTHONPATH=/tmp/liger:$PYTHONPATH python scripts/bench_train.py --json bench_train.json
 

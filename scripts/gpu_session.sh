@@ -8,8 +8,8 @@
 # limit of its own, so that one that hangs leaves the next stages their time; the last lines of
 # each log are printed at the end. Set-up (once per machine): the DSL pack of
 # ../shared/device/pack-dsl (built with --with apache-tvm-ffi==0.1.15.post2), the package
-# installed in place, and the pure-Python wheels in .wheels/ (Liger-Kernel 0.8.5, pytest-xdist,
-# execnet: `pip download --no-deps -d .wheels liger-kernel==0.8.5 pytest-xdist execnet`) on the
+# installed in place, and the pure-Python wheels in .wheels/ (Liger-Kernel 0.8.5 without its NPU
+# backend, so that it fits the carry, pytest-xdist, execnet: `bash scripts/liger_wheel.sh`) on the
 # path.
 #
 # Stages:
