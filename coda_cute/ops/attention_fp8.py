@@ -52,11 +52,12 @@ from .rmsnorm import norm_backward_tree, norm_inputs
 
 OP = "coda.attention_block_fp8"
 #: SMs the row-wise recipe's QKV dgrad leaves to the weight gradients' passes beside it
-#: (``ops.beside``; 0: in series): dy's and g's FP8 transposes, o's and x's folded columns. Off:
-#: on an H100 (2026-12-07, 8b shapes, 16384 tokens, one run) 16 SMs took the sublayer from 8.690
-#: to 8.563 ms in turns but from 8.666 to 8.804 back to back, with the GEMM on a priority stream
-#: (which ``ops.beside`` does not yet use). The four passes move about 0.7 GB at those shapes,
-#: against the 1.8 GB the MLP's move beside its dgrads
+#: (``ops.beside``; 0: in series): dy's and g's FP8 transposes, o's and x's folded columns. Off
+#: until more runs agree: on H100s (2026-12-07, 8b shapes, 16384 tokens) 16 SMs took the sublayer
+#: from 8.690 to 8.563 ms in turns but from 8.666 to 8.804 back to back; with the GEMM on the
+#: priority stream ``ops.beside`` now uses, one run, from 8.518 to 8.420 in turns and from 8.788
+#: to 8.585 back to back. The four passes move about 0.7 GB at those shapes, against the 1.8 GB
+#: the MLP's move beside its dgrads
 SIDE_SMS_QKV_DGRAD = 0
 
 
