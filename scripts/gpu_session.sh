@@ -537,7 +537,7 @@ stage_side_bench_8b() {
 
 stage_side_bench() {
     stage_side_bench_8b
-    step side-bench-1b 120 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --dim 2048 --ffn 8192 \
+    step side-bench-1b 180 python3 scripts/bench_fp8.py --fast-accum all --rounds 6 --dim 2048 --ffn 8192 \
         --side-sms 0,0 4,6 --json "$OUT/side-bench-1b.json"
     step side-bench-attn 150 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
         --json "$OUT/side-bench-attn.json"
