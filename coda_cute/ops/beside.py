@@ -26,8 +26,9 @@ The GEMM goes on a stream of higher priority than the passes' (``GEMM_PRIORITY``
 ``epilogue.runner.launching_on``; its outputs are still allocated on the current stream). Queued
 on the current stream, both become ready when the launch before them ends and whose CTAs the GPU
 places first is its choice; on a stream of higher priority the persistent GEMM's are placed first.
-On H100s (2026-12-07, the 8b MLP, in turns) it gained 0.46, 0.43, 0.36 and 0.31 ms over series in
-four runs where the GEMM on the current stream gained 0.39, 0.13, -0.22 and 0.10. It allocates
+On H100s (2026-12-07, the 8b MLP, in turns) it gained 0.25-0.47 ms over series in seven runs
+(0.31, 0.47 and 0.42 in the last three) where the GEMM on the current stream gained -0.22 to 0.52
+in six (0.10, 0.52 and 0.32), and ran faster than it in five of those six. It allocates
 nothing on its stream (``bench_fp8.py``'s reserved MiB by stream: the current stream's pool and
 the side stream's alone); the current stream's pool grew 896-2240 MiB from an emptied cache
 across variants that allocate the same bytes, in series as much as beside (allocator
