@@ -37,6 +37,11 @@ operands:
 * with ``--energy`` (forward form): torch's block-wise kernel and each variant of ours back to
   back for 600 ms: joules per call, mean watts, milliseconds per call (``coda_cute.sol.energy``):
   whether a variant's time in turns follows its power;
+* with ``--shapes M,N,K ...`` (forward form): those shapes instead of the three 8B ones. At
+  16384 x 28672 (an H100, 2026-12-07, ``gpu_session.sh block-k``) the kernel as built ran 1136 /
+  1141 / 1114 TFLOP/s at K = 2048 / 4096 / 8192 against torch's 1077 / 1146 / 1116 (1.064x /
+  0.996x / 0.998x with 1x2's 1145 at K = 2048): no per-tile cost that a longer k-loop hides;
+  torch's kernel is at its best at K = 4096, ours about level;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -50,7 +55,7 @@ torchao's block-wise training uses for dW; bf16 out) where torch takes it, the p
 block-scaled config (a log line per shape).
 
     CODA_CUTE_CACHE_DIR=0 python scripts/exp_block_scaled.py [--rounds 20] [--wgrad] [--stages] [--clusters 2x2 1x2]
-        [--poll] [--around "1x2 sleep" g16 one-buffer] [--energy] [--once [M,N,K]]
+        [--poll] [--around "1x2 sleep" g16 one-buffer] [--energy] [--shapes M,N,K ...] [--once [M,N,K]]
 """
 
 from __future__ import annotations
@@ -233,6 +238,9 @@ def main():
                     help="forward form: the kernel as built on its pick changed by each SPEC (module docstring)")
     ap.add_argument("--energy", action="store_true",
                     help="forward form: also joules, watts and ms per call of torch's kernel and ours, back to back")
+    ap.add_argument("--shapes", nargs="+", metavar="M,N,K", default=[",".join(map(str, x)) for x in SHAPES],
+                    help="forward form: these shapes instead of the three 8B ones (at one N, several K "
+                         "split a tile's fixed cost from its k-loop's)")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
@@ -252,7 +260,7 @@ def main():
     for col in ["M x N x K", "config", "ours row", *(f"row {v}" for v in row_variants), "torch block", *names,
                 "best / torch"]:
         table.add_column(col, justify="right")
-    for m, n, k in SHAPES:
+    for m, n, k in (tuple(int(x) for x in spec.split(",")) for spec in args.shapes):
         a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
         fns = {"ours row": lambda: torch.ops.coda.gemm(a_q, b_q.t(), ra, rb),
                "torch block": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(),

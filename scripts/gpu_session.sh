@@ -97,6 +97,8 @@
 #             (stall reasons, hot SASS lines)
 #   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
+#   block-k   the same at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
+#             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
 #             instead of sleeping between polls): its GPU tests (test_gemm_gpu and
 #             test_block_scaled_gpu -k poll), then the row-wise FP8 MLP's six GEMMs and the
@@ -394,6 +396,11 @@ stage_block_ncu() {
 
 stage_block_built() {
     step block-built 150 python3 scripts/exp_block_scaled.py --clusters 1x2 --rounds 8
+}
+
+stage_block_k() {
+    step block-k 180 python3 scripts/exp_block_scaled.py --clusters 1x2 --rounds 8 \
+        --shapes 16384,28672,2048 16384,28672,4096 16384,28672,8192 16384,6144,8192
 }
 
 stage_poll() {
@@ -694,6 +701,7 @@ for s in "$@"; do
         block22) stage_block22 ;;
         block-ncu) stage_block_ncu ;;
         block-built) stage_block_built ;;
+        block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;
         block-energy) stage_block_energy ;;
