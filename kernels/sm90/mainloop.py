@@ -260,7 +260,9 @@ class Sm90Mainloop:
         form: 31 or 111 follow the one issued before the epilogue) are promoted one at a time:
         a group of their own, as a second group site before or after the loop, under a branch
         or in a loop of 0 or 1 trips, spilled 2.2-3.0 KB in every build with a 64-register
-        accumulator (cooperative 128 x 128, ping-pong 64 x 128; 2026-12-07)."""
+        accumulator (cooperative 128 x 128, ping-pong 64 x 128; 2026-12-07); as the last trip of
+        the one group body, its issues and promotions guarded at run time, it made ptxas
+        serialize every WGMMA (and spill 5.4 KB)."""
         release_state = read_state.clone()
         singles = k_tiles
         first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
