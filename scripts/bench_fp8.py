@@ -428,9 +428,9 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
             fns[ours] = coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum)
             from coda_cute.ops import attention_fp8
 
-            fns[ours + ", passes beside the QKV dgrad"] = with_switch(
+            fns[ours + ", passes in series"] = with_switch(
                 coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum),
-                "SIDE_SMS_QKV_DGRAD", 16, attention_fp8)
+                "SIDE_SMS_QKV_DGRAD", 0, attention_fp8)
         fns["coda bf16"] = coda_step(torch.ops.coda.attention_block, *case)
     return fns
 

@@ -97,6 +97,11 @@
 #             (stall reasons, hot SASS lines)
 #   block-built  the block-scaled forward form's kernel as built on its pick and on 1x2, against
 #             torch's block-wise _scaled_mm at the three 8B shapes (exp_block_scaled.py --clusters 1x2)
+#   attn-beside  the attention's passes beside its QKV dgrad (attention_fp8.SIDE_SMS_QKV_DGRAD):
+#             the sublayer at 1b (d 2048, head_dim 64) and 8b, beside and in series in turns, then the
+#             8b training step (no compile, no Liger) with them on 16 SMs and in series, a process each
+#   attn-verify  the FP8 attention's GPU tests and the HF integration's FP8 ones, memcheck
+#             of sanitize_fp8.py, then the attention sublayer's bench (side-bench-attn)
 #   block-k   the same at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
@@ -180,7 +185,7 @@
 #   side-bench  bench_fp8.py --fast-accum all with the row-wise fast variant on several side SM counts
 #             (SIDE_PAIRS, default 0,0 4,6 6,8 12,12) at 8b, then in series and 4,6 at 1b (d 2048,
 #             ffn 8192): the default's pair checked on a shape it was not picked on; then the attention
-#             sublayer's row-wise fast variant with its passes beside the QKV dgrad and in series
+#             sublayer's row-wise fast variant with its passes beside the QKV dgrad (the default) and in series
 #   side-bench-8b  side-bench's first run alone: the 8b sublayer on SIDE_PAIRS (its GEMMs beside the
 #             passes on a stream of higher priority, and on the current one: "..., GEMM on the
 #             current stream"), with each variant's reserved MiB by stream in its JSON
@@ -396,6 +401,30 @@ stage_block_ncu() {
 
 stage_block_built() {
     step block-built 150 python3 scripts/exp_block_scaled.py --clusters 1x2 --rounds 8
+}
+
+stage_attn_beside() {
+    step attn-beside-1b 120 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
+        --dim 2048 --head-dim 64 --json "$OUT/attn-beside-1b.json"
+    step attn-beside-8b 120 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
+        --json "$OUT/attn-beside-8b.json"
+    local side
+    for side in 16 0; do
+        step "attn-beside-train-$side" 170 python3 -c "import sys; sys.path.insert(0, 'scripts'); \
+from coda_cute.ops import attention_fp8; attention_fp8.SIDE_SMS_QKV_DGRAD = int(sys.argv[1]); \
+import bench_train; sys.exit(bench_train.main(sys.argv[2:]))" "$side" --configs 8b --no-compile --no-liger \
+            --rounds 6 --fp8-row-fast all --json "$OUT/attn-beside-train-$side.json"
+    done
+}
+
+stage_attn_verify() {
+    step attn-verify-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" \
+        tests/test_attention_fp8_gpu.py
+    step attn-verify-hf 150 python3 -m pytest -q -rfE --tb=short -m gpu tests/test_hf_gpu.py -k fp8
+    step attn-verify-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+    step side-bench-attn 150 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 6 \
+        --json "$OUT/side-bench-attn.json"
 }
 
 stage_block_k() {
@@ -701,6 +730,8 @@ for s in "$@"; do
         block22) stage_block22 ;;
         block-ncu) stage_block_ncu ;;
         block-built) stage_block_built ;;
+        attn-beside) stage_attn_beside ;;
+        attn-verify) stage_attn_verify ;;
         block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;

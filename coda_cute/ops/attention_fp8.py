@@ -52,13 +52,18 @@ from .rmsnorm import norm_backward_tree, norm_inputs
 
 OP = "coda.attention_block_fp8"
 #: SMs the row-wise recipe's QKV dgrad leaves to the weight gradients' passes beside it
-#: (``ops.beside``; 0: in series): dy's and g's FP8 transposes, o's and x's folded columns. Off
-#: until more runs agree: on H100s (2026-12-07, 8b shapes, 16384 tokens) 16 SMs took the sublayer
-#: from 8.690 to 8.563 ms in turns but from 8.666 to 8.804 back to back; with the GEMM on the
-#: priority stream ``ops.beside`` now uses, one run, from 8.518 to 8.420 in turns and from 8.788
-#: to 8.585 back to back. The four passes move about 0.7 GB at those shapes, against the 1.8 GB
-#: the MLP's move beside its dgrads
-SIDE_SMS_QKV_DGRAD = 0
+#: (``ops.beside``; 0: in series): dy's and g's FP8 transposes, o's and x's folded columns. The
+#: four passes move about 0.7 GB at the 8b shapes, against the 1.8 GB the MLP's move beside its
+#: dgrads, so the gain is small; with the GEMM beside them on ``ops.beside``'s priority stream it
+#: is there on average in every reading (H100s, 2026-12-07, 16384 tokens, ms, series -> beside):
+#: the 8b sublayer in turns 8.518 -> 8.420, 8.621 -> 8.525, 8.524 -> 8.400, 8.544 -> 8.557,
+#: 8.603 -> 8.548, back to back 8.788 -> 8.585, 8.881 -> 8.611, 8.698 -> 8.726, 8.673 -> 8.728,
+#: 8.842 -> 8.755; at 1b (d 2048, head_dim 64, not a shape it was picked on) 4.156 -> 4.133 and
+#: 4.193 -> 4.183 in turns, 4.312 -> 4.221 and 4.223 -> 4.285 back to back; the whole 8b FP8
+#: step, a process each, 128.718 -> 128.181 and 130.389 -> 128.945 in turns, 130.31 -> 129.96 and
+#: 131.07 -> 131.25 back to back, peak memory the same (3.73 GiB). With the GEMM on the current
+#: stream (before the priority stream) 16 SMs gained in turns but not back to back.
+SIDE_SMS_QKV_DGRAD = 16
 
 
 def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
