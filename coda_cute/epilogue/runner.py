@@ -160,7 +160,7 @@ SPILL_CHECKS = 8
 #: gate/up forward with its RMSNorm + SwiGLU tree (16384 x 28672 x 4096) ran 2.899 ms on 2x2
 #: against 3.162 on 2x1, outputs bit-identical; the 1b one (16384 x 16384 x 2048) 0.944 against
 #: 0.933; the row-wise SwiGLU backward's build spills on 2x2. In the 8b FP8 MLP sublayer it gained
-#: 0.14-0.63 ms in seven of eight H100 runs (2026-12-06 and 07) and lost 0.70 on the H200
+#: 0.14-0.63 ms in eight of nine H100 runs (2026-12-06 and 07) and lost 0.70 on the H200
 #: (2026-12-06); in the 1b one (d 2048, ffn 8192, an H100, 2026-12-07) it lost 0.08 ms; in the
 #: whole 8b FP8 step on an H100 (2026-12-07, two runs each) 129.58 and 129.96 ms against 130.08
 #: and 129.47 off: nothing a step sees, and a rule by card and K would be fitted to the benchmark's
