@@ -102,7 +102,7 @@
 #             8b training step (no compile, no Liger) with them on 16 SMs and in series, a process each
 #   attn-verify  the FP8 attention's GPU tests and the HF integration's FP8 ones, memcheck
 #             of sanitize_fp8.py, then the attention sublayer's bench (side-bench-attn)
-#   block-k   the same at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
+#   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
 #             instead of sleeping between polls): its GPU tests (test_gemm_gpu and
