@@ -581,7 +581,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"sublayer": args.sublayer, "shape": [m, d, f], "ms": ms,
                        "back_to_back_ms": {k: v[0] for k, v in alone.items()},
-                       "host_ms": {k: v[1] for k, v in alone.items()}, "peak_mib": {k: v[:2] for k, v in peak_mib.items()},
+                       "host_ms": {k: v[1] for k, v in alone.items()},
+                       "peak_mib": {k: v[:2] for k, v in peak_mib.items()},
                        "reserved_by_stream_mib": {k: v[2] for k, v in peak_mib.items()}, "quantize_gb": gb,
                        "quantize_gb_row_wise": row_gb,
                        "quantize_bytes": bytes_rows}, fh, indent=1)

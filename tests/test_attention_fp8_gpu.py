@@ -55,9 +55,9 @@ def test_output_and_gradients_next_to_the_bf16_op(monkeypatch, h, hkv, hd, qk_no
 @pytest.mark.parametrize("s", [2048, 1000])  # 2 x 1000 tokens: ragged, still FP8 transposes (multiples of 16)
 def test_passes_beside_the_qkv_dgrad_leave_the_row_wise_sublayer_unchanged(monkeypatch, s):
     """The row-wise backward's weight-gradient passes beside the QKV dgrad (``ops.beside``, on 16
-    SMs by default) against the same passes in series: the output and every gradient match (bit for bit
-    where the dgrad's pick on fewer SMs is the same tile; its per-tile norm partials group
-    otherwise)."""
+    SMs by default) against the same passes in series: the output and every gradient match (bit
+    for bit where the dgrad's pick on fewer SMs is the same tile; its per-tile norm partials
+    group otherwise)."""
     from coda_cute.ops import attention_fp8
 
     b, d, h, hkv, hd = 2, 1024, 16, 4, 64
