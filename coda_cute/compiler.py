@@ -200,7 +200,7 @@ def _fake_signature(spec: KernelSpec):
         workspace = (fake("float32", (cute.sym_int(),), (1,), 4), fake("int32", (cute.sym_int(),), (1,), 4))
     block_scales = None
     if spec.block_scaled:  # A's (M, K/128, L) and B's (N/128 or N, K/128, L) fp32 scales as TMA reads
-        kb = cute.sym_int()  # them: M-major, N-major (b_rows) or K-major (runner.tma_block_scales)
+        kb = cute.sym_int()  # them: M-major, N-major (b_rows) or K-major (epilogue.block_scales.tma_block_scales)
         def s4():  # a stride of its own (shared symbols must agree at call time), 16-byte divisible
             return cute.sym_int64(divisibility=4)
         block_scales = (fake("float32", (m, kb, l), (1, s4(), s4())),

@@ -4,7 +4,9 @@ first table):
 float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, and the prototype
 block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
-with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8 row-wise`` the
+with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8, tail carry``
+with its block-scaled forward-form GEMMs carrying each tile's last promotion group into the next
+tile where K allows (``runner.TAIL_CARRY``, ``GemmConfig.tail_carry``); ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
 FP8 kernel; dz' quantized in one read, its FP8 bytes transposed for its weight gradient and y's
 columns quantized after an amax pass; the down-proj's weight gradient the other way round, h's
@@ -88,8 +90,8 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
 
 def with_switch(step, name: str, value, owner=None):
     """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
-    backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2`` or
-    ``runner.POLL_FULL`` with the epilogue runner as ``owner``, ``beside.GEMM_PRIORITY`` with
+    backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2``,
+    ``runner.POLL_FULL`` or ``runner.TAIL_CARRY`` with the epilogue runner as ``owner``, ``beside.GEMM_PRIORITY`` with
     ``ops.beside``."""
     if owner is None:
         from coda_cute.ops import mlp_fp8 as owner
@@ -382,6 +384,10 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
         fns["coda fp8"] = coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS)
         fns["coda fp8, quantize fused"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu,
                                                                 w_down, dy2, EPS), "FUSED_QUANT", True)
+        from coda_cute.epilogue import runner
+
+        fns["coda fp8, tail carry"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down,
+                                                            dy2, EPS), "TAIL_CARRY", True, runner)
         row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
         fns["coda fp8 row-wise"] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS)
         if fast_accum != "none":
@@ -389,7 +395,6 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
             fns[ours] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum)
             fns[kept_label(fast_accum)] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum,
                                                     **kept_weights(w_gu, w_down))
-            from coda_cute.epilogue import runner
             from coda_cute.ops import beside
 
             fns[current_stream_label(fast_accum)] = with_switch(

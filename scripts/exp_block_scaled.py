@@ -4,7 +4,7 @@ Measured first (H200, 16384 x N x K, bf16 out, ``scripts/bench_fp8_gemm.py``): t
 GEMM at 0.56-0.68 of our row-wise FP8 GEMM and 0.63-0.73 of ``torch._scaled_mm``'s block-wise
 kernel. A reading of 1005 TFLOP/s for the weight-gradient form then did not reproduce (385 the
 next session; likely a binary of the disk cache's key collision, since fixed). The kernels
-promote k-tiles in groups (``kernels.sm90.mainloop.PROMOTION_GROUP``, per form); each k-tile's
+promote k-tiles in groups (``kernels.common.config.PROMOTION_GROUP``, per form); each k-tile's
 scales come with its stage by TMA (``kernels.sm90.block_scales``). Variants, each compiled afresh (no disk
 cache) and timed in turns with our row-wise FP8 GEMM and torch's block-wise one on the same
 operands:
@@ -33,7 +33,11 @@ operands:
 * with ``--around SPEC ...`` (forward form): the kernel as built on its pick changed by each
   SPEC, space-separated tokens: ``MxN`` (cluster), ``poll`` / ``sleep`` (``poll_full``), ``gN``
   (raster band), ``one-buffer`` (the epilogue in 64-column sub-tiles through one buffer, the
-  shared memory it frees going to A/B stages), e.g. ``--around "1x2" "g16" "one-buffer"``;
+  shared memory it frees going to A/B stages), ``carry`` / ``no-carry``
+  (``GemmConfig.tail_carry``, which the pick has under ``runner.TAIL_CARRY`` where K allows:
+  each tile's last promotion group takes its last 3 k-tiles and the next tile's first, issued
+  before the epilogue, instead of 3 single promotions and the next tile's first issued alone),
+  e.g. ``--around "1x2" "g16" "one-buffer" carry``;
 * with ``--energy`` (forward form): torch's block-wise kernel and each variant of ours back to
   back for 600 ms: joules per call, mean watts, milliseconds per call (``coda_cute.sol.energy``):
   whether a variant's time in turns follows its power;
@@ -73,12 +77,12 @@ from coda_cute import compiler, dispatch  # noqa: E402
 from coda_cute import epilogue as E  # noqa: E402
 from coda_cute import reference as R  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
-from coda_cute.kernels.common.config import block_scale_stage_bytes, pipeline_stages  # noqa: E402
+from coda_cute.kernels.common.config import (PROMOTION_GROUP, block_scale_stage_bytes,  # noqa: E402
+                                             pipeline_stages, tail_carry_rule)
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
-from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
 from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
@@ -91,7 +95,7 @@ WGRAD_SHAPES = [(6144, 4096, 16384), (28672, 4096, 16384), (4096, 14336, 16384),
 
 
 #: {name: (whether a second temporary may pair k-tiles, k-tiles per promotion group)}. Groups of 3
-#: and 4 (``mainloop.PROMOTION_GROUP``) build spill-free and unserialized for both block-scaled
+#: and 4 (``config.PROMOTION_GROUP``) build spill-free and unserialized for both block-scaled
 #: forms in today's kernel (2026-12-03; they spilled when pairs were chosen); a group waits for the
 #: tensor cores once, at its last promotion, so larger groups drain a warpgroup's WGMMAs less often
 #: (in pairs, after every second k-tile).
@@ -103,17 +107,19 @@ ROW_VARIANTS = ("paired", "group 4")
 
 def _variant_plan(name, tree, a, b, config, scales, b_rows=False, inputs=None):
     """``_fresh_plan`` under variant ``name``'s module switches, restored afterwards; the form
-    (``mainloop.PROMOTION_GROUP``'s key) is the wgrad form's with ``b_rows``, else the
+    (``config.PROMOTION_GROUP``'s key) is the wgrad form's with ``b_rows``, else the
     block-scaled one's, else (no ``scales``) the row-wise one's."""
     paired, group = VARIANTS[name]
     form = "wgrad" if b_rows else "block" if scales is not None else "row"
-    max_acc, before = G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP[form]
+    max_acc, before = G.MAX_ACC_REGISTERS, PROMOTION_GROUP[form]
     G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
-    ML.PROMOTION_GROUP[form] = group
+    PROMOTION_GROUP[form] = group
     try:
+        if not paired or tail_carry_rule(config, a.shape[1], True, scales is not None, b_rows) is not None:
+            config = config.with_(tail_carry=False)  # no groups, or a group this K's k-tiles do not fill
         return _fresh_plan(tree, a, b, config, scales, b_rows, inputs)
     finally:
-        G.MAX_ACC_REGISTERS, ML.PROMOTION_GROUP[form] = max_acc, before
+        G.MAX_ACC_REGISTERS, PROMOTION_GROUP[form] = max_acc, before
 
 
 def _fresh_plan(tree, a, b, config, scales, b_rows=False, inputs=None):
@@ -145,13 +151,16 @@ def _around(cfg, spec: str):
             cfg = cfg.with_(poll_full=tok == "poll")
         elif tok == "one-buffer":
             one_buffer = True
+        elif tok in ("carry", "no-carry"):
+            cfg = cfg.with_(tail_carry=tok == "carry")
         elif tok[0] == "g" and tok[1:].isdigit():
             cfg = cfg.with_(raster_group=int(tok[1:]))
         elif len(tok.split("x")) == 2 and all(x.isdigit() for x in tok.split("x")):
             cm, cn = (int(x) for x in tok.split("x"))
             cfg = cfg.with_(cluster_m=cm, cluster_n=cn)
         else:
-            raise SystemExit(f"--around: {tok!r} in {spec!r} is none of MxN, poll, sleep, gN, one-buffer")
+            raise SystemExit(f"--around: {tok!r} in {spec!r} is none of MxN, poll, sleep, gN, one-buffer, "
+                             "carry, no-carry")
     return cfg, one_buffer
 
 
@@ -252,7 +261,7 @@ def main():
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
-    built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == ML.PROMOTION_GROUP["block"])
+    built = next(n for n, (paired, group) in VARIANTS.items() if paired and group == PROMOTION_GROUP["block"])
     polls = dispatch.block_scaled_config_space()[0].poll_full  # how the forward form's picks wait
     around = [*args.clusters, *(["sleep" if polls else "poll"] if args.poll else []), *args.around]
     names = [built, *(f"{built} {c}" for c in around)] if around else list(VARIANTS)

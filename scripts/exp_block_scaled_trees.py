@@ -27,6 +27,7 @@ from coda_cute import dispatch
 from coda_cute import epilogue as E
 from coda_cute.elementwise_fp8 import quantize_rows, quantize_weight
 from coda_cute.epilogue import runner
+from coda_cute.epilogue.block_scales import tma_block_scales
 from coda_cute.ops.residual import residual_norm_stats_tree
 from coda_cute.ops.rmsnorm import norm_backward_tree, norm_inputs
 from coda_cute.ops.swiglu import swiglu_backward_tree
@@ -67,7 +68,7 @@ def main():
     for label, m, d, f in SHAPES:
         for name, tree, (rows, n, k), inputs, w, transposed in cases(m, d, f):
             a_q, a_s = quantize_rows(_bf16(rows, k), FP8)
-            a_s = runner.tma_block_scales(a_s, True)
+            a_s = tma_block_scales(a_s, True)
             # the GEMM's B (K, N), K-major (column-major for _scaled_mm): W.T for a forward, the
             # FP8 transpose's .t() for a dgrad (as ops.fp8_gemms.project takes them)
             w_q, w_s, w_qt = quantize_weight(w, None, FP8, transposed=True)

@@ -102,6 +102,14 @@
 #             8b training step (no compile, no Liger) with them on 16 SMs and in series, a process each
 #   attn-verify  the FP8 attention's GPU tests and the HF integration's FP8 ones, memcheck
 #             of sanitize_fp8.py, then the attention sublayer's bench (side-bench-attn)
+#   block-carry  the FP8 GPU tests (with GemmConfig.tail_carry, each tile's last promotion group
+#             carrying the next tile's first k-tile: bit for bit the kernel without it), then
+#             compute-sanitizer memcheck of sanitize_fp8.py (run it with runner.TAIL_CARRY on
+#             before turning it on by default)
+#   carry-bench  the block-scaled forward form with and without tail_carry against torch's
+#             block-wise kernel at the three 8B shapes (and on 1x2)
+#   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
+#             recipe's MLP sublayer with and without)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
@@ -427,6 +435,24 @@ stage_attn_verify() {
         --json "$OUT/side-bench-attn.json"
 }
 
+stage_block_carry() {
+    step block-carry-tests 330 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" \
+        tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_attention_fp8_gpu.py \
+        tests/test_lm_head_fp8_gpu.py tests/test_fp8_gpu.py
+    step block-carry-memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
+}
+
+stage_carry_bench() {
+    step carry-bench 150 python3 scripts/exp_block_scaled.py --around carry "carry 1x2" --rounds 8
+}
+
+stage_carry_more() {
+    step carry-shapes 150 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
+        --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
+    step carry-mlp 250 python3 scripts/bench_fp8.py --rounds 6 --json "$OUT/carry-mlp.json"
+}
+
 stage_block_k() {
     step block-k 180 python3 scripts/exp_block_scaled.py --clusters 1x2 --rounds 8 \
         --shapes 16384,28672,2048 16384,28672,4096 16384,28672,8192 16384,6144,8192
@@ -732,6 +758,9 @@ for s in "$@"; do
         block-built) stage_block_built ;;
         attn-beside) stage_attn_beside ;;
         attn-verify) stage_attn_verify ;;
+        block-carry) stage_block_carry ;;
+        carry-bench) stage_carry_bench ;;
+        carry-more) stage_carry_more ;;
         block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;

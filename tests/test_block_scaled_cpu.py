@@ -16,7 +16,7 @@ import coda_cute
 from coda_cute import dispatch
 from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, compile_gemm, spill_bytes
-from coda_cute.kernels.common.config import GemmConfig
+from coda_cute.kernels.common.config import PROMOTION_GROUP, GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
 from helpers import generator, on_path, rel_err
 
@@ -102,15 +102,49 @@ def test_an_explicit_config_may_set_any_cluster(cfg, ok):
     and the accumulation, not the cluster (each CTA loads its own scales), the stages or the
     raster, so a scalable tile on any cluster passes and an unscalable one is refused, naming
     the config."""
-    from coda_cute.epilogue import runner
+    from coda_cute.epilogue.block_scales import check_block_scaled
 
     a_q, sa, b_q, sb = quantized(256, 256, 256)
-    check = lambda: runner._check_block_scaled(a_q, b_q, (sa, sb), True, False, cfg, "exp")  # noqa: E731
+    check = lambda: check_block_scaled(a_q, b_q, (sa, sb), True, False, cfg, "exp")  # noqa: E731
     if ok:
         check()
     else:
         with pytest.raises(ValueError, match=f"config {cfg.name} cannot apply block scales"):
             check()
+
+
+@pytest.mark.parametrize("k, b_block, match", [
+    (640, "128x128", r"tail_carry needs K's k-tiles \(5 of 128 for K = 640\) to be a multiple of the promotion group \(4\)"),
+    (512, "1x128", "tail_carry is a block-scaled forward-form mode"),
+    (512, None, "tail_carry is a block-scaled forward-form mode"),
+], ids=["5 k-tiles", "wgrad form", "row-wise"])
+def test_an_explicit_tail_carry_config_is_refused_where_it_cannot_carry(k, b_block, match):
+    """An explicit config with ``tail_carry`` (an experiment's) on a launch its rule refuses: K of
+    5 k-tiles, the weight-gradient form, row-wise FP8 without block scales. The reference path
+    raises what the launch raises, naming the config and the rule, before anything runs."""
+    from coda_cute.epilogue import run
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, tail_carry=True)
+    a_q, sa, b_q, sb = quantized(256, 256, k)
+    if b_block == "1x128":
+        sb = R.quantize_blocks_ref(b_q.float(), (1, 128))[1]
+    kw = {} if b_block is None else dict(block_scales=(sa, sb), b_block=b_block)
+    tree = gemm_tree("none", "none", "bfloat16")
+    with pytest.raises(ValueError, match=f"config {cfg.name}: " + match), coda_cute.reference_on_cpu():
+        run(tree, a_q, b_q.t(), {}, config=cfg, **kw)
+
+
+def test_tail_carry_config_rules():
+    """``tail_carry`` is a cooperative mode without a split tail (the config refuses the others),
+    and the kernel's build refuses it off the block-scaled forward form."""
+    for bad in (dict(schedule="pingpong", tile_m=128), dict(split_tail=True)):
+        with pytest.raises(ValueError, match="tail_carry needs the cooperative schedule without split_tail"):
+            GemmConfig(tile_n=128, tile_k=128, tail_carry=True, **bad)
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, tail_carry=True)
+    with pytest.raises(ValueError, match="block-scaled forward-form mode"):
+        compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "bfloat16")))
+    with pytest.raises(ValueError, match="three whole accumulators"):
+        compile_gemm(spec(cfg.with_(tile_m=256)))
 
 
 # -- the op: coda.gemm_blockwise --------------------------------------------------------------------
@@ -227,14 +261,12 @@ def test_waves_read_column_scales_once_per_k_tile_before_the_release():
 @pytest.mark.parametrize("b_rows", [False, True], ids=["forward", "wgrad"])
 def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch):
     """The variants ``scripts/exp_block_scaled.py`` times against pairs: k-tiles promoted in
-    groups of 3 or 4 (``mainloop.PROMOTION_GROUP[form]``) build without spills or serialized WGMMAs,
+    groups of 3 or 4 (``config.PROMOTION_GROUP[form]``) build without spills or serialized WGMMAs,
     and the group's loop waits for the tensor cores to drain once (``wait_group 0``), its other
     promotions with the next k-tile in flight (``wait_group 1``, one per k-tile after the first)."""
-    from coda_cute.kernels.sm90 import mainloop
-
     waits = {}
     for g in (2, group):
-        monkeypatch.setitem(mainloop.PROMOTION_GROUP, "wgrad" if b_rows else "block", g)
+        monkeypatch.setitem(PROMOTION_GROUP, "wgrad" if b_rows else "block", g)
         cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1 if b_rows else 2)
         tree = gemm_tree("none", "none", "float32" if b_rows else "bfloat16")
         k = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, tree, block_scaled=True, b_rows=b_rows),
@@ -243,6 +275,44 @@ def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch
         found = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", k.ptx)
         waits[g] = (found.count("0"), found.count("1"))
     assert waits[group] == (waits[2][0], waits[2][1] + group - 2), waits
+
+
+def test_tail_carry_builds_without_spills():
+    """``GemmConfig.tail_carry``: the forward form's pick builds spill-free and unserialized with
+    each tile's last group carrying the next tile's first k-tile, which replaces the three single
+    promotions and the next tile's own first issue. Counted in k-tile issues (4 WGMMAs each): the
+    group loop, the carrying group and the kernel's first issue, against the group loop, the
+    singles' loop and the two first issues; and one wait for the tensor cores to drain fewer (the
+    singles' loop's)."""
+    cfg = next(c for c in dispatch.block_scaled_config_space()
+               if c.schedule == "cooperative" and c.tile_m == 128 and c.cluster_m == 2)
+    builds = {}
+    for carry in (False, True):
+        k = compile_gemm(spec(cfg.with_(tail_carry=carry)), keep_artifacts=True)
+        assert spill_bytes(k) == 0 and not k.stats["wgmma_serialized"], (carry, k.stats)
+        found = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", k.ptx)
+        builds[carry] = (k.ptx.count("wgmma.mma_async"), found.count("0"))
+    group = PROMOTION_GROUP["block"]
+    assert builds[False][0] == 4 * (group + 3) and builds[True][0] == 4 * (2 * group + 1), builds
+    assert builds[True][1] == builds[False][1] - 1, builds
+
+
+@pytest.mark.parametrize("k, b_block, carries", [(4096, "128x128", True), (14336, "128x128", True),
+                                                 (512, "128x128", True), (640, "128x128", False),
+                                                 (4000, "128x128", True), (3968, "128x128", False),
+                                                 (4096, "1x128", False)])
+def test_the_heuristic_carries_where_k_allows(k, b_block, carries, monkeypatch):
+    """``runner.choose_config`` sets ``tail_carry`` on the block-scaled forward form's picks, under
+    ``runner.TAIL_CARRY`` only, where its k-tiles (128 deep, the last one partial where K is
+    ragged) make whole promotion groups: 4096, 14336 and 4000 (32, 112 and 32 k-tiles), 512 (one
+    group); not 640 or 3968 (5 and 31 k-tiles), nor the weight-gradient form."""
+    from coda_cute.epilogue import runner
+
+    tree = gemm_tree("none", "none", "float32" if b_block == "1x128" else "bfloat16")
+    for on in (False, True):
+        monkeypatch.setattr(runner, "TAIL_CARRY", on)
+        pick = runner.choose_config(tree, 16384, 4096, k, 1, True, False, 132, True, b_block == "1x128")
+        assert pick.tail_carry == (on and carries), (on, pick.name)
 
 
 def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():
@@ -309,7 +379,7 @@ def test_scales_reach_the_kernel_in_layouts_its_tma_reads():
     a multiple of 4. Others are copied into one, values kept: row-major 1 x 128 scales, an odd
     column stride, a misaligned slice, weight scales of 3 k-blocks. The kernel's view has stride 1
     along the contiguous mode and multiples of 4 elsewhere, also for modes of one element."""
-    from coda_cute.epilogue.runner import _scale_view, tma_block_scales
+    from coda_cute.epilogue.block_scales import scale_view, tma_block_scales
     from coda_cute.precision import block_scales_m_major
 
     sb = torch.randn(200, 3)
@@ -322,12 +392,12 @@ def test_scales_reach_the_kernel_in_layouts_its_tma_reads():
                     (weight.t().contiguous().t(), False)):
         got = tma_block_scales(t, rows)
         assert got is not t and torch.equal(got, t) and got.data_ptr() % 16 == 0
-        view = _scale_view(got, rows)
+        view = scale_view(got, rows)
         inner = 0 if rows else 1
         assert view.stride(inner) == 1 and view.stride(1 - inner) % 4 == 0 and view.stride(2) % 4 == 0
         assert torch.equal(view[..., 0], t)
     one = block_scales_m_major(1, 100, "cpu").fill_(2.0)  # one row, one k-block
-    view = _scale_view(tma_block_scales(one, True), True)
+    view = scale_view(tma_block_scales(one, True), True)
     assert view.stride()[:2] == (1, 4) or view.stride(0) == 1 and view.stride(1) % 4 == 0
 
 

@@ -8,7 +8,7 @@ import torch
 
 from coda_cute import reference as R
 from coda_cute.compiler import KernelSpec, get_gemm
-from coda_cute.epilogue.runner import _scale_view, tma_block_scales
+from coda_cute.epilogue.block_scales import scale_view, tma_block_scales
 from coda_cute.kernels.common.config import GemmConfig
 from coda_cute.kernels.epilogue.plain import gemm_tree
 from coda_cute.precision import block_scales_m_major
@@ -30,7 +30,7 @@ def launch(cfg, a_q, sa, b_q, sb, b_rows=False, out_dtype=torch.bfloat16):
                          gemm_tree("none", "none", str(out_dtype)[6:]), block_scaled=True, b_rows=b_rows)
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
     # M-major activation scales, K-major weight scales (N-major 1 x 128 ones), as the kernel's TMA reads them
-    scales = (_scale_view(tma_block_scales(sa, True), True), _scale_view(tma_block_scales(sb, b_rows), b_rows))
+    scales = (scale_view(tma_block_scales(sa, True), True), scale_view(tma_block_scales(sb, b_rows), b_rows))
     get_gemm(spec).fn(a_q.as_strided((m, k, 1), (k, 1, m * k)), b_q.as_strided((n, k, 1), (k, 1, n * k)),
                       None, (out.as_strided((m, n, 1), (n, 1, m * n)),), None, None, scales)
     return out
@@ -71,6 +71,26 @@ def test_polling_changes_no_bit(m, n, k):
     cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2)
     polled = launch(cfg.with_(poll_full=True), a_q, sa, b_q, sb)
     assert not polled.isnan().any() and torch.equal(polled, launch(cfg, a_q, sa, b_q, sb))
+
+
+@pytest.mark.parametrize("m, n, k", [(1000, 776, 1008), (4096, 4096, 4096), (2000, 1000, 512)])
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)], ids=["c2x1", "c1x2"])
+def test_tail_carry_changes_no_bit(m, n, k, cluster):
+    """``GemmConfig.tail_carry`` (K of whole promotion groups): each tile's last group issues the
+    next tile's first k-tile instead of promoting its last three one at a time and issuing that
+    k-tile alone. The promotions run in the same order, so the output is the kernel's without it
+    bit for bit, and the dequantized product within the bound above (8 k-tiles with a partial
+    last one and ragged M and N; several tiles per CTA at 4096 x 4096; one group per tile at
+    K = 512)."""
+    a_q, sa = R.quantize_blocks_ref(spread(m, k), (1, 128), torch.float8_e4m3fn)
+    b_q, sb = R.quantize_blocks_ref(spread(n, k), (128, 128), torch.float8_e4m3fn)
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=cluster[0], cluster_n=cluster[1],
+                     poll_full=True)
+    carried = launch(cfg.with_(tail_carry=True), a_q, sa, b_q, sb)
+    assert not carried.isnan().any() and torch.equal(carried, launch(cfg, a_q, sa, b_q, sb))
+    want = R.block_scaled_gemm_ref(a_q, sa, (1, 128), b_q, sb, (128, 128), out_dtype=torch.float64)
+    err = (carried.double() - want).abs()
+    assert bool((err <= 2.0 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()), float(err.max())
 
 
 @pytest.mark.parametrize("m, n, k", [(16384, 4096, 4096), (777, 1000, 1040)])

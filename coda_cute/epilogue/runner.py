@@ -17,11 +17,12 @@ import torch
 
 from .. import dispatch
 from ..compiler import KernelSpec, get_gemm, spill_bytes
-from ..kernels.common.config import GemmConfig, pipeline_stages
+from ..kernels.common.config import GemmConfig, pipeline_stages, tail_carry_rule
 from ..kernels.epilogue import nodes as N
 from ..operands import check_operands, check_pointer_aligned, dtype_name, mn_view, operand_view, tma_view
-from ..precision import BLOCK, block_scales_m_major
+from ..precision import BLOCK
 from ..reference import dequantize_blocks_ref
+from .block_scales import B_BLOCKS, check_block_scaled, scale_view, tma_block_scales
 from .reference import evaluate, torch_dtype
 
 _MAX_PLANS = 4096
@@ -148,9 +149,6 @@ def _epilogue_factor(tree, cfg: GemmConfig, k: int, fp8: bool = False,
     return 1.0 + extra / (k + dispatch.coop_epilogue_k(cfg, fp8)) + n_wide * wide_share
 
 
-#: How B is scaled in a block-scaled GEMM: 128 x 128 blocks (a weight), or 1 x 128 along K (wgrad)
-B_BLOCKS = ("128x128", "1x128")
-
 #: Candidates, in the heuristic's order, whose builds :func:`choose_config` inspects for spills.
 SPILL_CHECKS = 8
 
@@ -171,6 +169,11 @@ FP8_PINGPONG_2X2 = False
 #: ``bench_fp8.py``'s "..., polling" row. In the row-wise FP8 MLP (three H100s, 2026-12-06) it
 #: moved the step by -0.3 % and +0.5 %, its ping-pong short-K GEMMs by -5 % to +3 %: no rule.
 POLL_FULL = False
+#: The block-scaled forward form's picks carry each tile's last promotion group into the next
+#: tile (``GemmConfig.tail_carry``) where K allows: :func:`_tail_carry`. Measured once (an H100,
+#: 2026-12-07): +0.9 to +1.9 % at the three 8B shapes, bit for bit the same output. Off until
+#: the FP8 GPU tests and memcheck have run with it on and a second run confirms the gain.
+TAIL_CARRY = False
 
 
 def ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool = False,
@@ -210,8 +213,30 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     they call this to size per-tile outputs."""
     ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows, card)
     pick = next((c for c in ranked[:SPILL_CHECKS] if not spills(tree, c, fp8, sms, block_scaled, b_rows)), None)
-    pick = ranked[0] if pick is None else _two_by_two(tree, pick, fp8, fast_accum, sms)
+    pick = ranked[0] if pick is None else _tail_carry(tree, _two_by_two(tree, pick, fp8, fast_accum, sms),
+                                                      k, fp8, sms, block_scaled, b_rows)
     return pick.with_(poll_full=True) if POLL_FULL else pick
+
+
+def _tail_carry(tree, cfg: GemmConfig, k: int, fp8: bool, sms: int, block_scaled: bool, b_rows: bool) -> GemmConfig:
+    """``cfg`` with ``tail_carry`` where its rule takes this K (``config.tail_carry_rule``: the
+    block-scaled forward form, K of whole promotion groups) and that build does not spill, else
+    ``cfg``. At M = 16384 and (N, K) = (6144, 4096) / (28672, 4096) / (4096, 14336) on an H100
+    (2026-12-07, ``scripts/exp_block_scaled.py --around carry``, in turns) it ran 1144 / 1157 /
+    1159 TFLOP/s against 1123 / 1147 / 1138 without, the output bit for bit the same."""
+    if not (TAIL_CARRY and block_scaled and cfg.schedule == "cooperative" and not cfg.split_tail):
+        return cfg
+    carried = cfg.with_(tail_carry=True)
+    if tail_carry_rule(carried, k, fp8, block_scaled, b_rows) is not None:
+        return cfg
+    return cfg if spills(tree, carried, fp8, sms, block_scaled, b_rows) else carried
+
+
+def _check_tail_carry(config: Optional[GemmConfig], k: int, fp8: bool, blocked: bool, b_rows: bool, op: str):
+    """An explicit config's ``tail_carry`` on a launch its rule refuses (``config.tail_carry_rule``)."""
+    why = None if config is None else tail_carry_rule(config, k, fp8, blocked, b_rows)
+    if why is not None:
+        raise ValueError(f"{op}: config {config.name}: {why}")
 
 
 def _two_by_two(tree, cfg: GemmConfig, fp8: bool, fast_accum: bool, sms: int) -> GemmConfig:
@@ -271,7 +296,7 @@ class Plan:
                          torch.zeros(counters, dtype=torch.int32, device=self.device))
         scales = None
         if self.block_form is not None:  # (rows-major A scales, B's as the form has them)
-            scales = tuple(_scale_view(tma_block_scales(t, rows), rows)
+            scales = tuple(scale_view(tma_block_scales(t, rows), rows)
                            for t, rows in zip(block_scales, (True, self.block_form == "1x128")))
         args = (a.as_strided(*self.a_view), b.as_strided(*self.b_view), ins, tuple(out_args), scalars, workspace,
                 scales)
@@ -403,7 +428,7 @@ def run(tree: N.Epilogue, a: torch.Tensor, b: torch.Tensor, inputs: dict, *,
         raise TypeError(f"{op}: tree must be a coda_cute.epilogue.Epilogue, got {type(tree).__name__}")
     # len(inputs): a call with an extra, unknown input must miss the cache and be rejected.
     key = (id(tree), _meta(a), _meta(b), tuple(_meta(inputs.get(i.name)) for i in tree.inputs),
-           len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2, POLL_FULL,
+           len(inputs), config, use_fast_accum, FP8_PINGPONG_2X2, POLL_FULL, TAIL_CARRY,
            None if block_scales is None else (tuple(_meta(t) for t in block_scales), b_block), sms)
     plan = _plans.get(key)
     if plan is None:
@@ -454,7 +479,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
     _check_inputs(a, b, inputs, tree, op)
     blocked = block_scales is not None
     if blocked:
-        _check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op, b_rows)
+        check_block_scaled(a, b, block_scales, fp8, use_fast_accum, config, op, b_rows)
     arch = dispatch.arch_of(a.device)
     _check_half_width(tree, n, op)
     check_quantize(tree, m, n, config, op)
@@ -471,6 +496,7 @@ def _make_plan(tree, a, b, inputs, config, use_fast_accum, op, block_scales=None
         config = config.with_(fp8_fast_accum=use_fast_accum)
     if not fp8:
         config = config.with_(fp8_fast_accum=False)
+    _check_tail_carry(config, k, fp8, blocked, b_rows, op)
     if not fits(tree, config, 1 if fp8 else 2):
         raise N.EpilogueError(f"{op}: config {config.name} leaves no room for this epilogue's "
                               "shared memory, or its tile width is no multiple of a segment_reduce "
@@ -525,7 +551,7 @@ def check_launch(tree, a, b, inputs, op, config=None, block_scales=None, b_rows=
     batched = a.dim() == 3
     _check_inputs(a, b, inputs, tree, op)
     if block_scales is not None:
-        _check_block_scaled(a, b, block_scales, fp8, False, config, op, b_rows)
+        check_block_scaled(a, b, block_scales, fp8, False, config, op, b_rows)
     _check_half_width(tree, n, op)
     check_quantize(tree, m, n, config, op)
     if not _check_extents(m, n, k, batch, op):
@@ -534,6 +560,7 @@ def check_launch(tree, a, b, inputs, op, config=None, block_scales=None, b_rows=
         if i.kind != "scalar":
             _input_view(i, inputs, m, n, batch, batched, op, n)
     _check_scalars(tree, inputs, op)
+    _check_tail_carry(config, k, fp8, block_scales is not None, b_rows, op)
     if config is None:
         config = config_on("cpu", tree, m, n, k, batch, fp8, False, dispatch.num_sms_or_default(a.device),
                            block_scales is not None, b_rows)
@@ -562,75 +589,6 @@ def _reference_run(tree, a, b, inputs, config, outputs, op, block_scales=None, b
     for name, t in (_flat_outputs(outputs, tree) or {}).items():
         out[name] = t.copy_(out[name])
     return _group(out, tree)
-
-
-def _pad4(x: int) -> int:
-    return -(-x // 4) * 4
-
-
-def _scale_view(t: torch.Tensor, rows_major: bool) -> torch.Tensor:
-    """A 2-D scale tensor in a :func:`tma_block_scales` layout as the kernel's (rows, k-blocks,
-    L = 1), with the strides its signature declares (stride 1 along the contiguous mode, the
-    others multiples of 4) also where a mode of one element leaves a stride free."""
-    inner = 0 if rows_major else 1
-    strides = [1, 1]
-    strides[1 - inner] = t.stride(1 - inner) if t.shape[1 - inner] > 1 else _pad4(t.shape[inner])
-    return t.as_strided((*t.shape, 1), (*strides, _pad4(t.shape[0] * t.shape[1])))
-
-
-def tma_block_scales(t: torch.Tensor, rows_major: bool) -> torch.Tensor:
-    """Block scales (rows, k-blocks) in a layout the block-scaled kernel's TMA reads
-    (``kernels.sm90.block_scales``). ``rows_major`` (1 x 128 scales: A's, and B's in the
-    weight-gradient form): stride 1 along the rows; else (the weight's 128 x 128 scales) stride
-    1 along the k-blocks; the other stride a multiple of 4 (16 bytes) and the data 16-byte
-    aligned. Our quantizers' layouts pass as they are (``precision.block_scales_m_major``; the
-    weight's contiguous (N / 128, K / 128) where K / 128 is a multiple of 4); others are copied
-    (a few hundred KB at most)."""
-    inner = 0 if rows_major else 1
-    if ((t.stride(inner) == 1 or t.shape[inner] == 1) and t.data_ptr() % 16 == 0
-            and (t.shape[1 - inner] == 1 or t.stride(1 - inner) % 4 == 0)):
-        return t
-    rows, kb = t.shape
-    if rows_major:
-        return block_scales_m_major(rows, kb * BLOCK, t.device).copy_(t)
-    return torch.empty((rows, _pad4(kb)), dtype=torch.float32, device=t.device)[:, :kb].copy_(t)
-
-
-def check_block_scales(a, b, scales, op, b_rows: bool = False):
-    """The block scales of FP8 ``a`` (M, K) and ``b`` (K, N): (a's (M, ceil(K / 128)), b's
-    (ceil(N / 128), ceil(K / 128)), ``b_rows``: (N, ceil(K / 128))) fp32 on the operands' device,
-    any strides."""
-    if not (isinstance(scales, tuple) and len(scales) == 2):
-        raise ValueError(f"{op}: block_scales must be (a_scales, b_scales)")
-    (m, k), n = a.shape, b.shape[1]
-    kb = -(-k // BLOCK)
-    for name, t, rows in (("a_scales", scales[0], m), ("b_scales", scales[1], n if b_rows else -(-n // BLOCK))):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
-            raise ValueError(f"{op}: {name} must be a 2-D float32 tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != (rows, kb):
-            raise ValueError(f"{op}: {name} must be {(rows, kb)} (one scale per "
-                             f"{'row and 128 columns' if name == 'a_scales' or b_rows else '128 x 128 block'}), "
-                             f"got {tuple(t.shape)}")
-        if t.device != a.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, the operands on {a.device}")
-
-
-def _check_block_scaled(a, b, scales, fp8: bool, fast_accum: bool, config, op, b_rows: bool = False):
-    """:func:`check_block_scales`, and what the launch needs besides: 2-D FP8 operands, two-level
-    accumulation and a config the kernel can scale."""
-    if not fp8 or a.dim() != 2:
-        raise ValueError(f"{op}: block scales apply to 2-D FP8 operands, got {a.dim()}-D {a.dtype}")
-    if fast_accum:
-        raise ValueError(f"{op}: block scales are promoted per k-block: use_fast_accum must be False")
-    # stages, rasterization, the cluster (multicast A/B; each CTA loads its own scales) and how
-    # the consumers wait do not touch the scales: an explicit config may set any of them
-    def free(c):
-        return c.with_(stages=0, raster_group=8, cluster_m=1, cluster_n=1, poll_full=False)
-    if config is not None and free(config) not in [free(c) for c in dispatch.block_scaled_config_space()]:
-        raise ValueError(f"{op}: config {config.name} cannot apply block scales (it needs two-level "
-                         "accumulation, tile_k 128, tile_n dividing 128 and no split_tail)")
-    check_block_scales(a, b, scales, op, b_rows)
 
 
 def check_quantize(tree, m: int, n: int, config, op):

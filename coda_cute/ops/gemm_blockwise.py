@@ -23,7 +23,8 @@ import torch
 
 from .. import dispatch
 from .. import epilogue as E
-from ..epilogue.runner import B_BLOCKS, check_block_scales, check_launch
+from ..epilogue.block_scales import B_BLOCKS, check_block_scales
+from ..epilogue.runner import check_launch
 from ..kernels.epilogue.plain import gemm_tree
 from ..operands import FP8, dtype_name
 from .checks import check_same_device

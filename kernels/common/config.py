@@ -26,6 +26,21 @@ SMEM_RESERVED = 1024
 #: accumulator registers a consumer thread can hold next to the epilogue's working set
 #: (consumer warpgroups run with 232-240 registers per thread).
 MAX_ACC_REGISTERS = 192
+#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit), by
+#: form: "row" (row-wise or no scales), "block" (block-scaled, 128 x 128 weight blocks) and "wgrad"
+#: (block-scaled, both operands 1 x 128 along K). Pairs, measured on the H200 with cooperative
+#: 128x128 tiles, 2x1 cluster, against torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of
+#: its throughput at M = 16384 and (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where
+#: groups of 8 gave 0.967 / 0.944 / 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910
+#: (groups of 3-16 spilled then). In today's block-scaled kernel groups of 3 and 4 build
+#: spill-free. Its forward form at M = 16384, (N, K) = (6144, 4096) / (28672, 4096) /
+#: (4096, 14336), in turns (2026-12-03, ``scripts/exp_block_scaled.py``): pairs 1100 / 1100 / 1070
+#: TFLOP/s, groups of 3 1106 / 1108 / 1046, groups of 4 1125 / 1143 / 1121 (1.000 / 1.007 / 0.998
+#: of torch's block-wise kernel); a second run: pairs 1124 / 1094 / 1092, groups of 4 1167 / 1158 /
+#: 1149. Its weight-gradient form (six Llama wgrad shapes, same run): groups of 3 and 4 within
+#: -0.8 % .. +1.8 % of pairs, so it keeps pairs. The row-wise kernel keeps pairs: its groups of 4
+#: spill 3.5 KB and serialize the WGMMAs (455-515 TFLOP/s against 1227-1309 in pairs).
+PROMOTION_GROUP = {"row": 2, "block": 4, "wgrad": 2}
 #: rows of one WGMMA atom (``m64nNk``): a warpgroup's accumulator is a stack of such waves
 WAVE_ROWS = 64
 
@@ -45,6 +60,11 @@ class GemmConfig:
     and the producer for a free one, by polling ``mbarrier.try_wait`` without a suspend-time hint
     (``kernels.sm90.mainloop``); on in the block-scaled forward form's configs
     (``dispatch.block_scaled_config_space``), off in every other config the heuristic picks.
+    ``tail_carry`` (cooperative two-level FP8 in groups, :func:`tail_carry_rule`): each tile's
+    last promotion group takes its last ``group - 1`` k-tiles and the next tile's first, which it
+    issues and leaves in flight through the epilogue, instead of promoting those k-tiles one at a
+    time and then issuing the next tile's first alone; the heuristic sets it on the block-scaled
+    forward form's picks where K allows under ``coda_cute.epilogue.runner.TAIL_CARRY``.
     """
 
     tile_m: int = 128
@@ -58,6 +78,7 @@ class GemmConfig:
     fp8_fast_accum: bool = False
     split_tail: bool = False
     poll_full: bool = False
+    tail_carry: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -76,6 +97,9 @@ class GemmConfig:
             raise ValueError(f"tile_m for {self.schedule} must be one of {valid_m}, got {self.tile_m}")
         if self.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.tail_carry and (self.schedule != "cooperative" or self.split_tail):
+            raise ValueError("tail_carry needs the cooperative schedule without split_tail (the next "
+                             "tile's first k-tile is issued before this one's epilogue)")
         if self.split_tail and self.schedule != "cooperative":
             raise ValueError("split_tail needs the cooperative schedule (a ping-pong warpgroup "
                              "would wait for a partial with the other warpgroup's tile pending)")
@@ -157,13 +181,42 @@ class GemmConfig:
         st = f"_s{self.stages}" if self.stages else ""
         tail = "_splittail" if self.split_tail else ""
         poll = "_poll" if self.poll_full else ""
+        carry = "_carry" if self.tail_carry else ""
         return (
             f"{s}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}"
-            f"_g{self.raster_group}{st}{acc}{tail}{poll}"
+            f"_g{self.raster_group}{st}{acc}{tail}{poll}{carry}"
         )
 
     def with_(self, **kw) -> "GemmConfig":
         return replace(self, **kw)
+
+
+def promotion_form(block_scaled: bool, b_rows: bool) -> str:
+    """:data:`PROMOTION_GROUP`'s key of a kernel: "wgrad" (block-scaled, B's scales per row),
+    "block" (block-scaled) or "row"."""
+    return "wgrad" if b_rows else "block" if block_scaled else "row"
+
+
+def tail_carry_rule(cfg: GemmConfig, k: int | None, fp8: bool, block_scaled: bool, b_rows: bool) -> str | None:
+    """Why ``cfg.tail_carry`` cannot run this kernel (``k``: a launch's K, or None at build time),
+    or None where it can. It carries in software-pipelined groups only: two-level FP8 (no fast
+    accumulation) with three whole accumulators in the registers (a temporary per k-tile in
+    flight, one wave), and the block-scaled forward form (the one measured: the weight-gradient
+    and row-wise forms are left as they are). The carrying group is the tile's last, so every
+    tile's k-tile count must be a multiple of the form's group: K of a whole number of groups of
+    ``tile_k``-deep k-tiles."""
+    if not cfg.tail_carry:
+        return None
+    if not (fp8 and not cfg.fp8_fast_accum and block_scaled and not b_rows):
+        return "tail_carry is a block-scaled forward-form mode (two-level FP8, 128 x 128 weight blocks)"
+    if cfg.promotion_waves != 1 or 3 * cfg.acc_registers > MAX_ACC_REGISTERS:
+        return (f"tail_carry needs three whole accumulators of {cfg.name} ({cfg.acc_registers} "
+                f"registers each) within the {MAX_ACC_REGISTERS} a consumer thread can spare")
+    group = PROMOTION_GROUP[promotion_form(block_scaled, b_rows)]
+    if k is not None and _ceil_div(k, cfg.tile_k) % group:
+        return (f"tail_carry needs K's k-tiles ({_ceil_div(k, cfg.tile_k)} of {cfg.tile_k} for K = {k}) "
+                f"to be a multiple of the promotion group ({group})")
+    return None
 
 
 def _ceil_div(a: int, b: int) -> int:

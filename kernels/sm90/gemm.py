@@ -41,12 +41,13 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.config import MAX_ACC_REGISTERS, GemmConfig, block_scale_stage_bytes, pipeline_stages
+from ..common.config import (MAX_ACC_REGISTERS, PROMOTION_GROUP, GemmConfig, block_scale_stage_bytes,
+                             pipeline_stages, promotion_form, tail_carry_rule)
 from ..epilogue.nodes import Epilogue
 from ..common.tile_scheduler import TileScheduler
 from .epilogue import Sm90TreeEpilogue
 from .block_scales import BLOCK, BlockScales, ScaleLoads, scale_tx_bytes
-from .mainloop import PROMOTION_GROUP, Sm90Mainloop, Stagger, produce
+from .mainloop import Sm90Mainloop, Stagger, produce
 
 FP8_TYPES = (cutlass.Float8E4M3FN, cutlass.Float8E5M2)
 WIDE_TYPES = (cutlass.BFloat16, cutlass.Float16)
@@ -115,6 +116,9 @@ class Sm90Gemm:
             raise ValueError("b_rows (B's scales per row) is a block-scaled mode")
         self.block_scaled, self.b_rows = block_scaled, b_rows
         cfg.check_registers(self.two_level)
+        why = tail_carry_rule(cfg, None, is_fp8, block_scaled, b_rows)
+        if why is not None:
+            raise ValueError(f"config {cfg.name}: {why}")
         self.pingpong = cfg.schedule == "pingpong"
         waves = cfg.promotion_waves if self.two_level else 1
         # cooperative two-level: each next tile's first k-tile is issued before the epilogue
@@ -138,8 +142,8 @@ class Sm90Gemm:
             self.atom_layout_mnk, self.tile_mnk, self.two_level,
             # ping-pong's wgrad form spills with a second temporary next to its column scales
             paired=self.two_level and 3 * cfg.acc_registers <= MAX_ACC_REGISTERS and not (b_rows and self.pingpong),
-            group=PROMOTION_GROUP["wgrad" if b_rows else "block" if block_scaled else "row"],
-            waves=waves, poll=cfg.poll_full,
+            group=PROMOTION_GROUP[promotion_form(block_scaled, b_rows)],
+            waves=waves, poll=cfg.poll_full, carry=cfg.tail_carry,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -355,11 +359,15 @@ class Sm90Gemm:
             _, k_count, k_slice, split, tail_slot = sched.slice(work)
             if const_expr(self.overlap):
                 k_count -= 1  # the first is in acc already
-            read_state, epi_state = self.mainloop.run(
+            ran = self.mainloop.run(
                 tiled_mma, frags, acc, acc_tmp, ab_pipe, read_state, k_count, on_last_issue, stagger,
                 self.overlap, None if const_expr(scales is None) else scales.factors)
+            read_state, epi_state = ran[0], ran[1]
             next_factor = None
-            if const_expr(self.overlap):
+            if const_expr(self.mainloop.carries(self.overlap)):
+                first, stage = ran[2]
+                next_factor = self._first_factor(scales, stage)
+            elif const_expr(self.overlap):
                 # The next tile's first k-tile (after the last tile, the producer's extra stage)
                 # runs on the tensor cores during the fixup and the epilogue.
                 first, stage, read_state = self.mainloop.issue_first(

@@ -13,13 +13,14 @@ Accumulation modes:
   * two-level (FP8 default): every k-tile's products go to a temporary that is then added into
     the fp32 accumulator (the tensor core's FP8 accumulation keeps too few mantissa bits for long
     K). Where three accumulators fit the registers (``paired``), k-tiles go in groups of
-    ``PROMOTION_GROUP[form]``: each is issued into its own temporary before the previous one is
-    promoted, so only the group's last promotion waits for the tensor cores to drain.
+    ``kernels.common.config.PROMOTION_GROUP[form]``: each is issued into its own temporary before
+    the previous one is promoted, so only the group's last promotion waits for the tensor cores.
     Otherwise each promotion waits for its k-tile. The temporaries are created inside the loop
     body: a WGMMA result carried across loop iterations becomes a register copy that ptxas answers
     by serializing every WGMMA of the kernel. The cooperative schedule staggers its two
     warpgroups by half a k-tile so one's WGMMAs cover the other's promotion, and issues each
-    tile's first k-tile before the previous tile's epilogue (``issue_first`` / ``take_first``).
+    tile's first k-tile before the previous tile's epilogue (``issue_first`` / ``take_first``;
+    with ``GemmConfig.tail_carry``, as the last k-tile of the previous tile's last group).
     Rolling the two temporaries across loop iterations instead of pairing k-tiles (never
     draining a warpgroup's WGMMAs) compiles without serialization when nothing is in flight at
     loop entry, but measured 0.3 % slower than pairs on the H200.
@@ -40,21 +41,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-#: k-tiles per software-pipelined promotion group (two-level FP8 where three accumulators fit), by
-#: form: "row" (row-wise or no scales), "block" (block-scaled, 128 x 128 weight blocks) and "wgrad"
-#: (block-scaled, both operands 1 x 128 along K). Pairs, measured on the H200 with cooperative
-#: 128x128 tiles, 2x1 cluster, against torch._scaled_mm in the same runs: 0.992 / 0.967 / 1.001 of
-#: its throughput at M = 16384 and (N, K) = (4096, 4096) / (4096, 14336) / (6144, 4096), where
-#: groups of 8 gave 0.967 / 0.944 / 0.975 and one promotion per k-tile 0.906 / 0.886 / 0.910
-#: (groups of 3-16 spilled then). In today's block-scaled kernel groups of 3 and 4 build
-#: spill-free. Its forward form at M = 16384, (N, K) = (6144, 4096) / (28672, 4096) /
-#: (4096, 14336), in turns (2026-12-03, ``scripts/exp_block_scaled.py``): pairs 1100 / 1100 / 1070
-#: TFLOP/s, groups of 3 1106 / 1108 / 1046, groups of 4 1125 / 1143 / 1121 (1.000 / 1.007 / 0.998
-#: of torch's block-wise kernel); a second run: pairs 1124 / 1094 / 1092, groups of 4 1167 / 1158 /
-#: 1149. Its weight-gradient form (six Llama wgrad shapes, same run): groups of 3 and 4 within
-#: -0.8 % .. +1.8 % of pairs, so it keeps pairs. The row-wise kernel keeps pairs: its groups of 4
-#: spill 3.5 KB and serialize the WGMMAs (455-515 TFLOP/s against 1227-1309 in pairs).
-PROMOTION_GROUP = {"row": 2, "block": 4, "wgrad": 2}
 
 
 @cute.jit
@@ -151,7 +137,8 @@ class Sm90Mainloop:
     """Consumer side of the mainloop for one warpgroup (or one warpgroup's share of a tile)."""
 
     def __init__(self, a_dtype, b_dtype, a_major_mode, b_major_mode, atom_layout_mnk, tile_mnk,
-                 two_level: bool, paired: bool = False, group: int = 2, waves: int = 1, poll: bool = False):
+                 two_level: bool, paired: bool = False, group: int = 2, waves: int = 1, poll: bool = False,
+                 carry: bool = False):
         self.a_dtype, self.b_dtype = a_dtype, b_dtype
         self.a_major_mode, self.b_major_mode = a_major_mode, b_major_mode
         self.atom_layout_mnk = atom_layout_mnk
@@ -161,6 +148,7 @@ class Sm90Mainloop:
         self.group = group
         self.waves = waves
         self.poll = poll  # GemmConfig.poll_full
+        self.carry = carry  # GemmConfig.tail_carry (its rule: config.tail_carry_rule)
 
     def tiled_mma(self, tile_n: int):
         return sm90_utils.make_trivial_tiled_mma(
@@ -217,7 +205,8 @@ class Sm90Mainloop:
         (:meth:`issue_first`, :meth:`take_first`) and ``k_tiles`` are the ones after it.
         ``scale`` (two-level, block-scaled FP8): ``scale(k, stage)`` gives k-tile k's promotion
         factors, laid out like the accumulator, from its smem stage (``kernels.sm90.block_scales``):
-        acc += factor * tmp. Returns (advanced read state, on_last_issue's result)."""
+        acc += factor * tmp. Returns (advanced read state, on_last_issue's result), and where it
+        :meth:`carries`, the next tile's first k-tile in flight as a third value."""
         extra = None
         if const_expr(not self.two_level):
             release_state = read_state.clone()
@@ -247,8 +236,16 @@ class Sm90Mainloop:
             if const_expr(stagger is not None and (preloaded or self.waves > 1)):
                 if k_tiles == 0:  # nothing issued: the other warpgroup must not wait for it
                     stagger.pass_turn()
+            if const_expr(self.carries(preloaded)):
+                read_state, carried = read_state
+                return read_state, on_last_issue(), carried
             extra = on_last_issue()
         return read_state, extra
+
+    def carries(self, preloaded) -> bool:
+        """Whether :meth:`run` issues the next tile's first k-tile itself (``GemmConfig.tail_carry``)
+        and returns it as a third value, (the temporary, its stage's state) for :meth:`take_first`."""
+        return bool(self.carry and preloaded and self.paired and self.two_level and self.waves == 1)
 
     @cute.jit
     def _whole(self, op, frags, acc, tmp, ab_pipe, read_state, k_tiles, stagger, scale,
@@ -262,10 +259,24 @@ class Sm90Mainloop:
         or in a loop of 0 or 1 trips, spilled 2.2-3.0 KB in every build with a 64-register
         accumulator (cooperative 128 x 128, ping-pong 64 x 128; 2026-12-07); as the last trip of
         the one group body, its issues and promotions guarded at run time, it made ptxas
-        serialize every WGMMA (and spill 5.4 KB)."""
+        serialize every WGMMA (and spill 5.4 KB). What does build (``GemmConfig.tail_carry``,
+        :meth:`carries`; K of whole groups): the last group takes the last ``group - 1`` k-tiles
+        and the next tile's first, issued and left in flight, so one group site serves every
+        group and no promotion waits alone. Returns (read state, (that k-tile's temporary, its
+        stage's state)) then."""
         release_state = read_state.clone()
         singles = k_tiles
         first_k = Int32(1 if preloaded else 0)  # the tile's k-tile index of run's first one
+        if const_expr(self.carries(preloaded)):
+            groups = (k_tiles - (self.group - 1)) // self.group
+            for j in cutlass.range(groups, unroll=1):
+                read_state, release_state = self._group(
+                    op, frags, acc, tmp, ab_pipe, read_state, release_state,
+                    self.group, j * self.group, stagger, scale, first_k)
+            read_state, release_state, carried = self._group(
+                op, frags, acc, tmp, ab_pipe, read_state, release_state,
+                self.group, groups * self.group, stagger, scale, first_k, carry=True)
+            return read_state, carried
         if const_expr(self.paired):
             groups = k_tiles // self.group
             for j in cutlass.range(groups, unroll=1):
@@ -347,17 +358,21 @@ class Sm90Mainloop:
 
     @cute.jit
     def _group(self, op, frags, acc, tmp, ab_pipe, read_state, release_state, n: cutlass.Constexpr,
-               k0, stagger, scale=None, first_k=None):
+               k0, stagger, scale=None, first_k=None, carry: cutlass.Constexpr = False):
         """k-tiles k0 .. k0 + n - 1, software-pipelined: k-tile i + 1 is issued into its own
         temporary before k-tile i is promoted, so only the last promotion waits for the tensor
         cores to drain. Two temporaries are live at a time; all are created here, in the loop
         body (see the module docstring). Returns the advanced (read, release) states."""
         temps, factors = [], []
+        carried_stage = None
         for i in cutlass.range_constexpr(n):
             temps.append(cute.make_rmem_tensor(tmp.layout, cutlass.Float32))
+            if const_expr(carry and i == n - 1):
+                carried_stage = read_state.clone()
             wait_full(ab_pipe, read_state, self.poll)
             self._issue(op, temps[i], frags, read_state.index, False)
-            factors.append(scale(first_k + k0 + i, read_state.index) if const_expr(scale is not None) else None)
+            factors.append(scale(first_k + k0 + i, read_state.index)
+                           if const_expr(scale is not None and not (carry and i == n - 1)) else None)
             read_state.advance()
             if const_expr(stagger is not None and i == 0):
                 if k0 == 0:
@@ -367,6 +382,9 @@ class Sm90Mainloop:
                 _promote(acc, temps[i - 1], factors[i - 1])
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
+        if const_expr(carry):
+            # the next tile's first k-tile: in flight through the epilogue, taken by take_first
+            return read_state, release_state, (temps[n - 1], carried_stage)
         warpgroup.wait_group(0)
         _promote(acc, temps[n - 1], factors[n - 1])
         ab_pipe.consumer_release(release_state)
