@@ -108,6 +108,8 @@
 #             before turning it on by default)
 #   carry-bench  the block-scaled forward form with and without tail_carry against torch's
 #             block-wise kernel at the three 8B shapes (and on 1x2)
+#   carry-check  carry-bench, the block-scaled GPU tests (the carry's bit for bit), then the
+#             five shapes of carry-more: a short call
 #   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
 #             recipe's MLP sublayer with and without)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
@@ -447,6 +449,13 @@ stage_carry_bench() {
     step carry-bench 150 python3 scripts/exp_block_scaled.py --around carry "carry 1x2" --rounds 8
 }
 
+stage_carry_check() {
+    step carry-bench 100 python3 scripts/exp_block_scaled.py --around carry "carry 1x2" --rounds 8
+    step carry-tests 120 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" tests/test_block_scaled_gpu.py
+    step carry-shapes 120 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
+        --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
+}
+
 stage_carry_more() {
     step carry-shapes 150 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
@@ -761,6 +770,7 @@ for s in "$@"; do
         block-carry) stage_block_carry ;;
         carry-bench) stage_carry_bench ;;
         carry-more) stage_carry_more ;;
+        carry-check) stage_carry_check ;;
         block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;
