@@ -769,8 +769,8 @@ for s in "$@"; do
         attn-verify) stage_attn_verify ;;
         block-carry) stage_block_carry ;;
         carry-bench) stage_carry_bench ;;
-        carry-more) stage_carry_more ;;
         carry-check) stage_carry_check ;;
+        carry-more) stage_carry_more ;;
         block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;
