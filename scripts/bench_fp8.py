@@ -91,8 +91,8 @@ def coda_step(op, x, ss, w_a, w_b, dy, *rest, **kw):
 def with_switch(step, name: str, value, owner=None):
     """``step`` with ``<owner>.<name>`` set to ``value`` while it runs, its forward and its
     backward both: by default ``mlp_fp8.FUSED_QUANT``; ``runner.FP8_PINGPONG_2X2``,
-    ``runner.POLL_FULL`` or ``runner.TAIL_CARRY`` with the epilogue runner as ``owner``, ``beside.GEMM_PRIORITY`` with
-    ``ops.beside``."""
+    ``runner.POLL_FULL`` or ``runner.TAIL_CARRY`` with the epilogue runner as ``owner``,
+    ``beside.GEMM_PRIORITY`` with ``ops.beside``."""
     if owner is None:
         from coda_cute.ops import mlp_fp8 as owner
 

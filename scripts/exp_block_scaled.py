@@ -78,7 +78,7 @@ from coda_cute import epilogue as E  # noqa: E402
 from coda_cute import reference as R  # noqa: E402
 from coda_cute.epilogue import runner  # noqa: E402
 from coda_cute.kernels.common.config import (PROMOTION_GROUP, block_scale_stage_bytes,  # noqa: E402
-                                             pipeline_stages, tail_carry_rule)
+                                             pipeline_stages, promotion_form, tail_carry_rule)
 from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
@@ -110,7 +110,7 @@ def _variant_plan(name, tree, a, b, config, scales, b_rows=False, inputs=None):
     (``config.PROMOTION_GROUP``'s key) is the wgrad form's with ``b_rows``, else the
     block-scaled one's, else (no ``scales``) the row-wise one's."""
     paired, group = VARIANTS[name]
-    form = "wgrad" if b_rows else "block" if scales is not None else "row"
+    form = promotion_form(scales is not None, b_rows)
     max_acc, before = G.MAX_ACC_REGISTERS, PROMOTION_GROUP[form]
     G.MAX_ACC_REGISTERS = max_acc if paired else 0  # 0: no room for a second temporary
     PROMOTION_GROUP[form] = group

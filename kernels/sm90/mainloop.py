@@ -42,7 +42,6 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 
-
 @cute.jit
 def _poll(bar, phase):
     """Poll ``mbarrier.try_wait`` on ``bar`` until ``phase`` completes, without a suspend-time hint."""
@@ -230,6 +229,9 @@ class Sm90Mainloop:
             if const_expr(self.waves > 1):
                 read_state = self._in_waves(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
                                             stagger, scale)
+            elif const_expr(self.carries(preloaded)):
+                read_state, carried = self._whole(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
+                                                  stagger, scale, preloaded)
             else:
                 read_state = self._whole(tiled_mma.op, frags, acc, tmp, ab_pipe, read_state, k_tiles,
                                          stagger, scale, preloaded)
@@ -237,7 +239,6 @@ class Sm90Mainloop:
                 if k_tiles == 0:  # nothing issued: the other warpgroup must not wait for it
                     stagger.pass_turn()
             if const_expr(self.carries(preloaded)):
-                read_state, carried = read_state
                 return read_state, on_last_issue(), carried
             extra = on_last_issue()
         return read_state, extra
@@ -362,7 +363,9 @@ class Sm90Mainloop:
         """k-tiles k0 .. k0 + n - 1, software-pipelined: k-tile i + 1 is issued into its own
         temporary before k-tile i is promoted, so only the last promotion waits for the tensor
         cores to drain. Two temporaries are live at a time; all are created here, in the loop
-        body (see the module docstring). Returns the advanced (read, release) states."""
+        body (see the module docstring). Returns the advanced (read, release) states; with
+        ``carry`` the last k-tile is the next tile's first, issued and neither waited for nor
+        promoted, and (its temporary, its stage's state) comes third."""
         temps, factors = [], []
         carried_stage = None
         for i in cutlass.range_constexpr(n):
