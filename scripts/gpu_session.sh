@@ -104,14 +104,14 @@
 #             of sanitize_fp8.py, then the attention sublayer's bench (side-bench-attn)
 #   block-carry  the FP8 GPU tests (with GemmConfig.tail_carry, each tile's last promotion group
 #             carrying the next tile's first k-tile: bit for bit the kernel without it), then
-#             compute-sanitizer memcheck of sanitize_fp8.py (run it with runner.TAIL_CARRY on
-#             before turning it on by default)
+#             compute-sanitizer memcheck of sanitize_fp8.py (runner.TAIL_CARRY on, as by default)
 #   carry-bench  the block-scaled forward form with and without tail_carry against torch's
 #             block-wise kernel at the three 8B shapes (and on 1x2)
 #   carry-check  carry-bench, the block-scaled GPU tests (the carry's bit for bit), then the
 #             five shapes of carry-more: a short call
 #   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
 #             recipe's MLP sublayer with and without)
+#   carry-mlp  bench_fp8.py alone (the block recipe's MLP sublayer with and without the carry)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
@@ -459,6 +459,10 @@ stage_carry_check() {
 stage_carry_more() {
     step carry-shapes 150 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
+    stage_carry_mlp
+}
+
+stage_carry_mlp() {
     step carry-mlp 250 python3 scripts/bench_fp8.py --rounds 6 --json "$OUT/carry-mlp.json"
 }
 
@@ -771,6 +775,7 @@ for s in "$@"; do
         carry-bench) stage_carry_bench ;;
         carry-check) stage_carry_check ;;
         carry-more) stage_carry_more ;;
+        carry-mlp) stage_carry_mlp ;;
         block-k) stage_block_k ;;
         poll) stage_poll ;;
         block-poll) stage_block_poll ;;
