@@ -728,84 +728,25 @@ print(2 + sum(len(t) for (q, hd), t in b.SWEEP.items() if hd == b.SHAPES[0][4]))
         python3 scripts/bench_rope_backward.py --once --sweep
 }
 
-setup
+stage_targets() {
+    stage_train_compile
+    stage_mlp_profile
+    stage_block_built
+}
+
+# the stages the header lists, each run by its function stage_<name, - as _>; an unknown one is
+# refused before any set-up
+STAGES=$(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' ')
 for s in "$@"; do
-    case $s in
-        rope) stage_rope ;;
-        rope-tests) stage_rope_tests ;;
-        rope-bench) stage_rope_bench ;;
-        backward) stage_backward ;;
-        hf) stage_hf ;;
-        fp8) stage_fp8 ;;
-        quant) stage_quant ;;
-        mlp-fp8) stage_mlp_fp8 ;;
-        swiglu-fp8) stage_swiglu_fp8 ;;
-        swiglu-fwd-fp8) stage_swiglu_fwd_fp8 ;;
-        train) stage_train ;;
-        train-compile) stage_train_compile ;;
-        train-fp8) stage_train_fp8 ;;
-        train-recipes) stage_train_recipes ;;
-        mlp-gaps) stage_mlp_gaps ;;
-        fp8-ncu) stage_fp8_ncu ;;
-        verify) stage_verify ;;
-        verify-more) stage_verify_more ;;
-        perf) stage_perf ;;
-        emb) stage_emb ;;
-        verify-rest) stage_verify_rest ;;
-        sol) stage_sol ;;
-        verify-lm-head) stage_verify_lm_head ;;
-        verify-hf) stage_verify_hf ;;
-        wgrad-rates) stage_wgrad_rates ;;
-        mlp-profile) stage_mlp_profile ;;
-        gemm) stage_gemm ;;
-        rope-ncu) stage_rope_ncu ;;
-        gemm-ncu) stage_gemm_ncu ;;
-        waves) stage_waves ;;
-        sinks) stage_sinks ;;
-        fp8-raster) stage_fp8_raster ;;
-        card-gemms) stage_card_gemms ;;
-        cluster22) stage_cluster22 ;;
-        cluster22-shapes) stage_cluster22_shapes ;;
-        block22) stage_block22 ;;
-        block-ncu) stage_block_ncu ;;
-        block-built) stage_block_built ;;
-        attn-beside) stage_attn_beside ;;
-        attn-verify) stage_attn_verify ;;
-        block-carry) stage_block_carry ;;
-        carry-bench) stage_carry_bench ;;
-        carry-check) stage_carry_check ;;
-        carry-more) stage_carry_more ;;
-        carry-mlp) stage_carry_mlp ;;
-        block-k) stage_block_k ;;
-        poll) stage_poll ;;
-        block-poll) stage_block_poll ;;
-        block-energy) stage_block_energy ;;
-        tiles) stage_tiles ;;
-        epi-k) stage_epi_k ;;
-        epi-k-energy) stage_epi_k_energy ;;
-        tree-ncu) stage_tree_ncu ;;
-        active-ncu) stage_active_ncu ;;
-        drift) stage_drift ;;
-        cluster22-mlp) stage_cluster22_mlp ;;
-        tree-tiles) stage_tree_tiles ;;
-        card-picks) stage_card_picks ;;
-        tree-tiles-more) stage_tree_tiles_more ;;
-        attn-core) stage_attn_core ;;
-        coop128) stage_coop128 ;;
-        exp-card) stage_exp_card ;;
-        swiglu-bwd-ncu) stage_swiglu_bwd_ncu ;;
-        swiglu-ring) stage_swiglu_ring ;;
-        swiglu-sub) stage_swiglu_sub ;;
-        swiglu-raster) stage_swiglu_raster ;;
-        targets) stage_train_compile; stage_mlp_profile; stage_block_built ;;
-        side-mlp) stage_side_mlp ;;
-        beside-tests) stage_beside_tests ;;
-        side-bench) stage_side_bench ;;
-        side-bench-8b) stage_side_bench_8b ;;
-        side) stage_side ;;
-        *) echo "unknown stage $s ($(sed -n '/^# Stages:/,/^set -u/s/^#   \([a-z][a-z0-9-]*\) .*/\1/p' "$0" | tr '\n' ' '))"
+    case " $STAGES " in
+        *" $s "*) ;;
+        *) echo "unknown stage $s ($STAGES)"
            exit 2 ;;
     esac
+done
+setup
+for s in "$@"; do
+    "stage_${s//-/_}"
 done
 for name in "${LOGS[@]}"; do
     echo "---------------- $name"

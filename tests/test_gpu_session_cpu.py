@@ -1,5 +1,5 @@
 """CPU checks of ``scripts/gpu_session.sh`` (the GPU session's stages): it parses, every stage its
-header lists is dispatched, an unknown stage is refused, and every test file and script it runs
+header lists has its function, an unknown stage is refused before any work, and every test file and script it runs
 exists (a renamed one would cost a GPU call to find out)."""
 
 import re
@@ -19,12 +19,15 @@ def test_it_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
 
-def test_every_listed_stage_is_dispatched():
+def test_every_listed_stage_has_its_function_and_every_function_is_listed():
+    """A stage runs as ``stage_<name, - as _>``: a listed stage without one would fail only on
+    the GPU, a function the header does not list could not be asked for."""
     text = SCRIPT.read_text()
     header = text.split("# Stages:")[1].split("set -u")[0]
-    listed = re.findall(r"^#   ([a-z0-9-]+)\s", header, re.M)
-    dispatched = re.findall(r"^\s+([a-z0-9-]+)\) stage_", text, re.M)
-    assert listed and listed == dispatched
+    listed = re.findall(r"^#   ([a-z][a-z0-9-]*)\s", header, re.M)
+    functions = re.findall(r"^stage_([a-z0-9_]+)\(\) \{", text, re.M)
+    assert listed and len(set(listed)) == len(listed)
+    assert sorted(n.replace("-", "_") for n in listed) == sorted(functions)
 
 
 def test_an_unknown_stage_is_refused_before_any_work(tmp_path):
@@ -42,6 +45,10 @@ def test_an_unknown_stage_is_refused_before_any_work(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu_session.sh", "nope"], cwd=tmp_path, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "unknown stage nope" in r.stdout
+    # one unknown among known stages: nothing runs, not even the known ones' set-up
+    r = subprocess.run(["bash", "scripts/gpu_session.sh", "gemm", "nope"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown stage nope" in r.stdout and not (tmp_path / "out" / "gpu.txt").exists()
 
 
 def test_the_files_it_runs_exist():
