@@ -4,7 +4,8 @@
 
 The quantizers (1 x 128 rows, the weight fold + 128 x 128 with its transpose, both 1 x 128
 quantizations of a gradient in one pass, the row-wise recipe's whole rows and columns, E4M3 and
-E5M2, fp32 and power-of-two scales), and a CodaLlama in FP8 forward and backward in each recipe:
+E5M2, fp32 and power-of-two scales), the block-scaled forward GEMM where its pick carries each
+tile's last promotion group into the next (``GemmConfig.tail_carry``), and a CodaLlama in FP8 forward and backward in each recipe:
 the attention and MLP sublayers' block-scaled GEMMs (forward, dgrad, the weight-gradient form)
 and the FP8 LM head, then their row-wise GEMMs (the scales on the accumulator), on a token count
 that is no multiple of the tiles (the row-wise gradients' FP8 transposes and folded columns
@@ -34,6 +35,15 @@ def main():
     for pow2 in (False, True):
         quantize_weight(torch.randn(272, 520, device="cuda"), torch.rand(520, device="cuda").bfloat16(),
                         transposed=True, pow2=pow2)
+    # the block-scaled forward form on the heuristic's pick (cooperative 128 x 128 at both),
+    # which carries each tile's last promotion group into the next tile where K makes whole
+    # groups (1008 ragged, 1024: 8 k-tiles), on one tile per CTA (10 x 8) and on several (16 x 17)
+    from coda_cute import reference as R
+
+    for m, n, k in ((1200, 1000, 1008), (2000, 2100, 1024)):
+        a_q, sa = R.quantize_blocks_ref(torch.randn(m, k, device="cuda"), (1, 128), torch.float8_e4m3fn)
+        b_q, sb = R.quantize_blocks_ref(torch.randn(n, k, device="cuda"), (128, 128), torch.float8_e4m3fn)
+        torch.ops.coda.gemm_blockwise(a_q, sa.t().contiguous().t(), b_q, sb)
     from coda_cute.nn import CodaLlama, LlamaConfig
     from coda_cute.precision import Fp8Recipe
 
