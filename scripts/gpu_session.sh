@@ -111,6 +111,9 @@
 #             five shapes of carry-more: a short call
 #   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
 #             recipe's MLP sublayer with and without)
+#   carry-verify  block-carry's short form for a call of little device time: the block recipe's
+#             MLP tests and the block-scaled op's and carry's tests (the heuristic's picks carry),
+#             then memcheck of sanitize_fp8.py
 #   carry-mlp  bench_fp8.py alone (the block recipe's MLP sublayer with and without the carry)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
@@ -460,6 +463,13 @@ stage_carry_more() {
     step carry-shapes 150 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
     stage_carry_mlp
+}
+
+stage_carry_verify() {
+    step carry-verify-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" \
+        tests/test_mlp_fp8_gpu.py tests/test_block_scaled_gpu.py -k "(mlp_fp8 and block) or op_is or tail_carry"
+    step carry-verify-memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
 }
 
 stage_carry_mlp() {
