@@ -4,9 +4,10 @@ first table):
 float8 training under ``torch.compile`` (tensor-wise and row-wise recipes, and the prototype
 block-wise one, which is ours, where torchao imports).
 ``coda fp8`` runs with ``mlp_fp8.FUSED_QUANT`` as the package sets it; ``coda fp8, quantize fused``
-with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8, no tail carry``
-without its block-scaled forward-form GEMMs carrying each tile's last promotion group into the
-next tile where K allows (``runner.TAIL_CARRY`` off, ``GemmConfig.tail_carry``); ``coda fp8 row-wise`` the
+with it on (h^T and dz' quantized in the GEMMs that produce them); ``coda fp8, tail carry on``
+(or ``off``: the other way from ``runner.TAIL_CARRY`` as the package sets it) with its
+block-scaled forward-form GEMMs carrying each tile's last promotion group into the next tile
+where K allows (``GemmConfig.tail_carry``) or not; ``coda fp8 row-wise`` the
 second recipe (``row_scaling``: one scale per row along K, the shadow's own scaling, on the plain
 FP8 kernel; dz' quantized in one read, its FP8 bytes transposed for its weight gradient and y's
 columns quantized after an amax pass; the down-proj's weight gradient the other way round, h's
@@ -386,8 +387,9 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
                                                                 w_down, dy2, EPS), "FUSED_QUANT", True)
         from coda_cute.epilogue import runner
 
-        fns["coda fp8, no tail carry"] = with_switch(coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down,
-                                                               dy2, EPS), "TAIL_CARRY", False, runner)
+        carry = not runner.TAIL_CARRY
+        fns[f"coda fp8, tail carry {'on' if carry else 'off'}"] = with_switch(
+            coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS), "TAIL_CARRY", carry, runner)
         row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
         fns["coda fp8 row-wise"] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS)
         if fast_accum != "none":

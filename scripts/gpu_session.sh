@@ -103,17 +103,18 @@
 #   attn-verify  the FP8 attention's GPU tests and the HF integration's FP8 ones, memcheck
 #             of sanitize_fp8.py, then the attention sublayer's bench (side-bench-attn)
 #   block-carry  the FP8 GPU tests (with GemmConfig.tail_carry, each tile's last promotion group
-#             carrying the next tile's first k-tile: bit for bit the kernel without it), then
-#             compute-sanitizer memcheck of sanitize_fp8.py (runner.TAIL_CARRY on, as by default)
+#             carrying the next tile's first k-tile: bit for bit the kernel without it, and the
+#             block MLP with runner.TAIL_CARRY on bit for bit the MLP without it), then
+#             compute-sanitizer memcheck of sanitize_fp8.py (the carry on in its block-scaled part)
 #   carry-bench  the block-scaled forward form with and without tail_carry against torch's
 #             block-wise kernel at the three 8B shapes (and on 1x2)
 #   carry-check  carry-bench, the block-scaled GPU tests (the carry's bit for bit), then the
 #             five shapes of carry-more: a short call
 #   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
 #             recipe's MLP sublayer with and without)
-#   carry-verify  block-carry's short form for a call of little device time: the block recipe's
-#             MLP tests and the block-scaled op's and carry's tests (the heuristic's picks carry),
-#             then memcheck of sanitize_fp8.py
+#   carry-verify  block-carry's short form for a call of little device time: the carry's tests
+#             alone (the plain GEMM's and the block MLP's, -k tail_carry), then memcheck of
+#             sanitize_fp8.py: what runner.TAIL_CARRY waits for
 #   carry-mlp  bench_fp8.py alone (the block recipe's MLP sublayer with and without the carry)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
@@ -467,7 +468,7 @@ stage_carry_more() {
 
 stage_carry_verify() {
     step carry-verify-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" \
-        tests/test_mlp_fp8_gpu.py tests/test_block_scaled_gpu.py -k "(mlp_fp8 and block) or op_is or tail_carry"
+        tests/test_mlp_fp8_gpu.py tests/test_block_scaled_gpu.py -k tail_carry
     step carry-verify-memcheck 200 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
         --report-api-errors no python3 scripts/sanitize_fp8.py
 }

@@ -162,6 +162,32 @@ def test_two_by_two_clusters_leave_the_row_wise_mlp_bit_identical(m, monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
+@pytest.mark.parametrize("m", [2048, 1000])
+def test_tail_carry_leaves_the_block_mlp_bit_identical(m, monkeypatch):
+    """``runner.TAIL_CARRY``: the block recipe's forward-form GEMMs whose K makes whole promotion
+    groups carry each tile's last group into the next tile (``GemmConfig.tail_carry``): at
+    2048 tokens the gate/up norm + SwiGLU, the down residual and the gate/up dgrad's norm
+    backward (K 1024, 1536, 3072), at 1000 (ragged M) the gate/up one. The promotions run in the
+    same order, so the output and every gradient are those without it bit for bit."""
+    from coda_cute.epilogue import runner
+    from coda_cute.ops.swiglu import norm_swiglu_tree
+
+    d, f = 1024, 1536
+    y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
+    sms = dispatch.num_sms(y.device)
+    runs = {}
+    for carry in (False, True):
+        monkeypatch.setattr(runner, "TAIL_CARRY", carry)
+        cfg = runner.choose_config(norm_swiglu_tree(), m, 2 * f, d, 1, True, False, sms, True)
+        assert cfg.tail_carry == carry, cfg.name
+        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS)
+        out[0].backward(dy2)
+        runs[carry] = list(out[:3]) + [t.grad for t in ins]
+    for name, a, b in zip(("y2", "ss2", "z", "dy", "dw_gu", "dw_down"), runs[False], runs[True]):
+        assert torch.isfinite(b.float()).all() and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("m", [8192, 1000])  # 1000: no FP8 transposes, the bf16 weight gradients
 def test_passes_beside_the_dgrads_leave_the_row_wise_mlp_unchanged(m, monkeypatch):
     """The weight gradients' passes on a side stream beside the two dgrads (``ops.beside``, the
