@@ -26,6 +26,30 @@ def _inputs(m, d, f):
     return y, embedding_norm_stats(y), w_gu, w_down, torch.randn(m, d, device="cuda").bfloat16()
 
 
+OUTPUTS = ("y2", "ss2", "z", "dy", "dw_gu", "dw_down")
+
+
+def _forward_backward(y, ss, w_gu, w_down, dy2, **kw) -> list:
+    """``OUTPUTS`` of one forward and backward of the FP8 op (keywords its own)."""
+    ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
+    out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, **kw)
+    out[0].backward(dy2)
+    return list(out[:3]) + [t.grad for t in ins]
+
+
+def _off_and_on(monkeypatch, switch: str, check, inputs, **kw) -> dict:
+    """{False: ..., True: ...}: :func:`_forward_backward` with ``runner.<switch>`` off, then on;
+    ``check(value)`` first asserts what the switch does to the heuristic's pick."""
+    from coda_cute.epilogue import runner
+
+    runs = {}
+    for value in (False, True):
+        monkeypatch.setattr(runner, switch, value)
+        check(value)
+        runs[value] = _forward_backward(*inputs, **kw)
+    return runs
+
+
 RECIPES = pytest.mark.parametrize("row", [False, True], ids=["block", "row-wise"])
 
 
@@ -150,16 +174,14 @@ def test_two_by_two_clusters_leave_the_row_wise_mlp_bit_identical(m, monkeypatch
     d, f = 1024, 2816
     y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
     sms = dispatch.num_sms(y.device)
-    runs = {}
-    for wide in (False, True):
-        monkeypatch.setattr(runner, "FP8_PINGPONG_2X2", wide)
+
+    def check(wide):
         cfg = runner.choose_config(row_scaled(norm_swiglu_tree()), m, 2 * f, d, 1, True, True, sms)
         assert (cfg.schedule, cfg.cluster_m, cfg.cluster_n) == ("pingpong", 2, 2 if wide else 1), cfg
-        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
-        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, row_scaling=True, fast_accum="all")
-        out[0].backward(dy2)
-        runs[wide] = [out[0], out[2]] + [t.grad for t in ins]
-    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+    runs = _off_and_on(monkeypatch, "FP8_PINGPONG_2X2", check, (y, ss, w_gu, w_down, dy2), row_scaling=True,
+                       fast_accum="all")
+    for name, a, b in zip(OUTPUTS, runs[False], runs[True]):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("m", [2048, 1000])
@@ -175,16 +197,12 @@ def test_tail_carry_leaves_the_block_mlp_bit_identical(m, monkeypatch):
     d, f = 1024, 1536
     y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
     sms = dispatch.num_sms(y.device)
-    runs = {}
-    for carry in (False, True):
-        monkeypatch.setattr(runner, "TAIL_CARRY", carry)
+
+    def check(carry):
         cfg = runner.choose_config(norm_swiglu_tree(), m, 2 * f, d, 1, True, False, sms, True)
         assert cfg.tail_carry == carry, cfg.name
-        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
-        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS)
-        out[0].backward(dy2)
-        runs[carry] = list(out[:3]) + [t.grad for t in ins]
-    for name, a, b in zip(("y2", "ss2", "z", "dy", "dw_gu", "dw_down"), runs[False], runs[True]):
+    runs = _off_and_on(monkeypatch, "TAIL_CARRY", check, (y, ss, w_gu, w_down, dy2))
+    for name, a, b in zip(OUTPUTS, runs[False], runs[True]):
         assert torch.isfinite(b.float()).all() and torch.equal(a, b), name
 
 
@@ -203,12 +221,9 @@ def test_passes_beside_the_dgrads_leave_the_row_wise_mlp_unchanged(m, monkeypatc
     for side in ((0, 0), (8, 10), (24, 24)):
         monkeypatch.setattr(mlp_fp8, "SIDE_SMS_DOWN_DGRAD", side[0])
         monkeypatch.setattr(mlp_fp8, "SIDE_SMS_GATE_UP_DGRAD", side[1])
-        ins = [t.clone().requires_grad_() for t in (y, w_gu, w_down)]
-        out = torch.ops.coda.mlp_block_fp8(ins[0], ss, ins[1], ins[2], EPS, row_scaling=True, fast_accum="all")
-        out[0].backward(dy2)
-        runs[side] = [out[0]] + [t.grad for t in ins]
+        runs[side] = _forward_backward(y, ss, w_gu, w_down, dy2, row_scaling=True, fast_accum="all")
     for side in ((8, 10), (24, 24)):
-        for name, a, b in zip(("y2", "dy", "dw_gu", "dw_down"), runs[(0, 0)], runs[side]):
+        for name, a, b in zip(OUTPUTS, runs[(0, 0)], runs[side]):
             assert torch.isfinite(b).all(), (side, name)
             assert torch.equal(a, b) or rel_err(b, a) < 1e-5, (side, name, rel_err(b, a))
 
