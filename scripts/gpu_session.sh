@@ -450,18 +450,18 @@ stage_block_carry() {
 }
 
 stage_carry_bench() {
-    step carry-bench 150 python3 scripts/exp_block_scaled.py --around carry "carry 1x2" --rounds 8
+    step carry-bench 150 python3 scripts/exp_block_scaled.py --around no-carry 1x2 --rounds 8
 }
 
 stage_carry_check() {
-    step carry-bench 100 python3 scripts/exp_block_scaled.py --around carry "carry 1x2" --rounds 8
+    step carry-bench 100 python3 scripts/exp_block_scaled.py --around no-carry 1x2 --rounds 8
     step carry-tests 120 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" tests/test_block_scaled_gpu.py
-    step carry-shapes 120 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
+    step carry-shapes 120 python3 scripts/exp_block_scaled.py --around no-carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
 }
 
 stage_carry_more() {
-    step carry-shapes 150 python3 scripts/exp_block_scaled.py --around carry --rounds 8 \
+    step carry-shapes 150 python3 scripts/exp_block_scaled.py --around no-carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
     stage_carry_mlp
 }
