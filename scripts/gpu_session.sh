@@ -114,7 +114,7 @@
 #             recipe's MLP sublayer with and without)
 #   carry-verify  block-carry's short form for a call of little device time: the carry's tests
 #             alone (the plain GEMM's and the block MLP's, -k tail_carry), then memcheck of
-#             sanitize_fp8.py: what runner.TAIL_CARRY waits for
+#             sanitize_fp8.py: what put runner.TAIL_CARRY on (a check after a kernel edit)
 #   carry-mlp  bench_fp8.py alone (the block recipe's MLP sublayer with and without the carry)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
