@@ -365,6 +365,13 @@ def poll_label(fast_accum: str) -> str:
     return fast_label(fast_accum)[1] + ", polling"
 
 
+def carry_label() -> str:
+    """The block recipe with ``runner.TAIL_CARRY`` the other way from the package's setting."""
+    from coda_cute.epilogue import runner
+
+    return f"coda fp8, tail carry {'off' if runner.TAIL_CARRY else 'on'}"
+
+
 def side_label(fast_accum: str, down: int, gate_up: int) -> str:
     """The row-wise fast variant whose down dgrad and gate/up dgrad leave ``down`` and ``gate_up``
     SMs to the weight gradients' passes (``mlp_fp8.SIDE_SMS_*``; 0 and 0: the passes in series)."""
@@ -387,9 +394,9 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
                                                                 w_down, dy2, EPS), "FUSED_QUANT", True)
         from coda_cute.epilogue import runner
 
-        carry = not runner.TAIL_CARRY
-        fns[f"coda fp8, tail carry {'on' if carry else 'off'}"] = with_switch(
-            coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS), "TAIL_CARRY", carry, runner)
+        fns[carry_label()] = with_switch(
+            coda_step(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, EPS), "TAIL_CARRY",
+            not runner.TAIL_CARRY, runner)
         row_op = functools.partial(torch.ops.coda.mlp_block_fp8, row_scaling=True)
         fns["coda fp8 row-wise"] = coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS)
         if fast_accum != "none":
@@ -573,7 +580,8 @@ def main(argv=None) -> int:
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")
     if args.profile:
         # the shadows' kernels too: each of our GEMMs next to the _scaled_mm of its role
-        for name in (SHADOW, fast_shadow, "coda fp8", "coda fp8, quantize fused", "coda fp8 row-wise", fast_ours,
+        for name in (SHADOW, fast_shadow, "coda fp8", carry_label(), "coda fp8, quantize fused", "coda fp8 row-wise",
+                     fast_ours,
                      cluster_label(args.fast_accum), poll_label(args.fast_accum)):
             if name in fns:
                 print_profile(fns[name], console, name)

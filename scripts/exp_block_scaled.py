@@ -37,6 +37,8 @@ operands:
   (``GemmConfig.tail_carry``, which the pick has under ``runner.TAIL_CARRY`` where K allows:
   each tile's last promotion group takes its last 3 k-tiles and the next tile's first, issued
   before the epilogue, instead of 3 single promotions and the next tile's first issued alone),
+  ``late-release`` (a k-tile's stage freed after its promotion, not before:
+  ``mainloop.RELEASE_BEFORE_PROMOTION`` off),
   e.g. ``--around "1x2" "g16" "one-buffer" carry``;
 * with ``--energy`` (forward form): torch's block-wise kernel and each variant of ours back to
   back for 600 ms: joules per call, mean watts, milliseconds per call (``coda_cute.sol.energy``):
@@ -46,6 +48,8 @@ operands:
   1141 / 1114 TFLOP/s at K = 2048 / 4096 / 8192 against torch's 1077 / 1146 / 1116 (1.064x /
   0.996x / 0.998x with 1x2's 1145 at K = 2048): no per-tile cost that a longer k-loop hides;
   torch's kernel is at its best at K = 4096, ours about level;
+* with ``--kernels`` (forward form): only the cuBLAS kernels torch's block-wise and row-wise
+  ``_scaled_mm`` launch at each shape (torch.profiler), nothing of ours;
 * with ``--once [M,N,K]`` (for ncu): one call each of our row-wise GEMM, ``coda.gemm_blockwise``
   and torch's block-wise and row-wise kernels at that shape (default the last, K = 14336),
   inside the NVTX range ``gemms``, after one untimed call each outside it.
@@ -65,6 +69,7 @@ block-scaled config (a log line per shape).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 os.environ["CODA_CUTE_CACHE_DIR"] = "0"
@@ -83,6 +88,7 @@ from coda_cute.kernels.epilogue.plain import gemm_tree  # noqa: E402
 from coda_cute.ops.gemm import gemm_impl  # noqa: E402
 from coda_cute.kernels.sm90 import epilogue as EPI  # noqa: E402
 from coda_cute.kernels.sm90 import gemm as G  # noqa: E402
+from coda_cute.kernels.sm90 import mainloop as ML  # noqa: E402
 from coda_cute.precision import block_scales_m_major  # noqa: E402
 from coda_cute.sol.energy import joules_lines  # noqa: E402
 from coda_cute.sol.timing import calls_in_range, interleaved_medians  # noqa: E402
@@ -142,11 +148,31 @@ def one_buffer_plan(tree, a, b, config, scales, b_rows=False):
     return plan, stages
 
 
+#: ``--around``'s tokens that turn a kernel module switch off for the variant's build
+SWITCHES = {"late-release": (ML, "RELEASE_BEFORE_PROMOTION")}
+
+
+@contextlib.contextmanager
+def switched_off(spec: str):
+    """``spec``'s :data:`SWITCHES` off while a variant is built (and traced), restored after."""
+    turned = [SWITCHES[tok] for tok in spec.split() if tok in SWITCHES]
+    before = [getattr(mod, name) for mod, name in turned]
+    for mod, name in turned:
+        setattr(mod, name, False)
+    try:
+        yield
+    finally:
+        for (mod, name), value in zip(turned, before):
+            setattr(mod, name, value)
+
+
 def _around(cfg, spec: str):
     """(the config ``spec`` makes of ``cfg``, whether its epilogue takes one 64-column buffer):
-    ``--around``'s tokens, in the module docstring."""
+    ``--around``'s tokens, in the module docstring (:data:`SWITCHES`' are :func:`switched_off`'s)."""
     one_buffer = False
     for tok in spec.split():
+        if tok in SWITCHES:
+            continue
         if tok in ("poll", "sleep"):
             cfg = cfg.with_(poll_full=tok == "poll")
         elif tok == "one-buffer":
@@ -160,7 +186,7 @@ def _around(cfg, spec: str):
             cfg = cfg.with_(cluster_m=cm, cluster_n=cn)
         else:
             raise SystemExit(f"--around: {tok!r} in {spec!r} is none of MxN, poll, sleep, gN, one-buffer, "
-                             "carry, no-carry")
+                             f"carry, no-carry, {', '.join(SWITCHES)}")
     return cfg, one_buffer
 
 
@@ -250,6 +276,9 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="M,N,K", default=[",".join(map(str, x)) for x in SHAPES],
                     help="forward form: these shapes instead of the three 8B ones (at one N, several K "
                          "split a tile's fixed cost from its k-loop's)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="forward form: only the kernels torch's block-wise and row-wise _scaled_mm launch at "
+                         "each shape, with their GPU times (torch.profiler): which cuBLAS kernel each shape gets")
     ap.add_argument("--once", nargs="?", const=",".join(map(str, SHAPES[-1])), metavar="M,N,K",
                     help="one call of each GEMM at this shape (default the last), for ncu")
     args = ap.parse_args()
@@ -258,6 +287,8 @@ def main():
         return wgrad(console, args.rounds, args.stages, args.poll)
     if args.once:
         return once(*(int(x) for x in args.once.split(",")))
+    if args.kernels:
+        return torch_kernels(console, args.shapes)
     tree, rtree = gemm_tree("none", "none", "bfloat16"), gemm_tree("row", "row", "bfloat16")
     sms = dispatch.num_sms(torch.device("cuda"))
     table = Table(title="block-scaled FP8 GEMM variants (E4M3, bf16 out), TFLOP/s")
@@ -291,12 +322,13 @@ def main():
             plan = _variant_plan(name, rtree, a_q, b_q.t(), row_cfg, None, inputs=row_in)
             fns[f"row {name}"] = lambda p=plan: p.launch(a_q, b_q.t(), row_in)
         for name in names:
-            variant, cfg, one_buffer = name, base, False
+            variant, cfg, one_buffer, spec = name, base, False, ""
             if name != built and around:  # "<built> <spec>"
-                variant = built
-                cfg, one_buffer = _around(base, name[len(built) + 1:])
-            plan = one_buffer_plan(tree, a_q, b_q.t(), cfg, (sa, sb))[0] if one_buffer else \
-                _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
+                variant, spec = built, name[len(built) + 1:]
+                cfg, one_buffer = _around(base, spec)
+            with switched_off(spec):
+                plan = one_buffer_plan(tree, a_q, b_q.t(), cfg, (sa, sb))[0] if one_buffer else \
+                    _variant_plan(variant, tree, a_q, b_q.t(), cfg, (sa, sb))
             fns[name] = lambda p=plan: p.launch(a_q, b_q.t(), {}, None, (sa, sb))
             want = R.block_scaled_gemm_ref(a_q[:256], sa[:256], (1, 128), b_q, sb, (128, 128), torch.float64)
             err = (fns[name]()["out"][:256].double() - want).norm() / want.norm()
@@ -335,6 +367,21 @@ def once(m, n, k):
                                                             out_dtype=torch.bfloat16),
                     "torch row": lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ra, scale_b=rb,
                                                           out_dtype=torch.bfloat16)})
+
+
+def torch_kernels(console, shapes):
+    """The kernels one call of torch's block-wise and row-wise ``_scaled_mm`` launches at each
+    of ``shapes``: cuBLAS picks per shape, and its block-wise kernel runs 1146-1209 TFLOP/s at
+    16384 x 28672 x 4096 against 1055-1182 at 16384 x 6144 x 4096 (H100s, 2026-12-06/07)."""
+    from bench_fp8 import print_profile
+
+    for spec in shapes:
+        m, n, k = (int(x) for x in spec.split(","))
+        a_q, sa, b_q, sb, ra, rb = operands(m, n, k)
+        print_profile(lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16),
+                      console, f"torch block {m}x{n}x{k}")
+        print_profile(lambda: torch._scaled_mm(a_q, b_q.t(), scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16),
+                      console, f"torch row {m}x{n}x{k}")
 
 
 def _fewer_stages(tree, rtree, block_cfg, row_cfg) -> dict:

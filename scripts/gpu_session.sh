@@ -116,6 +116,15 @@
 #             alone (the plain GEMM's and the block MLP's, -k tail_carry), then memcheck of
 #             sanitize_fp8.py: what put runner.TAIL_CARRY on (a check after a kernel edit)
 #   carry-mlp  bench_fp8.py alone (the block recipe's MLP sublayer with and without the carry)
+#   release   a two-level k-tile's stage freed before its promotion (mainloop.RELEASE_BEFORE_PROMOTION):
+#             the two-level FP8 GPU tests (block-scaled, row-wise GEMM, MLP), the cuBLAS kernels
+#             torch's _scaled_mm launches per shape (exp_block_scaled.py --kernels), the block-scaled
+#             forward form with the release late and with one 64-column store buffer (a sixth
+#             stage), in turns against torch, then bench_fp8.py --fast-accum all (the MLP
+#             sublayer's targets)
+#   release-more  release's second reading: the block-scaled forward form with the release late at
+#             the three 8B shapes and five more, the block recipe's MLP with the tail carry on and
+#             off with each kernel's time (bench_fp8.py --profile), memcheck of sanitize_fp8.py
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
@@ -475,6 +484,25 @@ stage_carry_verify() {
 
 stage_carry_mlp() {
     step carry-mlp 250 python3 scripts/bench_fp8.py --rounds 6 --json "$OUT/carry-mlp.json"
+}
+
+stage_release() {
+    step release-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" \
+        tests/test_block_scaled_gpu.py tests/test_mlp_fp8_gpu.py tests/test_gemm_gpu.py -k "fp8 or block or mlp"
+    step release-kernels 60 python3 scripts/exp_block_scaled.py --kernels --shapes 16384,6144,4096 \
+        16384,28672,4096 16384,4096,14336 16384,14336,4096 8192,28672,4096 16384,28672,8192
+    step release-bench 200 python3 scripts/exp_block_scaled.py --rounds 8 \
+        --around late-release one-buffer
+    step release-mlp 150 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --json "$OUT/release-mlp.json"
+}
+
+stage_release_more() {
+    step release-shapes 170 python3 scripts/exp_block_scaled.py --around late-release --rounds 8 --shapes \
+        16384,6144,4096 16384,28672,4096 16384,4096,14336 16384,14336,4096 16384,4096,28672 16384,4096,4096 \
+        8192,28672,4096 16384,16384,2048
+    step release-profile 120 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/release-profile.json"
+    step release-memcheck 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --report-api-errors no python3 scripts/sanitize_fp8.py
 }
 
 stage_block_k() {

@@ -257,6 +257,33 @@ def test_waves_read_column_scales_once_per_k_tile_before_the_release():
     assert len(reads) == 16 and max(reads) < release, (len(reads), reads[-3:], release)
 
 
+def _release_before_promotion(ptx: str) -> list:
+    """Per ``wgmma.wait_group 1`` of the k-loop (a k-tile's WGMMAs done, the next one's in
+    flight): whether the stage's release (``mbarrier.arrive``) comes before the promotion's first
+    FFMA."""
+    order = []
+    for m in re.finditer(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx):
+        rest = ptx[m.end():]
+        arrive, fma = rest.find("mbarrier.arrive"), rest.find("fma.rn.f32")
+        assert arrive >= 0 and fma >= 0, (arrive, fma)
+        order.append(arrive < fma)
+    assert order
+    return order
+
+
+def test_stage_is_freed_before_the_promotion_that_reads_nothing_from_it():
+    """``mainloop.RELEASE_BEFORE_PROMOTION``: the forward form's promotion factor is in registers
+    from its k-tile's issue on, so a finished k-tile's stage goes back to the producer before
+    its FFMAs (one promotion sooner); the weight-gradient form reads its column scales from the
+    stage at the promotion, so it frees the stage only after it."""
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2)
+    forward = compile_gemm(spec(cfg), keep_artifacts=True)
+    assert all(_release_before_promotion(forward.ptx))
+    wgrad = compile_gemm(KernelSpec.of(E4M3, E4M3, "k", "k", cfg, gemm_tree("none", "none", "float32"),
+                                       block_scaled=True, b_rows=True), keep_artifacts=True)
+    assert not any(_release_before_promotion(wgrad.ptx))
+
+
 @pytest.mark.parametrize("group", [3, 4])
 @pytest.mark.parametrize("b_rows", [False, True], ids=["forward", "wgrad"])
 def test_larger_promotion_groups_build_without_spills(group, b_rows, monkeypatch):

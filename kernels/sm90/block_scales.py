@@ -112,6 +112,8 @@ class OuterFactor:
 
     def __init__(self, rows, columns):
         self.rows, self.columns = rows, columns
+        # a function reads the stage's column scales at the promotion: the stage is not free before
+        self.reads_stage = callable(columns)
 
     def scaled(self, t):
         """``t * rows * cols`` (one FMUL and, in ``acc + scaled``, one FFMA per register), in
@@ -125,6 +127,9 @@ class RowFactor:
     (sa of the thread's rows, laid out like the accumulator with zero strides on the column
     modes) and ``b`` (one-element tensor: the weight block's scale), multiplied at the
     promotion."""
+
+    #: both parts are in registers from the k-tile's issue on
+    reads_stage = False
 
     def __init__(self, rows, b, in_turn: bool = False):
         self.rows, self.b = rows, b
