@@ -174,7 +174,9 @@ POLL_FULL = False
 #: (2026-12-07, in turns) +0.9 to +1.9 %, +0.6 to +0.9 % and -0.2 to +0.3 % at the three 8B
 #: shapes, +0.1 to +1.7 % at five shapes it was not tuned on; the block recipe's MLP sublayer
 #: (8b, in turns) +1.4 %, 0.0 % and, at d 2048, -1.1 % in time, its 8b training step 138.8
-#: against 138.4 ms (two processes each): a small gain in the plain GEMM, none a step sees. The
+#: against 138.4 ms (two processes each): a small gain in the plain GEMM, none a step sees. A
+#: fourth 8b sublayer run (2026-12-07, with the stage freed before each promotion) read +4.2 % in
+#: turns, +1.8 % back to back; which tree loses is unprofiled (``gpu_session.sh release-more``). The
 #: plain GEMM's output and the block MLP's forward and backward (its norm + SwiGLU, residual and
 #: norm-backward trees carry) are bit for bit those without it, memcheck clean (GPU tests,
 #: ``sanitize_fp8.py``, an H100).

@@ -15,12 +15,14 @@ Accumulation modes:
     K). Where three accumulators fit the registers (``paired``), k-tiles go in groups of
     ``kernels.common.config.PROMOTION_GROUP[form]``: each is issued into its own temporary before
     the previous one is promoted, so only the group's last promotion waits for the tensor cores.
-    Otherwise each promotion waits for its k-tile. The temporaries are created inside the loop
-    body: a WGMMA result carried across loop iterations becomes a register copy that ptxas answers
-    by serializing every WGMMA of the kernel. The cooperative schedule staggers its two
-    warpgroups by half a k-tile so one's WGMMAs cover the other's promotion, and issues each
-    tile's first k-tile before the previous tile's epilogue (``issue_first`` / ``take_first``;
-    with ``GemmConfig.tail_carry``, as the last k-tile of the previous tile's last group).
+    Otherwise each promotion waits for its k-tile. A finished k-tile's stage goes back to the
+    producer before its promotion wherever that reads nothing more from it (:func:`_retire`).
+    The temporaries are created inside the loop body: a WGMMA result carried across loop
+    iterations becomes a register copy that ptxas answers by serializing every WGMMA of the
+    kernel. The cooperative schedule staggers its two warpgroups by half a k-tile so one's
+    WGMMAs cover the other's promotion, and issues each tile's first k-tile before the previous
+    tile's epilogue (``issue_first`` / ``take_first``; with ``GemmConfig.tail_carry``, as the
+    last k-tile of the previous tile's last group).
     Rolling the two temporaries across loop iterations instead of pairing k-tiles (never
     draining a warpgroup's WGMMAs) compiles without serialization when nothing is in flight at
     loop entry, but measured 0.3 % slower than pairs on the H200.
