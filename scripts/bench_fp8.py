@@ -581,8 +581,7 @@ def main(argv=None) -> int:
     if args.profile:
         # the shadows' kernels too: each of our GEMMs next to the _scaled_mm of its role
         for name in (SHADOW, fast_shadow, "coda fp8", carry_label(), "coda fp8, quantize fused", "coda fp8 row-wise",
-                     fast_ours,
-                     cluster_label(args.fast_accum), poll_label(args.fast_accum)):
+                     fast_ours, cluster_label(args.fast_accum), poll_label(args.fast_accum)):
             if name in fns:
                 print_profile(fns[name], console, name)
     bytes_rows, gb, row_gb = [], None, None

@@ -371,8 +371,9 @@ def once(m, n, k):
 
 def torch_kernels(console, shapes):
     """The kernels one call of torch's block-wise and row-wise ``_scaled_mm`` launches at each
-    of ``shapes``: cuBLAS picks per shape, and its block-wise kernel runs 1146-1209 TFLOP/s at
-    16384 x 28672 x 4096 against 1055-1182 at 16384 x 6144 x 4096 (H100s, 2026-12-06/07)."""
+    of ``shapes``. On an H100 (2026-12-07) the block-wise one was ``nvjet_sm90_qqtst_128x128_
+    128x6_1x2_..._Ablk128_Bvec128_TNN`` at all six shapes of ``gpu_session.sh release``: its
+    higher rate at 16384 x 28672 x 4096 than at 16384 x 6144 x 4096 is one kernel's, not a pick's."""
     from bench_fp8 import print_profile
 
     for spec in shapes:
