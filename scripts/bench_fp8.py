@@ -50,8 +50,10 @@ out-proj, forward, dgrad, wgrad) plus SDPA forward + backward in bf16; no torcha
 
 Each variant is also timed alone, five calls back to back, with the host time to issue them (the
 table's last two columns).
-``--baselines-only`` is for a machine call that carries torchao instead of the DSL (the two do not
-fit in one call's 64 MiB): the shadow is timed in both runs, so each run's ratios to it compare.
+``--baselines-only`` is for a machine call that carries torchao's full wheel instead of the DSL:
+the shadow is timed in both runs, so each run's ratios to it compare. ``scripts/torchao_wheel.sh``
+strips torchao to its float8 training (tensor-wise and row-wise) so that it fits beside the DSL
+pack, and ``gpu_session.sh torchao`` then times it in the same turns as ours.
 """
 
 from __future__ import annotations

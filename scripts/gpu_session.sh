@@ -108,8 +108,6 @@
 #             compute-sanitizer memcheck of sanitize_fp8.py (the carry on in its block-scaled part)
 #   carry-bench  the block-scaled forward form with and without tail_carry against torch's
 #             block-wise kernel at the three 8B shapes (and on 1x2)
-#   carry-check  carry-bench, the block-scaled GPU tests (the carry's bit for bit), then the
-#             five shapes of carry-more: a short call
 #   carry-more  the same at five shapes it was not measured on, then bench_fp8.py (the block
 #             recipe's MLP sublayer with and without)
 #   carry-verify  block-carry's short form for a call of little device time: the carry's tests
@@ -125,6 +123,10 @@
 #   release-more  release's second reading: the block recipe's MLP with the tail carry on and off
 #             with each kernel's time (bench_fp8.py --profile), then the block-scaled forward form
 #             with the release late at the three 8B shapes and two more
+#   torchao   bench_fp8.py --fast-accum all with torchao's float8 training + compile in the same turns
+#             (carry [".dsl", ".wheels-ao"] from scripts/torchao_wheel.sh: no Liger, no xdist)
+#   compile-times  bench_compile.py --rounds 2: the block-scaled kernels' first-call compile on
+#             this host's CPU (the FP8 issue's <= 2 s per kernel)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
 #             shortfall at 16384 x 28672 x 4096 is a per-tile cost (shrinking as K grows) or the k-loop's
 #   poll      GemmConfig.poll_full (the mainloop's consumers and producer poll mbarrier.try_wait
@@ -225,8 +227,11 @@ setup() {
     # shellcheck disable=SC1091
     source .dsl/env.sh
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-    if ls .wheels/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --target /tmp/coda-wheels .wheels/*.whl >/dev/null 2>&1
+    # .wheels (Liger and pytest-xdist) or .wheels-ao (torchao's float8 training): the pack leaves
+    # room for one of the two in a call
+    if ls .wheels/*.whl .wheels-ao/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --target /tmp/coda-wheels $(ls .wheels/*.whl .wheels-ao/*.whl 2>/dev/null) \
+            >/dev/null 2>&1
         export PYTHONPATH=$PYTHONPATH:/tmp/coda-wheels
     fi
     nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
@@ -462,13 +467,6 @@ stage_carry_bench() {
     step carry-bench 150 python3 scripts/exp_block_scaled.py --around no-carry 1x2 --rounds 8
 }
 
-stage_carry_check() {
-    step carry-bench 100 python3 scripts/exp_block_scaled.py --around no-carry 1x2 --rounds 8
-    step carry-tests 120 python3 -m pytest -q -rfE --tb=short -m gpu -n "$(workers 6)" tests/test_block_scaled_gpu.py
-    step carry-shapes 120 python3 scripts/exp_block_scaled.py --around no-carry --rounds 8 \
-        --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
-}
-
 stage_carry_more() {
     step carry-shapes 150 python3 scripts/exp_block_scaled.py --around no-carry --rounds 8 \
         --shapes 16384,14336,4096 16384,4096,28672 16384,4096,4096 8192,28672,4096 16384,16384,2048
@@ -500,6 +498,14 @@ stage_release_more() {
     step release-profile 120 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/release-profile.json"
     step release-shapes 130 python3 scripts/exp_block_scaled.py --around late-release --rounds 8 --shapes \
         16384,6144,4096 16384,28672,4096 16384,4096,14336 16384,14336,4096 8192,28672,4096
+}
+
+stage_torchao() {
+    step torchao-mlp 540 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --json "$OUT/torchao-mlp.json"
+}
+
+stage_compile_times() {
+    step compile-times 200 python3 scripts/bench_compile.py --rounds 2 --json "$OUT/compile-times.json"
 }
 
 stage_block_k() {

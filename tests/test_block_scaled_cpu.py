@@ -342,6 +342,34 @@ def test_the_heuristic_carries_where_k_allows(k, b_block, carries, monkeypatch):
         assert pick.tail_carry == (on and carries), (on, pick.name)
 
 
+def test_the_carried_build_is_asked_first_and_alone_where_it_does_not_spill(monkeypatch):
+    """Each block-scaled build takes seconds to compile, so an op's first call compiles only the
+    kernel it launches: ``choose_config`` asks the carried build of a candidate that can carry
+    first and takes it where it does not spill, without compiling the build without the carry;
+    where it spills, that build is asked next, and where both spill, the next candidate."""
+    from coda_cute.epilogue import runner
+
+    monkeypatch.setattr(runner, "TAIL_CARRY", True)
+    shape = (gemm_tree("none", "none", "bfloat16"), 16384, 4096, 4096, 1, True, False, 132, True, False)
+    ranked = runner.ranked_configs(*shape)
+    first, carried = ranked[0], runner._carried(ranked[0], 4096, True, True, False)
+    assert carried is not None and carried == first.with_(tail_carry=True)
+
+    def asked_with(spilling):
+        asked = []
+
+        def fake_spills(tree, cfg, fp8, sms, block_scaled=False, b_rows=False):
+            asked.append(cfg)
+            return cfg in spilling
+        monkeypatch.setattr(runner, "spills", fake_spills)
+        return runner.choose_config(*shape), asked
+
+    assert asked_with(set()) == (carried, [carried])
+    assert asked_with({carried}) == (first, [carried, first])
+    second = runner._carried(ranked[1], 4096, True, True, False) or ranked[1]
+    assert asked_with({carried, first}) == (second, [carried, first, second])
+
+
 def test_wgrad_form_on_the_reference_path_is_the_dequantized_product():
     g = generator(5)
     dy_t = torch.randn(136, 400, generator=g)  # (N_out, tokens): a gradient transposed

@@ -170,7 +170,7 @@ FP8_PINGPONG_2X2 = False
 #: moved the step by -0.3 % and +0.5 %, its ping-pong short-K GEMMs by -5 % to +3 %: no rule.
 POLL_FULL = False
 #: The block-scaled forward form's picks carry each tile's last promotion group into the next
-#: tile (``GemmConfig.tail_carry``) where K allows: :func:`_tail_carry`. On three H100 runs
+#: tile (``GemmConfig.tail_carry``) where K allows: :func:`_carried`. On three H100 runs
 #: (2026-12-07, in turns) +0.9 to +1.9 %, +0.6 to +0.9 % and -0.2 to +0.3 % at the three 8B
 #: shapes, +0.1 to +1.7 % at five shapes it was not tuned on; the block recipe's MLP sublayer
 #: (8b, in turns) +1.4 %, 0.0 % and, at d 2048, -1.1 % in time, its 8b training step 138.8
@@ -215,26 +215,33 @@ def choose_config(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled: bool
     """The heuristic's config for the tree: the first of :func:`ranked_configs` whose build does
     not spill (among the first ``SPILL_CHECKS``), else the first. Spills follow no register count
     the heuristic could predict (an accumulator plus a few values per row spills on some tile
-    shapes and not on larger ones), so the builds themselves are asked. Deterministic for a given
-    build of the kernels and card (``dispatch.card_of``), which the fake implementations rely on:
-    they call this to size per-tile outputs."""
+    shapes and not on larger ones), so the builds themselves are asked. Where a candidate can
+    carry (:func:`_carried`), its carried build is asked first and, spill-free, is the pick: the
+    build without the carry is compiled only where the carried one spills, so that an op's first
+    call compiles the kernel it launches and no other (each block-scaled build takes seconds).
+    Deterministic for a given build of the kernels and card (``dispatch.card_of``), which the fake
+    implementations rely on: they call this to size per-tile outputs."""
     ranked = ranked_configs(tree, m, n, k, batch, fp8, fast_accum, sms, block_scaled, b_rows, card)
-    pick = next((c for c in ranked[:SPILL_CHECKS] if not spills(tree, c, fp8, sms, block_scaled, b_rows)), None)
-    pick = ranked[0] if pick is None else _tail_carry(tree, _two_by_two(tree, pick, fp8, fast_accum, sms),
-                                                      k, fp8, sms, block_scaled, b_rows)
+    pick = ranked[0]
+    for c in ranked[:SPILL_CHECKS]:
+        carried = _carried(c, k, fp8, block_scaled, b_rows)
+        if carried is not None and not spills(tree, carried, fp8, sms, block_scaled, b_rows):
+            pick = carried
+            break
+        if not spills(tree, c, fp8, sms, block_scaled, b_rows):
+            pick = _two_by_two(tree, c, fp8, fast_accum, sms)
+            break
     return pick.with_(poll_full=True) if POLL_FULL else pick
 
 
-def _tail_carry(tree, cfg: GemmConfig, k: int, fp8: bool, sms: int, block_scaled: bool, b_rows: bool) -> GemmConfig:
-    """``cfg`` with ``tail_carry`` where its rule takes this K (``config.tail_carry_rule``: the
-    block-scaled forward form, K of whole promotion groups) and that build does not spill, else
-    ``cfg``; under :data:`TAIL_CARRY` only (its measurements are there)."""
+def _carried(cfg: GemmConfig, k: int, fp8: bool, block_scaled: bool, b_rows: bool) -> Optional[GemmConfig]:
+    """``cfg`` with ``tail_carry`` where :data:`TAIL_CARRY` is on and its rule takes this K
+    (``config.tail_carry_rule``: the block-scaled forward form, cooperative, K of whole promotion
+    groups), else None."""
     if not (TAIL_CARRY and block_scaled and cfg.schedule == "cooperative" and not cfg.split_tail):
-        return cfg
+        return None
     carried = cfg.with_(tail_carry=True)
-    if tail_carry_rule(carried, k, fp8, block_scaled, b_rows) is not None:
-        return cfg
-    return cfg if spills(tree, carried, fp8, sms, block_scaled, b_rows) else carried
+    return None if tail_carry_rule(carried, k, fp8, block_scaled, b_rows) is not None else carried
 
 
 def _check_tail_carry(config: Optional[GemmConfig], k: int, fp8: bool, blocked: bool, b_rows: bool, op: str):
