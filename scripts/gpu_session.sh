@@ -228,10 +228,12 @@ setup() {
     source .dsl/env.sh
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
     # .wheels (Liger and pytest-xdist) or .wheels-ao (torchao's float8 training): the pack leaves
-    # room for one of the two in a call
-    if ls .wheels/*.whl .wheels-ao/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --target /tmp/coda-wheels $(ls .wheels/*.whl .wheels-ao/*.whl 2>/dev/null) \
-            >/dev/null 2>&1
+    # room for one of the two in a call (an ls of both fails where either folder is absent)
+    local wheels
+    wheels=$(ls .wheels/*.whl .wheels-ao/*.whl 2>/dev/null)
+    if [ -n "$wheels" ]; then
+        # shellcheck disable=SC2086
+        python3 -m pip install -q --no-deps --target /tmp/coda-wheels $wheels >/dev/null 2>&1
         export PYTHONPATH=$PYTHONPATH:/tmp/coda-wheels
     fi
     nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
