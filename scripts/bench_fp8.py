@@ -380,11 +380,19 @@ def side_label(fast_accum: str, down: int, gate_up: int) -> str:
     return fast_label(fast_accum)[1] + f", side SMs {down} / {gate_up}"
 
 
+def forward_side_label(fast_accum: str, sms: int) -> str:
+    """The row-wise fast variant whose first projection (the MLP's gate/up, attention's QKV) leaves
+    ``sms`` SMs to the weights' passes (``mlp_fp8.SIDE_SMS_GATE_UP_FORWARD``,
+    ``attention_fp8.SIDE_SMS_QKV_FORWARD``; 0: the weights quantized in series before it)."""
+    return fast_label(fast_accum)[1] + f", forward side SMs {sms}"
+
+
 def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", poll: bool = False,
-            side_sms=()) -> dict:
+            side_sms=(), forward_side=()) -> dict:
     """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
-    also the row-wise recipe with it and its shadow, with ``poll`` that recipe polling, and for
-    each (down, gate/up) of ``side_sms`` that recipe with those side SMs."""
+    also the row-wise recipe with it and its shadow, with ``poll`` that recipe polling, for
+    each (down, gate/up) of ``side_sms`` that recipe with those side SMs beside its dgrads, and
+    for each count of ``forward_side`` with those beside its gate/up forward."""
     y, w_gu, w_down, dy2 = mlp_case(m, d, f)
     ss = None if baselines_only else embedding_norm_stats(y)
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
@@ -417,6 +425,10 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
                 fns[side_label(fast_accum, down, gate_up)] = with_switch(with_switch(
                     coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum),
                     "SIDE_SMS_DOWN_DGRAD", down), "SIDE_SMS_GATE_UP_DGRAD", gate_up)
+            for sms in forward_side:
+                fns[forward_side_label(fast_accum, sms)] = with_switch(
+                    coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "SIDE_SMS_GATE_UP_FORWARD",
+                    sms)
             if poll:
                 fns[poll_label(fast_accum)] = with_switch(
                     coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "POLL_FULL", True, runner)
@@ -425,11 +437,14 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
     return fns
 
 
-def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fast_accum: str = "none") -> dict:
+def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fast_accum: str = "none",
+                  forward_side=()) -> dict:
     """{label: step} of the attention sublayer (QKV with RMSNorm and RoPE, the causal GQA core,
     out-proj with the residual): the shadow (its six GEMMs in FP8 plus SDPA forward + backward in
     bf16), ``coda.attention_block_fp8`` in both recipes and the bf16 ``coda.attention_block``;
-    with ``fast_accum`` also the row-wise recipe with it and its shadow."""
+    with ``fast_accum`` also the row-wise recipe with it and its shadow, and for each count of
+    ``forward_side`` that recipe with those SMs beside its QKV forward
+    (``attention_fp8.SIDE_SMS_QKV_FORWARD``)."""
     if m % seq:
         raise SystemExit(f"--tokens {m} must be a multiple of --seq {seq}")
     rest, x, w_qkv, w_o, dy, core = attention_case(m, d, heads, kv_heads, head_dim, seq)
@@ -447,6 +462,10 @@ def attention_fns(m, d, heads, kv_heads, head_dim, seq, baselines_only: bool, fa
             fns[ours + ", passes in series"] = with_switch(
                 coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum),
                 "SIDE_SMS_QKV_DGRAD", 0, attention_fp8)
+            for sms in forward_side:
+                fns[forward_side_label(fast_accum, sms)] = with_switch(
+                    coda_step(torch.ops.coda.attention_block_fp8, *case, row_scaling=True, fast_accum=fast_accum),
+                    "SIDE_SMS_QKV_FORWARD", sms, attention_fp8)
         fns["coda bf16"] = coda_step(torch.ops.coda.attention_block, *case)
     return fns
 
@@ -531,7 +550,14 @@ def main(argv=None) -> int:
     p.add_argument("--side-sms", nargs="+", default=[], metavar="DOWN,GATE_UP",
                    help="with --fast-accum: also the row-wise fast variant whose down dgrad and gate/up dgrad leave "
                         "these SMs to the weight gradients' passes beside them (mlp_fp8.SIDE_SMS_*; 0,0: in series)")
+    p.add_argument("--forward-side-sms", nargs="+", type=int, default=[], metavar="SMS",
+                   help="with --fast-accum: also the row-wise fast variant whose first projection (gate/up, QKV) "
+                        "leaves these SMs to the weights' passes beside it (0: in series before it)")
+    p.add_argument("--variants", metavar="REGEX",
+                   help="time only the variants whose label matches REGEX (the shadows always)")
     args = p.parse_args(argv)
+    if any(v < 0 for v in args.forward_side_sms):
+        p.error(f"--forward-side-sms takes SM counts >= 0, got {args.forward_side_sms}")
     side_sms = [tuple(int(v) for v in pair.split(",")) for pair in args.side_sms]
     if any(len(pair) != 2 or min(pair) < 0 for pair in side_sms):
         p.error(f"--side-sms takes pairs DOWN,GATE_UP of SM counts >= 0, got {args.side_sms}")
@@ -540,9 +566,12 @@ def main(argv=None) -> int:
         console.print("[red]bench_fp8 needs a CUDA GPU[/]")
         return 2
     m, d, f = args.tokens, args.dim, args.ffn
-    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll, side_sms) \
+    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll, side_sms, args.forward_side_sms) \
         if args.sublayer == "mlp" else \
-        attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum)
+        attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum,
+                      args.forward_side_sms)
+    if args.variants:
+        fns = {k: v for k, v in fns.items() if "shadow" in k or re.search(args.variants, k)}
     if args.once:
         ours, shadow = fast_label(args.fast_accum)[::-1] if args.fast_accum != "none" else ("coda fp8 row-wise", SHADOW)
         one_step_in_range(fns[ours], "coda-fp8-step", ours, console)
@@ -576,7 +605,8 @@ def main(argv=None) -> int:
             console.print(f"{name}: reserved MiB by stream " + ", ".join(f"{v:.0f}" for v in by_stream.values()))
     for ours in (fast_ours, kept_label(args.fast_accum), current_stream_label(args.fast_accum),
                  cluster_label(args.fast_accum), poll_label(args.fast_accum),
-                 *(side_label(args.fast_accum, *pair) for pair in side_sms)):
+                 *(side_label(args.fast_accum, *pair) for pair in side_sms),
+                 *(forward_side_label(args.fast_accum, sms) for sms in args.forward_side_sms)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")

@@ -80,17 +80,10 @@
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
 #             the step's plain shapes, in turns and at the cap (exp_energy_tiles.py; --fit on its JSON)
-#   cluster22  2x2 clusters (both operands multicast): exp_large_gemms.py --fp8 (its "cluster
-#             2x2" variant of each pick, the number first), the GEMM GPU tests of 2x2 configs, and
-#             the row-wise FP8 MLP's two tree GEMMs on the pick with --cluster 2x2
-#             (exp_swiglu_epilogues.py)
-#   cluster22-shapes  the row-wise FP8 gate/up forward with its tree on the pick and on 2x2 at
-#             shapes beyond 1b and 8b (8192 and 32768 tokens; d 8192 / ffn 28672, 3072 / 8192,
-#             5120 / 13824): where 2x2 wins, before it becomes a rule
-#   block22   the block-scaled FP8 GEMM on other clusters: its 1x2 GPU tests, then the forward
-#             form's kernel as built on its pick, on 1x2 (torch's block-wise kernel's cluster) and
-#             1x1, and with one stage fewer / one more (--stages), against torch's block-wise
-#             _scaled_mm (exp_block_scaled.py --clusters 1x2 1x1 --stages; 2x2 lost 10-12 %)
+#   forward-side  the weights' passes beside the first projection (fp8_gemms.first_projection): the
+#             row-wise GPU tests of the MLP and attention (-k "beside or halves or row-wise"), then
+#             bench_fp8.py --fast-accum all with FORWARD_SMS side SMs (default 0 4 6 8 10; 0: in
+#             series) at 8b and 1b, and the attention sublayer's with 0 and 6
 #   block-ncu  the block-scaled forward form against torch's block-wise kernel: every promotion
 #             variant at the three 8B shapes (exp_block_scaled.py), then ncu of our row-wise GEMM,
 #             the block-scaled op and torch's kernel at 16384 x 4096 x 14336 or BLOCK_NCU_SHAPE
@@ -124,7 +117,8 @@
 #             with each kernel's time (bench_fp8.py --profile), then the block-scaled forward form
 #             with the release late at the three 8B shapes and two more
 #   torchao   bench_fp8.py --fast-accum all with torchao's float8 training + compile in the same turns
-#             (carry [".dsl", ".wheels-ao"] from scripts/torchao_wheel.sh: no Liger, no xdist)
+#             (carry [".dsl", ".wheels-ao"] from scripts/torchao_wheel.sh: no Liger, no xdist;
+#             TORCHAO_VARIANTS a --variants regex, TORCHAO_SIDE --forward-side-sms counts)
 #   compile-times  bench_compile.py --rounds 2: the block-scaled kernels' first-call compile on
 #             this host's CPU (the FP8 issue's <= 2 s per kernel)
 #   block-k   block-built at N = 28672 with K = 2048, 4096 and 8192 (and 6144 x 8192): whether our
@@ -398,23 +392,19 @@ stage_fp8_raster() {
     step fp8-raster 300 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/fp8-raster-clocks.csv"
 }
 
-stage_cluster22() {
-    step cluster22-gemms 200 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/cluster22-clocks.csv"
-    step cluster22-tests 200 python3 -m pytest -q -rfE --tb=short -m gpu -n 6 tests/test_gemm_gpu.py -k c2x2
-    step cluster22-fwd 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 1 \
-        --cluster 2x2
-    step cluster22-dgrad 120 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --rounds 6 --configs 1 --cluster 2x2
-}
+# our row-wise fast variant as set, with its weights kept, and with the forward's side SMs varied
+FWD_VARIANTS='accum \(all\)($|, weights kept|, forward side)'
 
-stage_cluster22_shapes() {
-    step cluster22-shapes 400 python3 scripts/exp_swiglu_epilogues.py --fp8-row-fast --forward --rounds 6 --configs 1 \
-        --cluster 2x2 --shape 8192,4096,14336 --shape 32768,4096,14336 --shape 16384,8192,28672 \
-        --shape 16384,2048,8192 --shape 16384,3072,8192 --shape 16384,5120,13824
-}
-
-stage_block22() {
-    step block22-tests 150 python3 -m pytest -q -rfE --tb=short -m gpu -n 4 tests/test_block_scaled_gpu.py -k c1x2
-    step block22 200 python3 scripts/exp_block_scaled.py --clusters 1x2 1x1 --stages --rounds 8
+stage_forward_side() {
+    step forward-side-tests 200 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py \
+        tests/test_attention_fp8_gpu.py -k "beside or halves or row-wise"
+    # shellcheck disable=SC2086
+    step forward-side-8b 200 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --variants "$FWD_VARIANTS" \
+        --forward-side-sms ${FORWARD_SMS:-0 4 6 8 10} --json "$OUT/forward-side-8b.json"
+    step forward-side-1b 90 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --dim 2048 --ffn 8192 \
+        --variants "$FWD_VARIANTS" --forward-side-sms 0 6 --json "$OUT/forward-side-1b.json"
+    step forward-side-attn 90 python3 scripts/bench_fp8.py --sublayer attention --fast-accum all --rounds 8 \
+        --variants "$FWD_VARIANTS" --forward-side-sms 0 6 --json "$OUT/forward-side-attn.json"
 }
 
 stage_block_ncu() {
@@ -503,7 +493,9 @@ stage_release_more() {
 }
 
 stage_torchao() {
-    step torchao-mlp 540 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --json "$OUT/torchao-mlp.json"
+    # TORCHAO_VARIANTS: a --variants regex (our variants timed beside torchao's; default all)
+    step torchao-mlp 540 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --json "$OUT/torchao-mlp.json" \
+        ${TORCHAO_VARIANTS:+--variants "$TORCHAO_VARIANTS"} ${TORCHAO_SIDE:+--forward-side-sms $TORCHAO_SIDE}
 }
 
 stage_compile_times() {

@@ -73,3 +73,28 @@ def test_passes_beside_the_qkv_dgrad_leave_the_row_wise_sublayer_unchanged(monke
         for i, (a, got) in enumerate(zip(runs[0], runs[side])):
             assert torch.isfinite(got).all(), (side, i)
             assert torch.equal(a, got) or rel_err(got, a) < 1e-5, (side, i, rel_err(got, a))
+
+
+@pytest.mark.parametrize("s", [2048, 1000])
+def test_weights_beside_the_qkv_forward_leave_the_row_wise_sublayer_unchanged(monkeypatch, s):
+    """The weights' passes beside the QKV forward (``fp8_gemms.first_projection``: W_qkv's columns
+    and W_o on a side stream) against the weights quantized in series before it: every output of
+    the op, the quantized weights kept for the backward among them, matches (bit for bit where the
+    QKV pick on fewer SMs is the same tile), so the backward runs on the same operands. (Its
+    gradients are not compared: cuDNN's attention backward is nondeterministic, and FP8 moves its
+    last-bit differences by a whole FP8 step.)"""
+    from coda_cute.ops import attention_fp8
+
+    b, d, h, hkv, hd = 2, 1024, 16, 4, 64
+    x, w_qkv, w_o, pos = _case(monkeypatch, b, s, d, h, hkv, hd)
+    args = (x, embedding_norm_stats(x.reshape(b * s, d)), w_qkv, w_o, pos,
+            R.rope_inv_freq(hd, 10000.0).cuda(), 1e-5, h, hkv, hd)
+    runs = {}
+    for side in (0, 6, 24):
+        monkeypatch.setattr(attention_fp8, "SIDE_SMS_QKV_FORWARD", side)
+        runs[side] = [t.float() for t in torch.ops.coda.attention_block_fp8(*args, row_scaling=True,
+                                                                            fast_accum="all")]
+    for side in (6, 24):
+        for i, (a, got) in enumerate(zip(runs[0], runs[side])):
+            assert got.shape == a.shape and torch.isfinite(got).all(), (side, i)
+            assert torch.equal(a, got) or rel_err(got, a) < 1e-5, (side, i, rel_err(got, a))

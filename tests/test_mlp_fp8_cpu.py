@@ -381,6 +381,47 @@ def test_row_wise_weights_take_fp32_masters_through_bf16():
         assert torch.equal(g.view(torch.uint8), t.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-master"])
+def test_first_projection_quantizes_each_weight_as_weight_does(dtype):
+    """``fp8_gemms.first_projection`` in the row-wise recipe: its GEMM gets the first weight's rows
+    and their scales alone, and every weight it returns is ``weight``'s (the cache's) bit for bit,
+    though the first one's rows and columns come from two passes (on the reference path the
+    passes run after the GEMM, in series)."""
+    from coda_cute.ops.fp8_gemms import first_projection, weight
+
+    ws = {"w_a": torch.randn(96, 160, dtype=dtype), "w_b": torch.randn(160, 48, dtype=dtype)}
+    seen = []
+    with coda_cute.reference_on_cpu():
+        out, got = first_projection("op", lambda q, s, sms: seen.append((q, s, sms)) or "out", [None] * 6, False, True,
+                                    torch.device("cpu"), 6, **ws)
+        want = [weight(w, row=True) for w in ws.values()]
+    assert out == "out" and len(seen) == 1 and seen[0][2] is None
+    q, s, _ = seen[0]
+    assert torch.equal(q.view(torch.uint8), want[0][0].view(torch.uint8))
+    assert torch.equal(s, want[0][1][:96])
+    for g, t in zip(got, want):
+        for a, b in zip(g, t):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["reference", "cuda-branch"])
+def test_first_projection_checks_every_weight_before_its_gemm(device):
+    """A later weight that breaks a rule is refused before the first weight's quantization and its
+    GEMM launch (its own passes would run beside that GEMM), on the reference path and, on fake
+    CUDA tensors, before the CUDA branch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from coda_cute.ops.fp8_gemms import first_projection
+
+    calls = []
+    with coda_cute.reference_on_cpu() if device == "cpu" else FakeTensorMode():
+        ws = {"w_a": torch.zeros(96, 160, dtype=torch.bfloat16, device=device),
+              "w_b": torch.zeros(200, 48, dtype=torch.bfloat16, device=device)}
+        with pytest.raises(ValueError, match=r"coda\.quantize_fp8: N \(rows of the weight"):
+            first_projection("op", lambda *a: calls.append(a), [None] * 6, False, True, torch.device(device), 6, **ws)
+    assert not calls
+
+
 @RECIPES
 @pytest.mark.parametrize("fused", [False, True], ids=["separate-quantize", "fused-quantize"])
 def test_an_empty_batch_runs_forward_and_backward(row, fused, monkeypatch):

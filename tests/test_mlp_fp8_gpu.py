@@ -228,6 +228,43 @@ def test_passes_beside_the_dgrads_leave_the_row_wise_mlp_unchanged(m, monkeypatc
             assert torch.equal(a, b) or rel_err(b, a) < 1e-5, (side, name, rel_err(b, a))
 
 
+@pytest.mark.parametrize("m", [8192, 1000])
+def test_weights_beside_the_gate_up_forward_leave_the_row_wise_mlp_unchanged(m, monkeypatch):
+    """The weights' passes beside the gate/up forward (``fp8_gemms.first_projection``: W_gu's
+    columns and W_down on a side stream) against the weights quantized in series before it: the
+    same FP8 bytes and scales (W_gu's rows alone take the one-read kernel, whose amax and cast are
+    the two-pass kernel's), so the output and every gradient match (bit for bit where the gate/up
+    pick on fewer SMs is the same tile)."""
+    from coda_cute.ops import mlp_fp8
+
+    d, f = 1024, 2816
+    y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
+    runs = {}
+    for side in (0, 6, 24):
+        monkeypatch.setattr(mlp_fp8, "SIDE_SMS_GATE_UP_FORWARD", side)
+        runs[side] = _forward_backward(y, ss, w_gu, w_down, dy2, row_scaling=True, fast_accum="all")
+    for side in (6, 24):
+        for name, a, b in zip(OUTPUTS, runs[0], runs[side]):
+            assert torch.isfinite(b).all(), (side, name)
+            assert torch.equal(a, b) or rel_err(b, a) < 1e-5, (side, name, rel_err(b, a))
+
+
+def test_weights_quantized_by_halves_are_the_weights_quantized_at_once():
+    """W's rows by the one-read kernel and its columns alone (``first_projection``'s halves) are
+    the bytes and scales ``fp8_gemms.weight`` makes in one dual pass (the cache's), bit for bit."""
+    from coda_cute.ops.fp8_gemms import FP8, weight
+    from coda_cute.ops.quantize import quantize_rowwise_fp8
+
+    for n, k in ((2 * 2816, 1024), (1024, 2816), (208, 272)):
+        w = torch.randn(n, k, device="cuda").bfloat16() * 0.02
+        q, s, qt = weight(w, row=True)
+        q_rows, s_rows, _, _ = quantize_rowwise_fp8(w, FP8, cols=False)
+        _, _, qt_cols, s_cols = quantize_rowwise_fp8(w, FP8, rows=False)
+        assert torch.equal(q.view(torch.uint8), q_rows.view(torch.uint8)), (n, k)
+        assert torch.equal(qt.view(torch.uint8), qt_cols.view(torch.uint8)), (n, k)
+        assert torch.equal(s, torch.cat([s_rows, s_cols])), (n, k)
+
+
 @RECIPES
 def test_model_with_cached_fp8_weights_is_the_uncached_model(row):
     """CodaLlama(precision="fp8", cache_folds=True) on the GPU: the layers' quantized weights

@@ -42,9 +42,9 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .beside import beside
-from .fp8_gemms import (activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, transposable, wgrad,
-                        wgrad_prepared)
+from .fp8_gemms import (activation, check_fast_accum, check_fp8_widths, fast_for, first_projection, grad_format,
+                        grad_operands, kept_weights, project, quantized_weights, residual_stats_tiles, transposable,
+                        wgrad, wgrad_prepared)
 from .quantize import transpose_bytes
 from .qkv import norm_rope_qkv_tree, qkv_tree_inputs, rope_backward
 from .residual import residual_norm_stats_tree
@@ -64,6 +64,11 @@ OP = "coda.attention_block_fp8"
 #: 131.07 -> 131.25 back to back, peak memory the same (3.73 GiB). With the GEMM on the current
 #: stream (before the priority stream) 16 SMs gained in turns but not back to back.
 SIDE_SMS_QKV_DGRAD = 16
+#: SMs the row-wise recipe's QKV forward leaves to the weights' passes beside it (W_qkv's columns,
+#: W_o's rows and columns, where the op quantizes its weights: ``fp8_gemms.first_projection``; 0: in
+#: series before it). The weights are small next to the MLP's, so is the gain: one H100, 2026-12-07,
+#: the 8b sublayer (16384 tokens in sequences of 4096), fast accumulation, in turns, 8.669 -> 8.605 ms.
+SIDE_SMS_QKV_FORWARD = 6
 
 
 def check_attention_block_fp8(x, ss, w_qkv, w_o, positions, inv_freq, eps, n_heads, n_kv_heads,
@@ -114,13 +119,15 @@ def attention_block_fp8(x: torch.Tensor, ss: torch.Tensor, w_qkv: torch.Tensor, 
     x2 = x.view(b * s, d)
     given = [qkv_q, qkv_s, qkv_qt, o_q, o_s, o_qt]
     row, fast = row_scaling, fast_for(fast_accum, "forward")
-    (qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt) = quantized_weights(OP, given, pow2_scales, row, w_qkv=w_qkv, w_o=w_o)
     act = lambda t: activation(t, pow2_scales, row)  # noqa: E731
     qk_norm = q_norm_w is not None
     tree = norm_rope_qkv_tree((n_heads + n_kv_heads) * head_dim, head_dim, qk_norm, qk_norm)
     inputs = qkv_tree_inputs(x2, ss, eps, positions, inv_freq, n_heads, n_kv_heads, head_dim, q_norm_w,
                              k_norm_w, qk_eps)
-    out = project(OP, tree, *act(x2), qkv_q, qkv_s, inputs, row=row, fast=fast)
+    x_q, x_s = act(x2)
+    out, ((qkv_q, qkv_s, qkv_qt), (o_q, o_s, o_qt)) = first_projection(
+        OP, lambda q, s, sms: project(OP, tree, x_q, x_s, q, s, inputs, row=row, fast=fast, sms=sms), given,
+        pow2_scales, row, x.device, SIDE_SMS_QKV_FORWARD, w_qkv=w_qkv, w_o=w_o)
     qkv = out["qkv"]
     q, k, v = qkv_heads(qkv, b, n_heads, n_kv_heads, head_dim)
     o, lse = attention_forward(q, k, v)

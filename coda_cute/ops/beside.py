@@ -9,7 +9,8 @@ they get can issue them (about 90 GB/s per SM on an H100, estimated from their t
 come off the critical path (that GEMM with four passes of 0.80 ms: 3.06-3.11 ms on 116 SMs
 against 3.40-3.44 in series). It pays where their serial time is more than what the GEMM loses,
 and only for passes whose outputs no launch before the join reads (the FP8 MLP backward's
-weight-gradient operands: ``ops.mlp_fp8``).
+weight-gradient operands: ``ops.mlp_fp8``; the row-wise weights but the first GEMM's rows, beside
+that GEMM: ``ops.fp8_gemms.first_projection``).
 
 Streams: the side stream waits for the current one before the passes (they see every earlier
 launch), the current one waits for the side stream after (every later launch sees the passes).

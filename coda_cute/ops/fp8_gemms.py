@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from .. import epilogue as E
+from .beside import beside
 from .gemm import gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
@@ -91,19 +92,52 @@ def weight(w: torch.Tensor, pow2: bool = False, row: bool = False):
     one scale per row of W, qt with one per column, scales (N + K, 1) those two (fp32 masters
     rounded to bf16 first: 2^-9 relative, far inside FP8's 2^-4). The kernel on CUDA, the
     reference inside ``reference_on_cpu``."""
-    # the rules on every path, before the CUDA branch's launch, which checks nothing (N: the rows
-    # of qt, N values each, start on 16-byte boundaries)
-    check_quantize(w, "128x128", None, FP8, QUANTIZE_OP)
-    check_fp8_widths(QUANTIZE_OP, **{"N (rows of the weight, the row width of its FP8 transpose)": w.shape[0]})
+    check_weight(w)
     if row:
-        w16 = w if w.dtype in (torch.bfloat16, torch.float16) else w.to(torch.bfloat16)
-        q, s, qt, st = quantize_rowwise_fp8(w16, FP8, pow2_scales=pow2)
+        q, s, qt, st = quantize_rowwise_fp8(as_16_bits(w), FP8, pow2_scales=pow2)
         return q, torch.cat([s, st]), qt
     if w.device.type == "cuda":
         return quantize_weight(w, None, FP8, transposed=True, pow2=pow2)
     dispatch.require_reference("coda.quantize_fp8")
     q, s = quantize_fp8(w, "128x128", None, FP8, pow2)
     return q, s, q.t().contiguous()
+
+
+def check_weight(w: torch.Tensor) -> None:
+    """The rules on every path, before any launch (the CUDA branches check nothing; N: the rows of
+    qt, N values each, start on 16-byte boundaries)."""
+    check_quantize(w, "128x128", None, FP8, QUANTIZE_OP)
+    check_fp8_widths(QUANTIZE_OP, **{"N (rows of the weight, the row width of its FP8 transpose)": w.shape[0]})
+
+
+def as_16_bits(w: torch.Tensor) -> torch.Tensor:
+    """W as the row-wise quantizer reads it: fp32 masters rounded to bf16 first (2^-9 relative, far
+    inside FP8's 2^-4)."""
+    return w if w.dtype in (torch.bfloat16, torch.float16) else w.to(torch.bfloat16)
+
+
+def first_projection(op: str, gemm: Callable, given: list, pow2: bool, row: bool, device: torch.device,
+                     side_sms: int, **ws) -> tuple:
+    """(``gemm``'s output, [(q, scales, qt) of each named weight, as :func:`quantized_weights`]): a
+    sublayer's first projection ``gemm(q, scales, sms)`` on the first weight, with every weight
+    quantized. In the row-wise recipe, where the op quantizes its weights itself, only the first
+    weight's rows come before that GEMM (one read: a row's amax and its cast in one CTA); its
+    columns (the dgrad's transpose) and the later weights are read by passes beside it on
+    ``side_sms`` SMs (``ops.beside``), since no launch before the join reads them. In series
+    those passes read each weight twice (the amaxes, then the casts) ahead of the first GEMM."""
+    if not row or any(t is not None for t in given):
+        weights = quantized_weights(op, given, pow2, row, **ws)
+        return gemm(*weights[0][:2], None), weights
+    first, *later = ws.values()
+    for w in ws.values():
+        check_weight(w)
+    w16 = as_16_bits(first)
+    q, s, _, _ = quantize_rowwise_fp8(w16, FP8, cols=False, pow2_scales=pow2)
+
+    def passes():
+        _, _, qt, st = quantize_rowwise_fp8(w16, FP8, rows=False, pow2_scales=pow2)
+        return [(q, torch.cat([s, st]), qt)] + [weight(w, pow2, row) for w in later]
+    return beside(lambda sms: gemm(q, s, sms), passes, device, side_sms)
 
 
 def quantized_weights(op: str, given: list, pow2: bool, row: bool = False, **ws) -> list:

@@ -61,7 +61,9 @@ transposes, y's and dy2's folded columns) run on a side stream beside the down d
 gate/up dgrad, which leave them ``SIDE_SMS_DOWN_DGRAD`` and ``SIDE_SMS_GATE_UP_DGRAD`` SMs
 (``ops.beside``).
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
-quantized once per forward (or given by the caller) and kept for the backward. Without
+quantized once per forward (or given by the caller) and kept for the backward; in the row-wise
+recipe only W_gu's rows come before the gate/up GEMM, and W_gu's columns and W_down are quantized
+beside it on ``SIDE_SMS_GATE_UP_FORWARD`` SMs (``fp8_gemms.first_projection``). Without
 ``FUSED_QUANT`` the quantizations are bandwidth-bound passes of their own (``coda.quantize_fp8``,
 ``coda.quantize_fp8_dual``); y, h along K and dy2 stay so with it. Numerics: the dequantized
 operands' products summed in fp32, so the error against an fp32 reference is FP8's rounding of each operand
@@ -82,9 +84,9 @@ from .autocast import bf16_under_autocast
 from .checks import F32
 from .eager import direct
 from .beside import beside
-from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fast_for, grad_format, grad_operands,
-                        kept_weights, project, quantized_weights, residual_stats_tiles, transposable, wgrad,
-                        wgrad_kept_prepared, wgrad_prepared)
+from .fp8_gemms import (FP8, activation, check_fast_accum, check_fp8_widths, fast_for, first_projection, grad_format,
+                        grad_operands, kept_weights, project, quantized_weights, residual_stats_tiles, transposable,
+                        wgrad, wgrad_kept_prepared, wgrad_prepared)
 from .gemm_blockwise import gemm_blockwise
 from .mlp import check_mlp
 from .quantize import quantize_dual_fp8, quantize_grad_rowwise_fp8, transpose_bytes
@@ -99,6 +101,13 @@ FUSED_QUANT = False
 #: that run beside them (``ops.beside``; 0: the passes in series)
 SIDE_SMS_DOWN_DGRAD = 8
 SIDE_SMS_GATE_UP_DGRAD = 10
+#: SMs the row-wise recipe's gate/up forward leaves to the weights' passes beside it (W_gu's
+#: columns, W_down's rows and columns, where the op quantizes its weights: ``fp8_gemms.first_projection``;
+#: 0: in series before it). One H100 80GB HBM3, 2026-12-07, d 4096, ffn 14336, 16384 tokens, fast
+#: accumulation, in turns, ms, in series -> 6 SMs: 16.128 -> 15.537 (4 / 8 / 10 SMs 15.542 / 15.666 /
+#: 15.509), 15.166 -> 14.932, 15.251 -> 15.088, 15.530 -> 15.059; at 1b (d 2048, ffn 8192, not a shape it
+#: was picked on) 5.349 -> 5.287.
+SIDE_SMS_GATE_UP_FORWARD = 6
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,12 +166,13 @@ def mlp_block_fp8(y: torch.Tensor, ss: torch.Tensor, w_gu: torch.Tensor, w_down:
     check_mlp_fp8(y, ss, w_gu, w_down, eps, fast_accum, row_scaling)
     given = [gu_q, gu_s, gu_qt, down_q, down_s, down_qt]
     row, fast = row_scaling, fast_for(fast_accum, "forward")
-    (gu_q, gu_s, gu_qt), (down_q, down_s, down_qt) = quantized_weights(OP, given, pow2_scales, row,
-                                                                         w_gu=w_gu, w_down=w_down)
     fused = _fused(y, row)
     tree = norm_swiglu_fp8_tree(pow2_scales) if fused else norm_swiglu_tree()
-    out = project(OP, tree, *activation(y, pow2_scales, row), gu_q, gu_s, norm_inputs(y.shape[1], ss, eps), row=row,
-                  fast=fast)
+    y_q, y_s = activation(y, pow2_scales, row)
+    inputs = norm_inputs(y.shape[1], ss, eps)
+    out, ((gu_q, gu_s, gu_qt), (down_q, down_s, down_qt)) = first_projection(
+        OP, lambda q, s, sms: project(OP, tree, y_q, y_s, q, s, inputs, row=row, fast=fast, sms=sms), given,
+        pow2_scales, row, y.device, SIDE_SMS_GATE_UP_FORWARD, w_gu=w_gu, w_down=w_down)
     if row:  # h's rows with their fold factors, kept for the down-proj weight gradient
         h_q, h_s, _, h_fold = quantize_grad_rowwise_fp8(out["h"], FP8, pow2_scales, transposed=False)
         h_t = (h_q, h_fold)
