@@ -23,6 +23,10 @@ priority (``beside.GEMM_PRIORITY`` 0), and ``..., 2x2 clusters``: its ping-pong 
 clusters where they build without spills
 (``runner.FP8_PINGPONG_2X2``, an experiment switch); ``--poll`` adds ``..., polling``: its GEMMs'
 mainloops polling their stage barriers instead of sleeping between polls (``runner.POLL_FULL``).
+``--forward-side-sms N ...`` adds the row-wise fast variant whose first projection leaves N SMs
+to the weights' passes beside it (0: in series), ``--switch NAME=VALUE ...`` one with the integer
+switch ``mlp_fp8.NAME`` set, and ``--variants REGEX`` times only the variants it matches (and the
+shadows).
 
 Shapes: d 4096, ffn 14336, 16384 tokens by default (Llama-3-8B's MLP). The shadow is the six GEMMs
 of one forward + backward (gate/up, down; the two dgrads and the two wgrads) as FP8 row-wise
@@ -387,12 +391,18 @@ def forward_side_label(fast_accum: str, sms: int) -> str:
     return fast_label(fast_accum)[1] + f", forward side SMs {sms}"
 
 
+def switch_label(fast_accum: str, name: str, value: int) -> str:
+    """The row-wise fast variant with ``mlp_fp8.<name>`` set to ``value`` (``--switch``)."""
+    return fast_label(fast_accum)[1] + f", {name}={value}"
+
+
 def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", poll: bool = False,
-            side_sms=(), forward_side=()) -> dict:
+            side_sms=(), forward_side=(), switches=()) -> dict:
     """{label: step} of the MLP sublayer: the shadow, our variants, torchao's; with ``fast_accum``
     also the row-wise recipe with it and its shadow, with ``poll`` that recipe polling, for
-    each (down, gate/up) of ``side_sms`` that recipe with those side SMs beside its dgrads, and
-    for each count of ``forward_side`` with those beside its gate/up forward."""
+    each (down, gate/up) of ``side_sms`` that recipe with those side SMs beside its dgrads, for
+    each count of ``forward_side`` with those beside its gate/up forward, and for each (name,
+    value) of ``switches`` with ``mlp_fp8.<name>`` set to that value."""
     y, w_gu, w_down, dy2 = mlp_case(m, d, f)
     ss = None if baselines_only else embedding_norm_stats(y)
     fns = {SHADOW: shadow_step(mlp_gemms(m, d, f))}
@@ -429,6 +439,9 @@ def mlp_fns(m, d, f, baselines_only: bool, console, fast_accum: str = "none", po
                 fns[forward_side_label(fast_accum, sms)] = with_switch(
                     coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "SIDE_SMS_GATE_UP_FORWARD",
                     sms)
+            for name, value in switches:
+                fns[switch_label(fast_accum, name, value)] = with_switch(
+                    coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), name, value)
             if poll:
                 fns[poll_label(fast_accum)] = with_switch(
                     coda_step(row_op, y, ss, w_gu, w_down, dy2, EPS, fast_accum=fast_accum), "POLL_FULL", True, runner)
@@ -553,11 +566,21 @@ def main(argv=None) -> int:
     p.add_argument("--forward-side-sms", nargs="+", type=int, default=[], metavar="SMS",
                    help="with --fast-accum: also the row-wise fast variant whose first projection (gate/up, QKV) "
                         "leaves these SMs to the weights' passes beside it (0: in series before it)")
+    p.add_argument("--switch", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="with --fast-accum: also the row-wise fast MLP with the integer switch mlp_fp8.NAME set "
+                        "to VALUE (e.g. SIDE_SMS_DOWN_WGRAD=0), one variant each")
     p.add_argument("--variants", metavar="REGEX",
                    help="time only the variants whose label matches REGEX (the shadows always)")
     args = p.parse_args(argv)
     if any(v < 0 for v in args.forward_side_sms):
         p.error(f"--forward-side-sms takes SM counts >= 0, got {args.forward_side_sms}")
+    from coda_cute.ops import mlp_fp8
+
+    switches = [tuple(item.split("=", 1)) for item in args.switch]
+    if any(len(sw) != 2 or not isinstance(getattr(mlp_fp8, sw[0], None), int) or not sw[1].lstrip("-").isdigit()
+           for sw in switches):
+        p.error(f"--switch takes NAME=VALUE with NAME an integer switch of mlp_fp8, got {args.switch}")
+    switches = [(name, int(value)) for name, value in switches]
     side_sms = [tuple(int(v) for v in pair.split(",")) for pair in args.side_sms]
     if any(len(pair) != 2 or min(pair) < 0 for pair in side_sms):
         p.error(f"--side-sms takes pairs DOWN,GATE_UP of SM counts >= 0, got {args.side_sms}")
@@ -566,7 +589,8 @@ def main(argv=None) -> int:
         console.print("[red]bench_fp8 needs a CUDA GPU[/]")
         return 2
     m, d, f = args.tokens, args.dim, args.ffn
-    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll, side_sms, args.forward_side_sms) \
+    fns = mlp_fns(m, d, f, args.baselines_only, console, args.fast_accum, args.poll, side_sms, args.forward_side_sms,
+                  switches) \
         if args.sublayer == "mlp" else \
         attention_fns(m, d, args.heads, args.kv_heads, args.head_dim, args.seq, args.baselines_only, args.fast_accum,
                       args.forward_side_sms)
@@ -606,7 +630,8 @@ def main(argv=None) -> int:
     for ours in (fast_ours, kept_label(args.fast_accum), current_stream_label(args.fast_accum),
                  cluster_label(args.fast_accum), poll_label(args.fast_accum),
                  *(side_label(args.fast_accum, *pair) for pair in side_sms),
-                 *(forward_side_label(args.fast_accum, sms) for sms in args.forward_side_sms)):
+                 *(forward_side_label(args.fast_accum, sms) for sms in args.forward_side_sms),
+                 *(switch_label(args.fast_accum, *sw) for sw in switches)):
         if fast_shadow in ms and ours in ms:
             console.print(f"{ours}: {ms[ours] / ms[fast_shadow]:.3f}x its shadow with the same fast "
                           f"accumulation ({ms[fast_shadow]:.3f} ms), {ms[ours] / shadow:.3f}x the row-wise one")

@@ -72,14 +72,13 @@
 #             sublayer's promoted recipes with and without it, in turns)
 #   sinks     the epilogue quantize sinks' GPU tests and the FP8 MLP's with FUSED_QUANT, then
 #             bench_fp8.py --profile (the block recipe with and without its quantization fused)
-#   fp8-raster  exp_large_gemms.py --fp8: the row-wise FP8 MLP's six GEMMs (plain, fast
-#             accumulation) against _scaled_mm fast with the pick's raster band and cluster
-#             varied and with 64-column ping-pong epilogue sub-tiles, clocks and power sampled
-#             (on the H100 the short-K wide-output ones lose)
 #   card-gemms  the 8b step's bf16 GEMMs on the card this call got (the dispatcher's rates are the
 #             H200's; on an H100 the step ran 1.164x its shadow): each launch fused, plain and on
 #             cuBLAS with its joules (bench_step_gemms.py --energy), then every candidate tile on
 #             the step's plain shapes, in turns and at the cap (exp_energy_tiles.py; --fit on its JSON)
+#   wgrad-side  dz''s rows beside the down weight gradient (mlp_fp8.SIDE_SMS_DOWN_WGRAD, off): the
+#             FP8 MLP's beside tests, then bench_fp8.py --fast-accum all with it at 8 / 16 / 24 SMs
+#             next to the default (in series) and torchao where carried (.wheels-ao), at 8b, then 1b
 #   forward-side  the weights' passes beside the first projection (fp8_gemms.first_projection): the
 #             row-wise GPU tests of the MLP and attention (-k "beside or halves or row-wise"), then
 #             bench_fp8.py --fast-accum all with FORWARD_SMS side SMs (default 0 4 6 8 10; 0: in
@@ -388,8 +387,13 @@ stage_sinks() {
     step sinks-bench 280 python3 scripts/bench_fp8.py --rounds 8 --profile --json "$OUT/sinks.json"
 }
 
-stage_fp8_raster() {
-    step fp8-raster 300 python3 scripts/exp_large_gemms.py --fp8 --rounds 5 --log "$OUT/fp8-raster-clocks.csv"
+stage_wgrad_side() {
+    step wgrad-side-tests 150 python3 -m pytest -q -m gpu -n "$(workers 6)" tests/test_mlp_fp8_gpu.py -k beside
+    step wgrad-side-8b 240 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 \
+        --variants "$FWD_VARIANTS|WGRAD|torchao" --json "$OUT/wgrad-side-8b.json" \
+        --switch SIDE_SMS_DOWN_WGRAD=8 SIDE_SMS_DOWN_WGRAD=16 SIDE_SMS_DOWN_WGRAD=24
+    step wgrad-side-1b 90 python3 scripts/bench_fp8.py --fast-accum all --rounds 8 --dim 2048 --ffn 8192 \
+        --variants "$FWD_VARIANTS|WGRAD" --switch SIDE_SMS_DOWN_WGRAD=16 --json "$OUT/wgrad-side-1b.json"
 }
 
 # our row-wise fast variant as set, with its weights kept, and with the forward's side SMs varied

@@ -208,22 +208,23 @@ def test_tail_carry_leaves_the_block_mlp_bit_identical(m, monkeypatch):
 
 @pytest.mark.parametrize("m", [8192, 1000])  # 1000: no FP8 transposes, the bf16 weight gradients
 def test_passes_beside_the_dgrads_leave_the_row_wise_mlp_unchanged(m, monkeypatch):
-    """The weight gradients' passes on a side stream beside the two dgrads (``ops.beside``, the
-    default) against the same passes in series: the fork and the join order every read after its
-    write, so the output and every gradient match. The dgrads then run on fewer SMs, where the
-    heuristic may pick other tiles: the same products in the same k order, whose per-tile row
-    partials (the norm statistics) may group differently; bit for bit where the picks agree."""
+    """The weight gradients' passes on a side stream beside the two dgrads, and dz''s rows beside
+    the down weight gradient (``ops.beside``, the default), against the same passes in series: the
+    fork and the join order every read after its write, so the output and every gradient match.
+    The GEMMs then run on fewer SMs, where the heuristic may pick other tiles: the same products in
+    the same k order, whose per-tile row partials (the norm statistics) may group differently; bit
+    for bit where the picks agree."""
     from coda_cute.ops import mlp_fp8
 
     d, f = 1024, 2816
     y, ss, w_gu, w_down, dy2 = _inputs(m, d, f)
     runs = {}
-    for side in ((0, 0), (8, 10), (24, 24)):
-        monkeypatch.setattr(mlp_fp8, "SIDE_SMS_DOWN_DGRAD", side[0])
-        monkeypatch.setattr(mlp_fp8, "SIDE_SMS_GATE_UP_DGRAD", side[1])
+    for side in ((0, 0, 0), (8, 10, 16), (24, 24, 24)):
+        for name, sms in zip(("SIDE_SMS_DOWN_DGRAD", "SIDE_SMS_GATE_UP_DGRAD", "SIDE_SMS_DOWN_WGRAD"), side):
+            monkeypatch.setattr(mlp_fp8, name, sms)
         runs[side] = _forward_backward(y, ss, w_gu, w_down, dy2, row_scaling=True, fast_accum="all")
-    for side in ((8, 10), (24, 24)):
-        for name, a, b in zip(OUTPUTS, runs[(0, 0)], runs[side]):
+    for side in ((8, 10, 16), (24, 24, 24)):
+        for name, a, b in zip(OUTPUTS, runs[(0, 0, 0)], runs[side]):
             assert torch.isfinite(b).all(), (side, name)
             assert torch.equal(a, b) or rel_err(b, a) < 1e-5, (side, name, rel_err(b, a))
 

@@ -43,7 +43,7 @@ import torch
 
 from .. import epilogue as E
 from .beside import beside
-from .gemm import gemm_op
+from .gemm import gemm_impl, gemm_op
 from .gemm_blockwise import gemm_blockwise
 from .. import dispatch
 from ..elementwise_fp8 import quantize_weight
@@ -256,22 +256,32 @@ def wgrad(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, r
     return wgrad_prepared(dy, dyt_q, dyt_s, x, pow2, row, fast)()
 
 
+def _row_gemm(a, b, scale_a, scale_b, out_dtype, fast: bool) -> Callable:
+    """A function ``f(sms=None)`` of the row-wise FP8 GEMM ``a @ b`` (``coda.gemm``; with ``sms``
+    on that many SMs, beside passes on another stream: ``ops.beside``)."""
+    def gemm(sms=None):
+        if sms is None:
+            return gemm_op(a, b, scale_a, scale_b, out_dtype, fast)
+        return gemm_impl(a, b, scale_a, scale_b, out_dtype, fast, sms=sms)
+    return gemm
+
+
 def wgrad_prepared(dy: torch.Tensor, dyt_q, dyt_s, x: torch.Tensor, pow2: bool = False, row: bool = False,
-                   fast: bool = False) -> Callable[[], torch.Tensor]:
-    """:func:`wgrad` in two halves: x's quantization now, and a function that runs the GEMM (a
-    caller runs the memory-bound half beside another GEMM: ``ops.beside``). With ``dyt_q`` given,
-    dy's bytes are not read (dy may be a meta tensor of its shape and dtype) nor held by the
-    function."""
+                   fast: bool = False) -> Callable:
+    """:func:`wgrad` in two halves: x's quantization now, and a function ``f(sms=None)`` that runs
+    the GEMM (a caller runs the memory-bound half beside another GEMM, or passes beside this one on
+    all SMs but ``sms`` where the row-wise GEMM runs: ``ops.beside``). With ``dyt_q`` given, dy's
+    bytes are not read (dy may be a meta tensor of its shape and dtype) nor held by the function."""
     if dy.shape[0] == 0:
-        return lambda: dy.new_zeros((dy.shape[1], x.shape[1]))
+        return lambda sms=None: dy.new_zeros((dy.shape[1], x.shape[1]))
     if dyt_q is None:
-        return lambda: gemm_op(dy.t(), x)
+        return lambda sms=None: gemm_op(dy.t(), x)
     dtype = dy.dtype
     if row:
         _, _, xt_q, xt_s = quantize_rowwise_fp8(x, FP8, rows=False, pow2_scales=pow2, fold=dyt_s)
-        return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dtype, fast)
+        return _row_gemm(dyt_q, xt_q.t(), dyt_s.new_ones(1), xt_s[:, 0], dtype, fast)
     _, _, xt_q, xt_s = quantize_dual_fp8(x, FP8, rows=False, pow2_scales=pow2)
-    return lambda: gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dtype, "1x128")
+    return lambda sms=None: gemm_blockwise(dyt_q, dyt_s, xt_q, xt_s, dtype, "1x128")
 
 
 def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
@@ -295,13 +305,13 @@ def wgrad_kept(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_d
 
 
 def wgrad_kept_prepared(dy: torch.Tensor, x_q: torch.Tensor, x_fold: torch.Tensor, grad_dtype, pow2: bool = False,
-                        fast: bool = False) -> Callable[[], torch.Tensor]:
+                        fast: bool = False) -> Callable:
     """:func:`wgrad_kept` in two halves: dy's column quantization and x's FP8 transpose now, and a
-    function that runs the GEMM (:func:`wgrad_prepared`)."""
+    function ``f(sms=None)`` that runs the GEMM (:func:`wgrad_prepared`)."""
     if dy.shape[0] == 0:
-        return lambda: dy.new_zeros((dy.shape[1], x_q.shape[1]))
+        return lambda sms=None: dy.new_zeros((dy.shape[1], x_q.shape[1]))
     if dy.shape[0] % 16:
-        return lambda: gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
+        return lambda sms=None: gemm_op(dy.t(), (x_q.float() * x_fold[:, None]).to(dy.dtype))
     _, _, dyt_q, dyt_s = quantize_rowwise_fp8(dy, grad_dtype, rows=False, pow2_scales=pow2, fold=x_fold)
     xt_q = transpose_bytes(x_q)
-    return lambda: gemm_op(dyt_q, xt_q.t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)
+    return _row_gemm(dyt_q, xt_q.t(), dyt_s[:, 0], dyt_s.new_ones(1), dy.dtype, fast)

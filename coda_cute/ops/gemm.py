@@ -141,10 +141,11 @@ def _meta(t):
 
 def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False,
               config: Optional[GemmConfig] = None, out: Optional[torch.Tensor] = None,
-              split_k: int = 1):
+              split_k: int = 1, sms: Optional[int] = None):
     """The op's CUDA implementation: :func:`gemm_tree` on the epilogue-tree runner. ``config``
     overrides the heuristic (benchmarks, tuner); ``out`` is a preallocated contiguous result
-    (tests poison it to catch unwritten tiles); ``split_k`` > 1 splits K (:func:`split_k_gemm`)."""
+    (tests poison it to catch unwritten tiles); ``split_k`` > 1 splits K (:func:`split_k_gemm`);
+    ``sms``: the SMs its persistent grid may hold (``ops.beside``; not with ``split_k``)."""
     check_fast_accum(a, use_fast_accum)  # the prepared key does not hold it
     key = (_meta(a), _meta(b), _meta(scale_a), _meta(scale_b), out_dtype)
     prep = _prepared.get(key)
@@ -166,7 +167,7 @@ def gemm_impl(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=F
     if scale_a is not None:
         inputs = {"scale_a": _as_vector(scale_a, batch), "scale_b": _as_vector(scale_b, batch)}
     return run(tree, a, b, inputs, config=config, use_fast_accum=use_fast_accum,
-               outputs=None if out is None else {"out": out}, op="coda.gemm")["out"]
+               outputs=None if out is None else {"out": out}, op="coda.gemm", sms=sms)["out"]
 
 
 def check_split_k(a, b, split_k: int, config: Optional[GemmConfig]):

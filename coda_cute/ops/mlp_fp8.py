@@ -59,7 +59,8 @@ element kept from forward to backward). The narrow y and dy2 take the amax pass 
 quantizer: two reads. The four passes only the weight gradients read (h's and dz''s FP8
 transposes, y's and dy2's folded columns) run on a side stream beside the down dgrad and the
 gate/up dgrad, which leave them ``SIDE_SMS_DOWN_DGRAD`` and ``SIDE_SMS_GATE_UP_DGRAD`` SMs
-(``ops.beside``).
+(``ops.beside``); with ``SIDE_SMS_DOWN_WGRAD`` (an experiment, off) dz''s row quantization, which
+the gate/up dgrad reads, runs beside the down weight gradient.
 The gradients are quantized to E4M3 (``e5m2_grads``: E5M2, for range). The weights are
 quantized once per forward (or given by the caller) and kept for the backward; in the row-wise
 recipe only W_gu's rows come before the gate/up GEMM, and W_gu's columns and W_down are quantized
@@ -101,6 +102,11 @@ FUSED_QUANT = False
 #: that run beside them (``ops.beside``; 0: the passes in series)
 SIDE_SMS_DOWN_DGRAD = 8
 SIDE_SMS_GATE_UP_DGRAD = 10
+#: SMs the row-wise recipe's down weight gradient leaves to dz''s row quantization beside it (0: the
+#: rows in series before it, dz' in bf16 dropped first). An experiment switch, off: built and tested
+#: on the CPU (2026-12-07), not yet timed or tested on a GPU (``gpu_session.sh wgrad-side``). Beside,
+#: dz' in bf16 (M x 2f x 2 bytes) lives through the down weight gradient.
+SIDE_SMS_DOWN_WGRAD = 0
 #: SMs the row-wise recipe's gate/up forward leaves to the weights' passes beside it (W_gu's
 #: columns, W_down's rows and columns, where the op quantizes its weights: ``fp8_gemms.first_projection``;
 #: 0: in series before it). One H100 80GB HBM3, 2026-12-07, d 4096, ffn 14336, 16384 tokens, fast
@@ -255,10 +261,10 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
     """The row-wise recipe's backward (:func:`mlp_fp8_backward`'s arguments): the passes only the
     weight gradients read run beside the two dgrads (``ops.beside``), h's transpose and dy2's
     folded columns beside the down dgrad, dz''s transpose and y's folded columns beside the
-    gate/up dgrad; each weight gradient as soon as its operands are joined. The order keeps the
-    live bytes down: dz' in bf16 (M x 2f x 2 bytes, the largest tensor of the step) is gone once
-    its FP8 rows are, the down weight gradient's operands before the gate/up dgrad, dz''s FP8 rows
-    after it."""
+    gate/up dgrad; each weight gradient as soon as its operands are joined (the down one, with
+    ``SIDE_SMS_DOWN_WGRAD``, beside dz''s row quantization). The order keeps the live bytes
+    down: dz' in bf16 (M x 2f x 2 bytes, the largest tensor of the step) is gone once its FP8 rows
+    are, the down weight gradient's operands before the gate/up dgrad, dz''s FP8 rows after it."""
     fast_d, fast_w = fast_for(fast_accum, "dgrad"), fast_for(fast_accum, "wgrad")
     d = y.shape[1]
     dev = y.device
@@ -274,12 +280,21 @@ def _row_backward(y, ss, w_gu_qt, w_gu_s, w_down_qt, w_down_s, eps, z, dy2, grad
 
     bwd, dw_down = beside(down_dgrad, down_operands, dev, SIDE_SMS_DOWN_DGRAD)
     zdz, dzp = bwd["zdz"], bwd.pop("dz")
-    dz_q, dz_s, _, dz_fold = grad_operands(dzp, grad_dtype, pow2, True, wgrad_form=False)
+
+    def dz_rows():
+        return grad_operands(dzp, grad_dtype, pow2, True, wgrad_form=False)
+
+    wgrad_beside = dw_down is not None and SIDE_SMS_DOWN_WGRAD > 0
+    if wgrad_beside:  # dz''s rows, which the gate/up dgrad reads, beside the down weight gradient
+        dw_down, (dz_q, dz_s, _, dz_fold) = beside(dw_down, dz_rows, dev, SIDE_SMS_DOWN_WGRAD)
+    else:
+        dz_q, dz_s, _, dz_fold = dz_rows()
     # dz' in bf16 is read again only by a weight gradient that has no FP8 transpose of it;
     # elsewhere its shape and dtype (a meta tensor) are all that goes on
     dz_like = dzp if not transposable(dzp) or not dzp.numel() else torch.empty_like(dzp, device="meta")
     del dzp
-    dw_down = dw_down() if dw_down else None
+    if not wgrad_beside:  # in series, after dz' in bf16 is gone
+        dw_down = dw_down() if dw_down else None
 
     def gate_up_dgrad(sms):
         return project(OP, norm_backward_tree(True), dz_q, dz_s, w_gu_qt, w_gu_s,
