@@ -404,6 +404,27 @@ def test_first_projection_quantizes_each_weight_as_weight_does(dtype):
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("m", [96, 40])  # 40: no FP8 transposes, the bf16 weight gradients
+def test_every_side_stream_switch_keeps_the_row_wise_gradients(m, monkeypatch):
+    """The row-wise op with each of its passes-beside switches on (the weights beside the gate/up
+    forward, the weight gradients' passes beside the dgrads, dz''s rows beside the down weight
+    gradient) and all off: on the reference path ``ops.beside`` runs GEMM then passes in series, so
+    the two orders of each branch give the same output and gradients bit for bit."""
+    from coda_cute.ops import mlp_fp8
+
+    y, ss, w_gu, w_down, dy2 = _inputs(m, 256, 384, 5)
+    names = ("SIDE_SMS_GATE_UP_FORWARD", "SIDE_SMS_DOWN_DGRAD", "SIDE_SMS_GATE_UP_DGRAD", "SIDE_SMS_DOWN_WGRAD")
+    runs = []
+    for sms in (0, 16):
+        for name in names:
+            monkeypatch.setattr(mlp_fp8, name, sms)
+        out, grads = _grads(torch.ops.coda.mlp_block_fp8, y, ss, w_gu, w_down, dy2, row_scaling=True,
+                            fast_accum="all")
+        runs.append([out, *grads])
+    for name, a, b in zip(("y2", "dy", "dw_gu", "dw_down"), *runs):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["reference", "cuda-branch"])
 def test_first_projection_checks_every_weight_before_its_gemm(device):
     """A later weight that breaks a rule is refused before the first weight's quantization and its
