@@ -387,7 +387,7 @@ def side_label(fast_accum: str, down: int, gate_up: int) -> str:
 def forward_side_label(fast_accum: str, sms: int) -> str:
     """The row-wise fast variant whose first projection (the MLP's gate/up, attention's QKV) leaves
     ``sms`` SMs to the weights' passes (``mlp_fp8.SIDE_SMS_GATE_UP_FORWARD``,
-    ``attention_fp8.SIDE_SMS_QKV_FORWARD``; 0: the weights quantized in series before it)."""
+    ``attention_fp8.SIDE_SMS_QKV_FORWARD``; 0: those passes in series, after it)."""
     return fast_label(fast_accum)[1] + f", forward side SMs {sms}"
 
 
@@ -565,7 +565,7 @@ def main(argv=None) -> int:
                         "these SMs to the weight gradients' passes beside them (mlp_fp8.SIDE_SMS_*; 0,0: in series)")
     p.add_argument("--forward-side-sms", nargs="+", type=int, default=[], metavar="SMS",
                    help="with --fast-accum: also the row-wise fast variant whose first projection (gate/up, QKV) "
-                        "leaves these SMs to the weights' passes beside it (0: in series before it)")
+                        "leaves these SMs to the weights' passes beside it (0: in series, after it)")
     p.add_argument("--switch", nargs="+", default=[], metavar="NAME=VALUE",
                    help="with --fast-accum: also the row-wise fast MLP with the integer switch mlp_fp8.NAME set "
                         "to VALUE (e.g. SIDE_SMS_DOWN_WGRAD=0), one variant each")

@@ -66,7 +66,7 @@ OP = "coda.attention_block_fp8"
 SIDE_SMS_QKV_DGRAD = 16
 #: SMs the row-wise recipe's QKV forward leaves to the weights' passes beside it (W_qkv's columns,
 #: W_o's rows and columns, where the op quantizes its weights: ``fp8_gemms.first_projection``; 0: in
-#: series before it). The weights are small next to the MLP's, so is the gain: one H100, 2026-12-07,
+#: series, after it). The weights are small next to the MLP's, so is the gain: one H100, 2026-12-07,
 #: the 8b sublayer (16384 tokens in sequences of 4096), fast accumulation, in turns, 8.669 -> 8.605 ms.
 SIDE_SMS_QKV_FORWARD = 6
 

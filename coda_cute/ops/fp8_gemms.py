@@ -123,8 +123,8 @@ def first_projection(op: str, gemm: Callable, given: list, pow2: bool, row: bool
     quantized. In the row-wise recipe, where the op quantizes its weights itself, only the first
     weight's rows come before that GEMM (one read: a row's amax and its cast in one CTA); its
     columns (the dgrad's transpose) and the later weights are read by passes beside it on
-    ``side_sms`` SMs (``ops.beside``), since no launch before the join reads them. In series
-    those passes read each weight twice (the amaxes, then the casts) ahead of the first GEMM."""
+    ``side_sms`` SMs (``ops.beside``), since no launch before the join reads them; with 0 (or off
+    CUDA) they run in series after it. Every weight is checked before the first launch."""
     if not row or any(t is not None for t in given):
         weights = quantized_weights(op, given, pow2, row, **ws)
         return gemm(*weights[0][:2], None), weights

@@ -109,7 +109,7 @@ SIDE_SMS_GATE_UP_DGRAD = 10
 SIDE_SMS_DOWN_WGRAD = 0
 #: SMs the row-wise recipe's gate/up forward leaves to the weights' passes beside it (W_gu's
 #: columns, W_down's rows and columns, where the op quantizes its weights: ``fp8_gemms.first_projection``;
-#: 0: in series before it). One H100 80GB HBM3, 2026-12-07, d 4096, ffn 14336, 16384 tokens, fast
+#: 0: in series, after it). One H100 80GB HBM3, 2026-12-07, d 4096, ffn 14336, 16384 tokens, fast
 #: accumulation, in turns, ms, in series -> 6 SMs: 16.128 -> 15.537 (4 / 8 / 10 SMs 15.542 / 15.666 /
 #: 15.509), 15.166 -> 14.932, 15.251 -> 15.088, 15.530 -> 15.059; at 1b (d 2048, ffn 8192, not a shape it
 #: was picked on) 5.349 -> 5.287.
