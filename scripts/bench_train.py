@@ -92,12 +92,12 @@ accumulation); errors (what
 failed, why); env.
 
 Running it on the GPU machine (torch >= 2.11 with CUDA, triton, transformers, coda_cute importable):
-Liger-Kernel 0.8.x is a pure-Python wheel. Fetch it on a machine with PyPI access into .wheels/
-(git-ignored: never committed, so copy that folder along with the tree), install it there into a
-folder of its own and put that on PYTHONPATH:
+Liger-Kernel 0.8.x is pure Python. Fetch it on a machine with PyPI access into .wheels/
+(git-ignored: never committed, so copy that folder along with the tree) as one xz archive of its
+installed files, unpack that there into a folder of its own and put that on PYTHONPATH:
 
-    bash scripts/liger_wheel.sh       # with PyPI access, once (without its NPU backend: it fits a device call's carry)
-    pip install --no-deps --target /tmp/liger .wheels/liger_kernel-*.whl     # on the GPU machine
+    bash scripts/liger_wheel.sh       # with PyPI access, once (0.47 MB: it fits a device call's carry)
+    mkdir -p /tmp/liger && tar xJf .wheels/liger-xdist-site.tar.xz -C /tmp/liger  # on the GPU machine
     PYTHONPATH=/tmp/liger:$PYTHONPATH python scripts/bench_train.py --json bench_train.json
 
 Without it the liger variant is recorded as null (``--no-liger`` skips it outright). The first

@@ -8,9 +8,9 @@
 # limit of its own, so that one that hangs leaves the next stages their time; the last lines of
 # each log are printed at the end. Set-up (once per machine): the DSL pack of
 # ../shared/device/pack-dsl (built with --with apache-tvm-ffi==0.1.15.post2), the package
-# installed in place, and the pure-Python wheels in .wheels/ (Liger-Kernel 0.8.5 without its NPU
-# backend, so that it fits the carry, pytest-xdist, execnet: `bash scripts/liger_wheel.sh`) on the
-# path.
+# installed in place, and the pure-Python packages in .wheels/ (Liger-Kernel 0.8.5 without its NPU
+# backend, pytest-xdist, execnet, as one xz archive so that they fit the carry: `bash
+# scripts/liger_wheel.sh`) on the path.
 #
 # Stages:
 #   rope      the RoPE backward's tuning sweep (bench_rope_backward.py --sweep), its GPU tests
@@ -220,13 +220,13 @@ setup() {
     # shellcheck disable=SC1091
     source .dsl/env.sh
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-    # .wheels (Liger and pytest-xdist) or .wheels-ao (torchao's float8 training): the pack leaves
-    # room for one of the two in a call (an ls of both fails where either folder is absent)
-    local wheels
-    wheels=$(ls .wheels/*.whl .wheels-ao/*.whl 2>/dev/null)
-    if [ -n "$wheels" ]; then
+    # .wheels (Liger and pytest-xdist) or .wheels-ao (torchao's float8 training), each one xz
+    # archive of installed files (scripts/carry_archive.sh): the pack leaves room for one of the two
+    local archives
+    archives=$(ls .wheels/*.tar.xz .wheels-ao/*.tar.xz 2>/dev/null)
+    if [ -n "$archives" ]; then
         # shellcheck disable=SC2086
-        python3 -m pip install -q --no-deps --target /tmp/coda-wheels $wheels >/dev/null 2>&1
+        python3 -c "import sys, tarfile; [tarfile.open(a).extractall('/tmp/coda-wheels', filter='data') for a in sys.argv[1:]]" $archives
         export PYTHONPATH=$PYTHONPATH:/tmp/coda-wheels
     fi
     nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1

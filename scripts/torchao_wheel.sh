@@ -8,25 +8,24 @@
 # the ones the package's __init__ imports. Its prototype block-wise recipe is left out: beside our
 # DSL 4.8.1 it does not import (its quantizers import torchao's CuTe DSL kernels wherever cutlass
 # imports, and those need a module 4.8.1 lacks), so bench_fp8.py leaves its row out either way.
-# About 0.6 MB; the script prints what the carry leaves.
+# Its files travel as one xz archive (carry_archive.sh); the script prints what the carry leaves.
 #
 #     bash scripts/torchao_wheel.sh    # then carry [".dsl", ".wheels-ao"]: no Liger in that call
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/carry_archive.sh
+source scripts/carry_archive.sh
 version=0.17.0
 wheel=torchao-$version-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
 rm -rf .wheels-ao && mkdir -p .wheels-ao
-out=$(pwd)/.wheels-ao
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m pip download -q --no-deps -d "$work" "torchao==$version"
-(cd "$work" && mkdir x && cd x && unzip -q "../$wheel" \
+(cd "$work" && mkdir x site && cd x && unzip -q "../$wheel" \
     && { find torchao -name '*.py' \( -not -path 'torchao/prototype/*' \
             -o -path 'torchao/prototype/__init__.py' -o -path 'torchao/prototype/custom_fp_utils.py' \
             -o -path 'torchao/prototype/quantization/*' \); \
-         find "torchao-$version.dist-info" -type f; } | zip -q -9 "$out/$wheel" -@)
+         find "torchao-$version.dist-info" -type f; } | tar cf - -T - | tar xf - -C ../site)
+archive_site "$work/site" ".wheels-ao/torchao-$version-site.tar.xz"
 ls -l .wheels-ao
-# what a call carrying the tree, .dsl and .wheels-ao leaves of its 64 MiB
-tree=$({ git ls-files; git ls-files -o --exclude-standard; } | xargs -d '\n' stat -c %s | awk '{s += $1} END {print s}')
-rest=$(find .dsl .wheels-ao -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s}')
-echo "carry with .dsl: $(((tree + rest) / 1024)) KiB of 65536 KiB"
+carry_report .wheels-ao
