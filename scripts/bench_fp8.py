@@ -75,6 +75,7 @@ from rich.table import Table
 
 from coda_cute.nn.llama import embedding_norm_stats
 from coda_cute.sol.timing import interleaved_medians
+from switches import parse as parse_switches, switched
 from train_shadow import attention_fn, fp8_gemm
 
 EPS = 1e-5
@@ -102,14 +103,7 @@ def with_switch(step, name: str, value, owner=None):
     ``beside.GEMM_PRIORITY`` with ``ops.beside``."""
     if owner is None:
         from coda_cute.ops import mlp_fp8 as owner
-
-    def run():
-        before = getattr(owner, name)
-        setattr(owner, name, value)
-        try:
-            step()
-        finally:
-            setattr(owner, name, before)
+    run = switched(step, [(owner, name, value)])
     if step in _LEAVES:
         _LEAVES[run] = _LEAVES[step]
     return run
@@ -574,13 +568,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if any(v < 0 for v in args.forward_side_sms):
         p.error(f"--forward-side-sms takes SM counts >= 0, got {args.forward_side_sms}")
-    from coda_cute.ops import mlp_fp8
-
-    switches = [tuple(item.split("=", 1)) for item in args.switch]
-    if any(len(sw) != 2 or not isinstance(getattr(mlp_fp8, sw[0], None), int) or not sw[1].lstrip("-").isdigit()
-           for sw in switches):
-        p.error(f"--switch takes NAME=VALUE with NAME an integer switch of mlp_fp8, got {args.switch}")
-    switches = [(name, int(value)) for name, value in switches]
+    try:
+        settings = parse_switches(args.switch, "mlp_fp8")
+    except ValueError as exc:
+        p.error(f"--switch: {exc}")
+    if any(not m.__name__.endswith(".mlp_fp8") for m, _, _ in settings):
+        p.error(f"--switch sets the MLP's switches (mlp_fp8.NAME), got {args.switch}")
+    switches = [(name, value) for _, name, value in settings]
     side_sms = [tuple(int(v) for v in pair.split(",")) for pair in args.side_sms]
     if any(len(pair) != 2 or min(pair) < 0 for pair in side_sms):
         p.error(f"--side-sms takes pairs DOWN,GATE_UP of SM counts >= 0, got {args.side_sms}")

@@ -20,6 +20,10 @@ every variant runs on the same weights:
   coda_fp8_row  (``--fp8-row``) the same in the row-wise recipe, Fp8Recipe(scaling="row")
   coda_fp8_row_fast  (``--fp8-row-fast forward|all``) the row-wise recipe with its GEMMs of those
               roles accumulating in the tensor core, Fp8Recipe(scaling="row", fast_accum=...)
+  coda_fp8_row_fast_switched  (``--fp8-switch [MODULE.]NAME=VALUE ...``, with --fp8-row-fast) the
+              same model with experiment switches of the FP8 ops set while its step runs
+              (``mlp_fp8.SIDE_SMS_DOWN_WGRAD=16``; scripts/switches.py), in the same turns; not
+              profiled
   hf_eager    LlamaForCausalLM(input_ids, labels=labels).loss.backward()
   hf_compile  torch.compile(hf_model) (default mode) of the same; compiled before timing
   liger       a second HF instance (a deep copy, same weights) patched by Liger-Kernel's
@@ -135,6 +139,7 @@ from train_models import (  # noqa: E402  (the benchmark's pieces, in modules of
     CODA_IMPORT_ERROR, SMOKE_BATCH, SMOKE_SEQ, SMOKE_SPEC, SPECS, CodaLlama, CodaLlamaConfig,
     ModelSpec, build_hf_model, build_liger_model, coda_kwargs_from_hf, coda_step, coda_cute, hf_config,
     hf_step, liger_version, random_tokens, shift_labels, zero_grads)
+import switches  # noqa: E402
 from train_shadow import (  # noqa: E402
     _free, peak_gib, profile_step, report_failure, run_shadow, say, sync, time_fns)
 
@@ -143,7 +148,7 @@ from coda_cute.sol.energy import joules_over_run  # noqa: E402
 SHADOW_KEYS = ("shadow_ms", "shadow_fp8_ms", "shadow_fp8_chain_ms", "shadow_gemm_ms", "shadow_attention_ms",
                "shadow_chain_ms", "shadow_chain_j", "attention_ms", "coda_over_shadow", "block_ms", "block_gemm_ms",
                "block_ratio", "gemm_flops")
-CODA_VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "coda_fp8_row_fast")
+CODA_VARIANTS = ("coda", "coda_fp8", "coda_fp8_row", "coda_fp8_row_fast", "coda_fp8_row_fast_switched")
 BASELINES = ("hf_eager", "hf_compile", "liger")
 VARIANTS = CODA_VARIANTS + BASELINES
 
@@ -162,7 +167,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
            **{f"{v}_ms": None for v in VARIANTS}, **{f"{v}_peak_gib": None for v in VARIANTS},
            **{f"{v}_j_per_step": None for v in VARIANTS}, "energy": {},
            "losses": {}, "loss_rel_diff": None, "loss_ok": None, "ratio_to_coda": {}, "profile": None,
-           **{k: None for k in SHADOW_KEYS}, "shadow_pieces": [], "errors": errors}
+           **{k: None for k in SHADOW_KEYS}, "shadow_pieces": [], "fp8_switches": None, "errors": errors}
     say(f"[bold]== {spec.name}[/]: {layers} layers, {b} x {s} tokens, dim {spec.dim}, "
         f"{spec.n_heads}/{spec.n_kv_heads} heads x {spec.head_dim}, ffn {spec.ffn_dim}, vocab {spec.vocab_size}")
 
@@ -212,6 +217,9 @@ def run_config(spec: ModelSpec, args, device) -> dict:
             fp8.train()
             fp8_params = list(fp8.parameters())
             steps[name] = (coda_step(fp8, ids, targets, fp8_params), fp8_params)
+            if name == "coda_fp8_row_fast" and args.fp8_switch:  # the same model, the switches set
+                rec["fp8_switches"] = switches.label(args.fp8_switch)
+                steps[f"{name}_switched"] = (switches.switched(steps[name][0], args.fp8_switch), fp8_params)
         except Exception as exc:  # noqa: BLE001
             report_failure(f"{name}: build", exc, errors, name)
 
@@ -315,7 +323,7 @@ def run_config(spec: ModelSpec, args, device) -> dict:
     # Per-kernel profile of the CODA step.
     rec["profile"] = None
     for name in CODA_VARIANTS:
-        if name not in steps:
+        if name not in steps or name.endswith("_switched"):  # the switch's gain is read in turns
             continue
         say(f"profiling one {name} step")
         try:
@@ -462,6 +470,9 @@ def parse_args(argv=None):
     ap.add_argument("--fp8-row-fast", choices=("forward", "all"),
                     help="also time the row-wise recipe with fast accumulation in the GEMMs of these roles, "
                          "Fp8Recipe(scaling='row', fast_accum=...) (coda_fp8_row_fast)")
+    ap.add_argument("--fp8-switch", nargs="+", default=[], metavar="[MODULE.]NAME=VALUE",
+                    help="with --fp8-row-fast: also coda_fp8_row_fast_switched, the same model with these integer "
+                         "switches of coda_cute.ops.mlp_fp8 (default) or attention_fp8 set while its step runs")
     ap.add_argument("--fused-quant", action="store_true",
                     help="coda_fp8 with mlp_fp8.FUSED_QUANT on (h^T and dz' quantized in their GEMMs)")
     ap.add_argument("--cache-folds", action="store_true",
@@ -480,6 +491,12 @@ def parse_args(argv=None):
     for flag in ("rounds", "layers", "batch", "seq"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1")
+    if args.fp8_switch and not args.fp8_row_fast:
+        ap.error("--fp8-switch sets switches of the row-wise fast step: give --fp8-row-fast too")
+    try:
+        args.fp8_switch = switches.parse(args.fp8_switch)
+    except ValueError as exc:
+        ap.error(f"--fp8-switch: {exc}")
     if args.smoke:
         args.configs = [SMOKE_SPEC.name]
     return args

@@ -35,7 +35,8 @@
 #   train     bench_train.py at both configs (no torch.compile baseline: its compile does not fit)
 #   train-compile  the whole table in one run: bench_train.py at one config (TRAIN_CONFIG, default
 #             8b) with HF + torch.compile, Liger, HF eager, CODA bf16 and FP8 row-wise fast, in
-#             turns (a call of its own: compile takes minutes)
+#             turns (a call of its own: compile takes minutes); TRAIN_SWITCH="NAME=V ..." adds the
+#             FP8 step with those switches set (bench_train.py --fp8-switch)
 #   train-fp8  bench_train.py at 8b with the FP8 step (row-wise, fast accumulation) next to bf16
 #   train-recipes  bench_train.py at 8b: the bf16 step, the block-scaled FP8 step (--fp8) and row-wise
 #             fast (--fp8-row-fast all) in turns, HF eager beside them (no compile, no Liger)
@@ -335,8 +336,9 @@ stage_train() {
 }
 
 stage_train_compile() {
+    # shellcheck disable=SC2086
     step train-compile 520 python3 scripts/bench_train.py --configs "${TRAIN_CONFIG:-8b}" --rounds 6 --fp8-row-fast all \
-        --json "$OUT/train-compile.json"
+        ${TRAIN_SWITCH:+--fp8-switch $TRAIN_SWITCH} --json "$OUT/train-compile.json"
 }
 
 stage_train_fp8() {

@@ -59,7 +59,32 @@ def test_after_sync_syncs_before_the_step(bt, monkeypatch):
     assert run() == 7 and calls == [("sync", "cuda"), "step"]
 
 
-@pytest.mark.parametrize("argv", [["--configs", "70b"], ["--rounds", "0"], ["--seq", "-1"]])
+def test_parse_args_fp8_switch(bt):
+    from coda_cute.ops import mlp_fp8
+
+    a = bt.parse_args(["--fp8-row-fast", "all", "--fp8-switch", "SIDE_SMS_DOWN_WGRAD=16"])
+    assert a.fp8_switch == [(mlp_fp8, "SIDE_SMS_DOWN_WGRAD", 16)] and bt.parse_args([]).fp8_switch == []
+
+
+def test_smoke_switched_step_is_the_same_model_with_the_switch_set(bt, tmp_path):
+    """``--fp8-switch``: a variant of its own, timed in the turns, on the row-wise fast model (a
+    scheduling switch leaves the loss bit for bit), the switches in the record."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "smoke.json"
+    assert bt.main(["--smoke", "--fp8-row-fast", "all", "--fp8-switch", "SIDE_SMS_DOWN_WGRAD=16",
+                    "attention_fp8.SIDE_SMS_QKV_FORWARD=0", "--json", str(out)]) == 0
+    import json
+    rec = json.loads(out.read_text())[0]
+    assert rec["errors"] == {}
+    assert rec["fp8_switches"] == "mlp_fp8.SIDE_SMS_DOWN_WGRAD=16, attention_fp8.SIDE_SMS_QKV_FORWARD=0"
+    assert rec["losses"]["coda_fp8_row_fast_switched"] == rec["losses"]["coda_fp8_row_fast"]
+    assert rec["coda_fp8_row_fast_switched_ms"] is not None
+
+
+@pytest.mark.parametrize("argv", [["--configs", "70b"], ["--rounds", "0"], ["--seq", "-1"],
+                                  ["--fp8-switch", "SIDE_SMS_DOWN_WGRAD=16"],  # without --fp8-row-fast
+                                  ["--fp8-row-fast", "all", "--fp8-switch", "SIDE_SMS_DOWN_WGRAD=x"],
+                                  ["--fp8-row-fast", "all", "--fp8-switch", "NOT_A_SWITCH=1"]])
 def test_parse_args_rejects(bt, argv, capsys):
     with pytest.raises(SystemExit):
         bt.parse_args(argv)
