@@ -15,5 +15,5 @@ carry_report() {
     local tree rest
     tree=$({ git ls-files; git ls-files -o --exclude-standard; } | xargs -d '\n' stat -c %s | awk '{s += $1} END {print s}')
     rest=$(find .dsl "$@" -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s}')
-    echo "carry with .dsl and $*: $(((tree + rest) / 1024)) KiB of 65536 KiB (calls of 65,283 KiB ran; one of 65,405 KiB was refused)"
+    echo "carry with .dsl and $*: $(((tree + rest) / 1024)) KiB of 65536 KiB (about 65,283 KiB ran, 65,405 was refused)"
 }
