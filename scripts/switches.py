@@ -5,6 +5,7 @@ step runs, forward and backward both, so that a switch is timed in the same turn
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Callable
 
 #: the op modules whose integer switches a benchmark may set
@@ -20,7 +21,7 @@ def parse(items, default_owner: str = "mlp_fp8") -> list:
         key, sep, value = item.partition("=")
         owner, _, name = key.rpartition(".")
         owner = owner or default_owner
-        if not sep or owner not in OWNERS or not value.lstrip("-").isdigit():
+        if not sep or owner not in OWNERS or not re.fullmatch(r"-?\d+", value):
             raise ValueError(f"a switch is [MODULE.]NAME=VALUE with MODULE one of {OWNERS} and VALUE an integer, "
                              f"got {item!r}")
         module = importlib.import_module(f"coda_cute.ops.{owner}")

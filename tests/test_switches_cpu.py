@@ -25,6 +25,7 @@ def test_parse_names_module_and_integer_value(sw):
     ("SIDE_SMS_DOWN_WGRAD", "NAME=VALUE"),                 # no value
     ("SIDE_SMS_DOWN_WGRAD=1.5", "VALUE an integer"),
     ("SIDE_SMS_DOWN_WGRAD=", "VALUE an integer"),
+    ("SIDE_SMS_DOWN_WGRAD=--5", "VALUE an integer"),
     ("gemm.SIDE_SMS_DOWN_WGRAD=1", "MODULE one of"),       # not an op module with switches
     ("NO_SUCH_SWITCH=1", "not an integer switch"),
     ("FUSED_QUANT=1", "not an integer switch"),            # a bool switch is not an integer one
