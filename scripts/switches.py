@@ -12,17 +12,17 @@ from typing import Callable
 OWNERS = ("mlp_fp8", "attention_fp8")
 
 
-def parse(items, default_owner: str = "mlp_fp8") -> list:
-    """``[MODULE.]NAME=VALUE`` strings as (module, name, value) triples: MODULE one of :data:`OWNERS`
-    (default ``default_owner``), NAME an integer attribute of it, VALUE an integer. A ValueError
-    names the item and the rule."""
+def parse(items, owners: tuple = OWNERS) -> list:
+    """``[MODULE.]NAME=VALUE`` strings as (module, name, value) triples: MODULE one of ``owners``
+    (default the first), NAME an integer attribute of it, VALUE an integer. A ValueError names the
+    item and the rule."""
     settings = []
     for item in items:
         key, sep, value = item.partition("=")
         owner, _, name = key.rpartition(".")
-        owner = owner or default_owner
-        if not sep or owner not in OWNERS or not re.fullmatch(r"-?\d+", value):
-            raise ValueError(f"a switch is [MODULE.]NAME=VALUE with MODULE one of {OWNERS} and VALUE an integer, "
+        owner = owner or owners[0]
+        if not sep or owner not in owners or not re.fullmatch(r"-?\d+", value):
+            raise ValueError(f"a switch is [MODULE.]NAME=VALUE with MODULE one of {owners} and VALUE an integer, "
                              f"got {item!r}")
         module = importlib.import_module(f"coda_cute.ops.{owner}")
         current = getattr(module, name, None)

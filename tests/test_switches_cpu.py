@@ -18,7 +18,9 @@ def test_parse_names_module_and_integer_value(sw):
     assert got == [(mlp_fp8, "SIDE_SMS_DOWN_WGRAD", 16), (attention_fp8, "SIDE_SMS_QKV_FORWARD", 0),
                    (mlp_fp8, "SIDE_SMS_DOWN_DGRAD", -1)]
     assert sw.label(got[:2]) == "mlp_fp8.SIDE_SMS_DOWN_WGRAD=16, attention_fp8.SIDE_SMS_QKV_FORWARD=0"
-    assert sw.parse(["SIDE_SMS_QKV_FORWARD=4"], "attention_fp8")[0][0] is attention_fp8
+    assert sw.parse(["SIDE_SMS_QKV_FORWARD=4"], ("attention_fp8",))[0][0] is attention_fp8
+    with pytest.raises(ValueError, match="MODULE one of"):  # a caller that sets the MLP's alone
+        sw.parse(["attention_fp8.SIDE_SMS_QKV_FORWARD=4"], ("mlp_fp8",))
 
 
 @pytest.mark.parametrize("item, rule", [
